@@ -1,0 +1,27 @@
+# Two commands do all set-up on a fresh machine: `make train` and `make test`.
+# Both create .venv on first use and reinstall when pyproject.toml changes.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
+
+.PHONY: train test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -q -e '.[test,tpu]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m gagar_jax.cli --config configs/tiny_cpu.py --workdir runs/tiny_cpu
+
+test: $(STAMP)
+	$(PY) -m pytest -q --durations=20 tests
+
+bench: $(STAMP)
+	for b in scripts/bench_*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf runs .cache .pytest_cache .hypothesis

@@ -1,0 +1,46 @@
+"""Tiny MoE config for CPU: the default of `make train` and the one shape the tests share.
+
+Run:  gagar-train --config configs/tiny_cpu.py --workdir runs/tiny_cpu
+"""
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.debug_checks = False          # chex conservation asserts inside the jitted step
+
+    m = c.model = ml_collections.ConfigDict()
+    m.vocab_size = 256
+    m.hidden_size = 64              # D
+    m.num_layers = 2
+    m.num_heads = 4
+    m.num_kv_heads = 2              # GQA
+    m.head_dim = 16
+    m.moe_intermediate_size = 32    # F, per expert
+    m.intermediate_size = 128       # dense-layer MLP width
+    m.num_dense_layers = 0          # first layers with a dense MLP instead of MoE
+    m.num_experts = 8               # E
+    m.top_k = 2                     # K
+    m.norm_topk_prob = True         # renormalize the top-k gate weights
+    m.router = "softmax"            # softmax | sigmoid_bias (aux-loss-free balancing)
+    m.rope_theta = 10000.0
+    m.rms_norm_eps = 1e-6
+    m.tie_embeddings = False
+    m.param_dtype = "float32"
+    m.compute_dtype = "float32"
+    m.remat = "none"                # none | full | save_matmuls
+    m.attention = "blockwise"       # blockwise | plain
+    m.attn_block = 64               # query/key block for the blockwise path
+    m.expert_backend = "grouped"    # dense | ragged | grouped | ep
+    m.logprob_vocab_chunk = 128     # vocab chunk for log-probs/entropy
+    m.router_aux_loss_coef = 1e-3
+    m.router_z_loss_coef = 1e-4
+    m.router_bias_update_rate = 1e-3
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1                # -1 = all remaining devices
+    c.mesh.fsdp = 1
+    c.mesh.expert = 1
+    c.mesh.tensor = 1
+    return c

@@ -1,0 +1,34 @@
+"""Test set-up: 8 fake CPU devices and a shared persistent compilation cache.
+
+Both must be configured before JAX is imported anywhere, so this runs first.
+"""
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_CACHE = os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax"),
+)
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+from hypothesis import settings  # noqa: E402
+
+# Few, deterministic examples: each new shape is a compile on 2 CPU cores.
+settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
+settings.load_profile("ci")
+
+
+@pytest.fixture(scope="session")
+def devices():
+    devs = jax.devices()
+    assert len(devs) == 8, "tests expect 8 fake CPU devices"
+    return devs
