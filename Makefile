@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
+# libtpu is installed for ahead-of-time TPU compiles; the embedded default runs on CPU.
+export JAX_PLATFORMS ?= cpu
 
 .PHONY: train test bench clean
 
