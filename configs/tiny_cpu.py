@@ -43,4 +43,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1
     c.mesh.expert = 1
     c.mesh.tensor = 1
+
+    t = c.train = ml_collections.ConfigDict()
+    t.steps = 6                     # train steps (one step = one feed batch); a finite feed may end sooner
+    t.checkpoint_every = 2          # orbax save interval, in steps
+    t.keep_checkpoints = 3          # keep the last K checkpoints
+    t.publish_every = 0             # publish HF-format weights every N steps (0 = never)
+    t.keep_published = 2            # keep the last K published weight sets
+    t.log_every = 1                 # metrics.jsonl / TensorBoard interval, in steps
+    t.init_from = ""                # Hugging Face Qwen3-MoE directory to start from ("" = random init)
+    t.reference_from = ""           # KL reference policy directory ("" = the initial weights)
     return c
