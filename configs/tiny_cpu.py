@@ -53,4 +53,21 @@ def get_config() -> ml_collections.ConfigDict:
     t.log_every = 1                 # metrics.jsonl / TensorBoard interval, in steps
     t.init_from = ""                # Hugging Face Qwen3-MoE directory to start from ("" = random init)
     t.reference_from = ""           # KL reference policy directory ("" = the initial weights)
+
+    f = c.feed = ml_collections.ConfigDict()   # see docs/feed.md
+    f.path = "data/sample_feed.jsonl"   # file or glob of *.jsonl / *.arrayrecord shards ("" = use spool_dir)
+    f.spool_dir = ""                # live spool directory (atomic shard publish); "" = none
+    f.spool_poll_s = 1.0            # seconds between listings of an idle spool
+    f.spool_timeout_s = 0.0         # idle spool: end the feed after this long (0 = wait forever)
+    f.spool_log_every_s = 30.0      # seconds between "waiting for the feed" lines
+    f.rows_per_batch = 16           # B, packed rows per global batch
+    f.seq_len = 128                 # S, tokens per row
+    f.max_trajectories = 40         # T, trajectory slots per batch
+    f.groups_per_batch = 6          # G, mixed groups per batch
+    f.max_staleness = 4             # drop groups whose policy_version lags the step by more
+    f.max_traj_tokens = 128         # longest trajectory (<= seq_len)
+    f.truncate_long = False         # truncate longer trajectories instead of rejecting the group
+    f.max_record_bytes = 4_000_000  # largest encoded record
+    f.max_group_trajectories = 16   # most trajectories per group
+    f.routing_replay = False        # always carry routed_experts_BxSxLxK (-1 where not recorded)
     return c
