@@ -1,10 +1,9 @@
 """The synthetic task's pass/fail and the groupwise grader on hand-written answers."""
-import json
-
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+from gagar_jax.feed import schema
 from gagar_jax.sim import grader as G
 from gagar_jax.sim import task as T
 
@@ -146,7 +145,9 @@ def test_grader_is_order_independent(graded):
 def test_group_record(graded):
     eps, a = graded
     rec = G.group_record(TASK, eps, a, group_id="g0", policy_version=3)
-    rec = json.loads(json.dumps(rec))
+    for enc in schema.ENCODINGS:
+        assert schema.decode(schema.encode(rec, enc), enc) == rec
+    rec = schema.to_builtins(rec)
     assert rec["task_id"] == "t0" and rec["policy_version"] == 3
     assert rec["grading"]["status"] == "ok" and len(rec["trajectories"]) == len(GROUP)
     tr = rec["trajectories"]

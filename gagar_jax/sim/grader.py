@@ -21,6 +21,7 @@ import collections
 import dataclasses
 from typing import Optional
 
+from gagar_jax.feed import schema
 from gagar_jax.sim.task import Episode, Task
 
 STRONG, INTERMEDIATE, DEFECTIVE = "strong", "intermediate", "defective"
@@ -115,18 +116,18 @@ def _key(m: dict, hacked: bool) -> tuple:
 
 
 def group_record(task: Task, episodes, assessments, *, group_id: str, policy_version: int,
-                 logprobs=None, routed_experts=None) -> dict:
-    """One graded group as a feed record (SPEC section 4 field names).
+                 logprobs=None, routed_experts=None) -> schema.Group:
+    """One graded group as a validated feed record (`gagar_jax.feed.schema.Group`).
 
     Args:
       task, episodes, assessments: the group, its finished episodes and `grade_group`'s verdicts.
       group_id: unique group id; policy_version: the policy that generated the rollouts.
       logprobs: per episode, the behavior log-prob of every token (0.0 where not generated);
         default all zeros.
-      routed_experts: per episode, an [len(tokens), L, K] nested list of expert ids (-1 = none),
-        or None to omit routing replay.
+      routed_experts: per episode, an [len(tokens), L, K] nested list of expert ids (entry t =
+        token t as the input; -1 = none), or None to omit routing replay.
     Returns:
-      A JSON-serializable dict.
+      The `schema.Group` (encode it with `schema.encode`).
     """
     trajs = []
     for i, (ep, a) in enumerate(zip(episodes, assessments)):
@@ -140,9 +141,9 @@ def group_record(task: Task, episodes, assessments, *, group_id: str, policy_ver
         if routed_experts is not None:
             t["routed_experts"] = routed_experts[i]
         trajs.append(t)
-    return dict(
-        schema_version=1, group_id=group_id, task_id=task.task_id, policy_version=policy_version,
+    return schema.from_builtins(dict(
+        schema_version=schema.SCHEMA_VERSION, group_id=group_id, task_id=task.task_id, policy_version=policy_version,
         grading=dict(status="ok", grader=GRADER_NAME,
                      evidence=[a.evidence() for a in assessments]),
         trajectories=trajs,
-    )
+    ))
