@@ -54,6 +54,39 @@ def get_config() -> ml_collections.ConfigDict:
     t.init_from = ""                # Hugging Face Qwen3-MoE directory to start from ("" = random init)
     t.reference_from = ""           # KL reference policy directory ("" = the initial weights)
 
+    # Steps inside one train step (gagar_jax/train_step.py): epochs x mini_batches optimizer
+    # updates per feed batch, each accumulated over micro_batches; B must divide by
+    # mini_batches * micro_batches (rows are split along B, see docs/loss.md).
+    t.epochs = 1                    # passes over the feed batch
+    t.mini_batches = 1              # optimizer updates per epoch
+    t.micro_batches = 2             # gradient-accumulation chunks per mini-batch (lax.scan)
+
+    lo = c.loss = ml_collections.ConfigDict()   # see docs/loss.md
+    lo.clip_low = 0.2               # ratio >= 1 - clip_low for negative advantages
+    lo.clip_high = 0.28             # clip-higher (DAPO): ratio <= 1 + clip_high for positive ones
+    lo.dual_clip = None             # None, or c > 1: caps a negative-advantage token's loss at c*|A|
+    lo.tis_cap = None               # truncated IS weight cap (needs recompute_old_logprobs); None = off
+    lo.kl_coef = 0.0                # KL to the frozen reference policy; 0 = off (Dr. GRPO)
+    lo.kl_estimator = "k3"          # k1 | k2 | k3
+    lo.aggregation = "seq-mean-token-sum-norm"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    lo.max_response_len = 128       # constant normalizer of seq-mean-token-sum-norm (Dr. GRPO)
+    lo.lam_cap = 1.5                # Gagar lambda cap (>= 1)
+    lo.mode = "sum_preserving"      # sum_preserving | downweight_only | binary
+    lo.recompute_old_logprobs = False  # learner recomputes pre-update log-probs as the ratio denominator
+    # Router aux/z loss weights come from model.router_aux_loss_coef / router_z_loss_coef.
+
+    o = c.optim = ml_collections.ConfigDict()
+    o.learning_rate = 1e-3          # peak learning rate (tiny model: large)
+    o.warmup_steps = 2              # linear warmup, in optimizer updates
+    o.schedule = "cosine"           # cosine | constant
+    o.decay_steps = 100             # cosine length in optimizer updates (warmup included)
+    o.min_lr_ratio = 0.1            # final lr / peak lr (cosine)
+    o.b1 = 0.9
+    o.b2 = 0.95
+    o.eps = 1e-8
+    o.weight_decay = 0.01           # on matrices only (never norms or biases)
+    o.grad_clip_norm = 1.0          # global-norm clip; 0 = off
+
     f = c.feed = ml_collections.ConfigDict()   # see docs/feed.md
     f.path = "data/sample_feed.jsonl"   # file or glob of *.jsonl / *.arrayrecord shards ("" = use spool_dir)
     f.spool_dir = ""                # live spool directory (atomic shard publish); "" = none

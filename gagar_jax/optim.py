@@ -1,0 +1,101 @@
+"""AdamW with warmup + cosine/constant schedule, global-norm clipping, masked weight decay.
+
+Parameters and optimizer state stay in float32 (the master copy); the model casts to its
+`compute_dtype` (e.g. bfloat16) at compute time, so bf16 compute needs nothing here.
+The schedule counts optimizer updates (epochs x mini_batches per train step), not train steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import optax
+
+SCHEDULES = ("cosine", "constant")
+# Parameters whose path contains one of these names are never weight-decayed.
+_NO_DECAY_NAMES = ("norm", "bias", "scale")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer settings (the `optim` section of a config).
+
+    Attributes:
+      learning_rate: peak learning rate.
+      warmup_steps: linear warmup from 0 over this many optimizer updates.
+      schedule: cosine (decay to min_lr_ratio * peak at decay_steps) | constant.
+      decay_steps: total updates of the cosine schedule, warmup included.
+      min_lr_ratio: final learning rate as a fraction of the peak (cosine only).
+      b1, b2, eps: Adam moments.
+      weight_decay: decoupled weight decay on matrices only (never norms, biases or vectors).
+      grad_clip_norm: global-norm clipping threshold; 0 = off.
+    """
+    learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    decay_steps: int = 1000
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    grad_clip_norm: float = 1.0
+
+    def __post_init__(self):
+        if self.learning_rate < 0:
+            raise ValueError(f"optim.learning_rate must be >= 0, got {self.learning_rate}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"optim.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "cosine" and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"optim.decay_steps ({self.decay_steps}) must exceed optim.warmup_steps "
+                             f"({self.warmup_steps}) for the cosine schedule")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0 or self.grad_clip_norm < 0:
+            raise ValueError("optim.weight_decay and optim.grad_clip_norm must be >= 0")
+
+    @classmethod
+    def from_config(cls, section) -> "OptimConfig":
+        """Builds the frozen config from a ConfigDict (or dict) `optim` section."""
+        d = dict(section)
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown keys in the optim config section: {sorted(unknown)}")
+        return cls(**d)
+
+
+def make_schedule(cfg: OptimConfig) -> optax.Schedule:
+    """Learning rate as a function of the optimizer update count."""
+    if cfg.schedule == "constant":
+        if cfg.warmup_steps == 0:
+            return optax.constant_schedule(cfg.learning_rate)
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps),
+             optax.constant_schedule(cfg.learning_rate)], [cfg.warmup_steps])
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+        decay_steps=cfg.decay_steps, end_value=cfg.learning_rate * cfg.min_lr_ratio)
+
+
+def _path_name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def decay_mask(params):
+    """True for leaves that get weight decay: rank >= 2 and no norm/bias/scale in the path."""
+    def decide(path, leaf):
+        name = _path_name(path).lower()
+        return leaf.ndim >= 2 and not any(n in name for n in _NO_DECAY_NAMES)
+    return jax.tree_util.tree_map_with_path(decide, params)
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW with the schedule and the decay mask."""
+    parts = []
+    if cfg.grad_clip_norm > 0:
+        parts.append(optax.clip_by_global_norm(cfg.grad_clip_norm))
+    parts.append(optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, mask=decay_mask))
+    return optax.chain(*parts)
