@@ -13,6 +13,8 @@ from typing import Any, Literal, Optional
 
 import msgspec
 
+from gagar_jax import grading
+
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
 
@@ -20,9 +22,9 @@ Tier = Literal["strong", "intermediate", "defective"]
 Outcome = Literal["pass", "fail", "infra_error"]
 GradingStatus = Literal["ok", "failed"]
 
-# Integer tier codes shared with `gagar_jax.grading` (-1: the factor was sent directly).
-TIER_CODES = {"strong": 0, "intermediate": 1, "defective": 2}
-TIER_DIRECT_FACTOR = -1
+# Integer tier codes of `gagar_jax.grading` (-1: the factor was sent directly).
+TIER_CODES = grading.TIER_NAMES
+TIER_DIRECT_FACTOR = grading.DIRECT
 
 
 class Quality(msgspec.Struct, omit_defaults=True):

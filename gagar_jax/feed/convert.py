@@ -1,0 +1,99 @@
+"""Writing shards and converting between the two encodings (JSONL <-> ArrayRecord of msgpack).
+
+Conversion is record-for-record and schema-agnostic (records are re-encoded from their parsed
+form, so even records the learner would reject survive it); lines that do not parse at all are
+counted and skipped. Output files appear atomically (temp name + rename), which is also how a
+producer publishes a spool shard.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from typing import Iterable
+
+import msgspec
+from etils import epath
+
+from gagar_jax.feed import schema
+from gagar_jax.feed.sources import ShardReader, shard_encoding
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertStats:
+    records: int
+    skipped_unparseable: int
+
+
+def _write_local(path: epath.Path, encoding: str, payloads: Iterable[bytes]) -> int:
+    """Writes encoded records to a local temp file; returns the count. Caller renames it."""
+    n = 0
+    if encoding == "json":
+        with open(path, "wb") as f:
+            for p in payloads:
+                f.write(p + b"\n")
+                n += 1
+        return n
+    from array_record.python.array_record_module import ArrayRecordWriter
+    writer = ArrayRecordWriter(os.fspath(path), "group_size:1")
+    for p in payloads:
+        writer.write(p)
+        n += 1
+    writer.close()
+    return n
+
+
+def write_shard(path: epath.PathLike, payloads: Iterable[bytes]) -> int:
+    """Atomically writes already-encoded records to `path` (encoding from its suffix).
+
+    Args:
+      path: destination (*.jsonl: JSON payloads; *.arrayrecord: msgpack payloads).
+      payloads: encoded records, one group each.
+    Returns:
+      The number of records written.
+    """
+    path = epath.Path(path)
+    encoding = shard_encoding(path)
+    # ArrayRecord writes local files; remote destinations are staged locally then copied.
+    with tempfile.TemporaryDirectory() as tmp:
+        local = epath.Path(tmp) / ("part" + path.suffix)
+        n = _write_local(local, encoding, payloads)
+        staged = path.parent / ("." + path.name + ".tmp")
+        local.copy(staged, overwrite=True)
+        staged.replace(path)
+    return n
+
+
+def write_groups(path: epath.PathLike, groups: Iterable[schema.Group]) -> int:
+    """Atomically writes `Group` records to a *.jsonl or *.arrayrecord shard."""
+    encoding = shard_encoding(path)
+    return write_shard(path, (schema.encode(g, encoding) for g in groups))
+
+
+def convert(src: epath.PathLike, dst: epath.PathLike) -> ConvertStats:
+    """Converts a shard between JSONL and ArrayRecord (by suffix), record for record.
+
+    Returns:
+      Counts of records written and unparseable records skipped.
+    """
+    src_enc, dst_enc = shard_encoding(src), shard_encoding(dst)
+    skipped = 0
+
+    def payloads():
+        nonlocal skipped
+        reader = ShardReader(src)
+        while (rec := reader.next()) is not None:
+            try:
+                obj = schema.decode_untyped(rec.payload, src_enc)
+            except msgspec.DecodeError:
+                skipped += 1
+                continue
+            if src_enc == dst_enc:
+                yield rec.payload
+            elif dst_enc == "json":
+                yield msgspec.json.encode(obj)
+            else:
+                yield msgspec.msgpack.encode(obj)
+
+    n = write_shard(dst, payloads())
+    return ConvertStats(records=n, skipped_unparseable=skipped)

@@ -1,0 +1,82 @@
+"""The feed ledger: every group received is accounted for exactly once.
+
+    received = trained + filtered_uniform + filtered_stale + quarantined + leftover
+
+`leftover` is the number of groups still buffered (not yet in a batch); after `Feed.finish()`
+it is final. `trained` is split further by the trainer's per-group outputs (`record_trained`).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+from typing import Sequence
+
+from etils import epath
+
+
+@dataclasses.dataclass
+class Ledger:
+    received: int = 0
+    trained: int = 0
+    trained_fallback: int = 0
+    trained_capped: int = 0
+    trained_recorded: int = 0       # trained groups whose fallback/capped flags were recorded
+    filtered_uniform: int = 0
+    filtered_stale: int = 0
+    quarantined_by_reason: dict = dataclasses.field(default_factory=collections.Counter)
+    leftover: int = 0
+    finished: bool = False
+
+    @property
+    def quarantined(self) -> int:
+        return sum(self.quarantined_by_reason.values())
+
+    def quarantine(self, reason: str) -> None:
+        self.quarantined_by_reason[reason] = self.quarantined_by_reason.get(reason, 0) + 1
+
+    def record_trained(self, group_ids: Sequence[str], fallback_flags: Sequence[bool],
+                       capped_flags: Sequence[bool]) -> None:
+        """Adds the trainer's per-group outcome for the groups of one trained batch.
+
+        Args:
+          group_ids: the batch's group ids (`BatchInfo.group_ids`), one per real group slot.
+          fallback_flags: per group, whether the grading fallback applied (`out.fallback`).
+          capped_flags: per group, whether the λ cap fired (`out.capped`).
+        Extra entries (padding group slots) in the flag sequences are ignored.
+        """
+        n = len(group_ids)
+        if len(fallback_flags) < n or len(capped_flags) < n:
+            raise ValueError(f"record_trained: {n} group ids but {len(fallback_flags)} fallback "
+                             f"and {len(capped_flags)} capped flags")
+        if self.trained_recorded + n > self.trained:
+            raise ValueError(f"record_trained: {n} more groups than were handed out for training")
+        self.trained_recorded += n
+        self.trained_fallback += int(sum(bool(f) for f in list(fallback_flags)[:n]))
+        self.trained_capped += int(sum(bool(c) for c in list(capped_flags)[:n]))
+
+    @property
+    def balanced(self) -> bool:
+        return self.received == (self.trained + self.filtered_uniform + self.filtered_stale
+                                 + self.quarantined + self.leftover)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["quarantined_by_reason"] = dict(sorted(self.quarantined_by_reason.items()))
+        d["quarantined"] = self.quarantined
+        d["balanced"] = self.balanced
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Ledger":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in fields}
+        kw["quarantined_by_reason"] = collections.Counter(kw.get("quarantined_by_reason", {}))
+        return cls(**kw)
+
+    def write(self, path: epath.PathLike) -> None:
+        """Writes ledger.json atomically (temp file + rename)."""
+        path = epath.Path(path)
+        tmp = path.parent / (path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        tmp.replace(path)

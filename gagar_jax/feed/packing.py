@@ -1,0 +1,144 @@
+"""Packing trajectories into fixed [B, S] rows, and the per-process row split.
+
+The packing plan depends only on trajectory lengths (the records' headers), so every process
+computes the same plan and builds only its own rows of the token arrays.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class PackPlan:
+    """Where each trajectory goes: `row_T[i]`, `offset_T[i]` (start column), `segment_T[i]`
+    (its 1-based segment id within the row)."""
+
+    row_T: np.ndarray
+    offset_T: np.ndarray
+    segment_T: np.ndarray
+    rows_used: int
+
+
+def first_fit_decreasing(lengths: Sequence[int], num_rows: int, seq_len: int) -> Optional[PackPlan]:
+    """Packs items longest-first into the first row with room (ties: input order).
+
+    Args:
+      lengths: token count per trajectory, each in [1, seq_len].
+      num_rows: B, rows available.
+      seq_len: S, capacity per row.
+    Returns:
+      The `PackPlan`, or None when the items do not fit in `num_rows` rows.
+    """
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.size and (lengths.min() < 1 or lengths.max() > seq_len):
+        raise ValueError(f"lengths must lie in [1, seq_len={seq_len}], got "
+                         f"[{lengths.min()}, {lengths.max()}]")
+    order = np.argsort(-lengths, kind="stable")
+    used = np.zeros(num_rows, np.int64)
+    count = np.zeros(num_rows, np.int64)
+    row_T = np.zeros(lengths.size, np.int64)
+    offset_T = np.zeros(lengths.size, np.int64)
+    segment_T = np.zeros(lengths.size, np.int64)
+    rows_used = 0
+    for i in order:
+        fits = np.flatnonzero(used + lengths[i] <= seq_len)
+        if fits.size == 0:
+            return None
+        r = int(fits[0])
+        row_T[i], offset_T[i] = r, used[r]
+        count[r] += 1
+        segment_T[i] = count[r]
+        used[r] += lengths[i]
+        rows_used = max(rows_used, r + 1)
+    return PackPlan(row_T=row_T, offset_T=offset_T, segment_T=segment_T, rows_used=rows_used)
+
+
+def local_row_slice(num_rows: int, process_index: int, process_count: int) -> slice:
+    """The contiguous rows process `process_index` builds (rows split evenly, in order).
+
+    Matches a batch sharding whose row axis is split over processes in process order, which
+    is what `jax.make_array_from_process_local_data` expects for the global [B, ...] array.
+    """
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+    if num_rows % process_count:
+        raise ValueError(f"rows_per_batch ({num_rows}) must be divisible by the process count "
+                         f"({process_count})")
+    per = num_rows // process_count
+    return slice(process_index * per, (process_index + 1) * per)
+
+
+@dataclasses.dataclass
+class RowArrays:
+    """The token arrays of rows [start, stop) of one batch."""
+
+    tokens: np.ndarray
+    segment_ids: np.ndarray
+    positions: np.ndarray
+    traj_index: np.ndarray
+    loss_mask: np.ndarray
+    old_logprobs: np.ndarray
+    routed: Optional[np.ndarray]
+
+
+def build_rows(plan: PackPlan, trajectories: Sequence, rows: slice, seq_len: int,
+               routed_shape: Optional[tuple[int, int]]) -> RowArrays:
+    """Fills the token arrays of `rows` from the trajectories the plan places there.
+
+    Args:
+      plan: the batch's `PackPlan` (trajectory i is `trajectories[i]`, traj index i).
+      trajectories: `ParsedTrajectory`s in per-trajectory-array order.
+      rows: the rows to build (a process's `local_row_slice`).
+      seq_len: S.
+      routed_shape: (L, K) to build routed_experts (-1 where not recorded), or None.
+    """
+    n_rows = rows.stop - rows.start
+    shape = (n_rows, seq_len)
+    out = RowArrays(
+        tokens=np.zeros(shape, np.int32), segment_ids=np.zeros(shape, np.int32),
+        positions=np.zeros(shape, np.int32), traj_index=np.zeros(shape, np.int32),
+        loss_mask=np.zeros(shape, np.float32), old_logprobs=np.zeros(shape, np.float32),
+        routed=None if routed_shape is None else np.full(shape + tuple(routed_shape), -1, np.int32))
+    for i, traj in enumerate(trajectories):
+        r = int(plan.row_T[i])
+        if not rows.start <= r < rows.stop:
+            continue
+        r -= rows.start
+        a = int(plan.offset_T[i])
+        b = a + traj.length
+        out.tokens[r, a:b] = traj.tokens
+        out.segment_ids[r, a:b] = plan.segment_T[i]
+        out.positions[r, a:b] = np.arange(traj.length)
+        out.traj_index[r, a:b] = i
+        out.loss_mask[r, a:b] = traj.loss_mask
+        out.old_logprobs[r, a:b] = traj.logprobs * traj.loss_mask
+        if out.routed is not None and traj.routed is not None:
+            out.routed[r, a:b] = traj.routed
+    return out
+
+
+def make_global_batch(local_batch, shardings, global_rows: int):
+    """Assembles global `jax.Array`s from each process's rows plus replicated arrays.
+
+    Args:
+      local_batch: a `Batch` of numpy arrays as `Feed.next_batch` returns it (token arrays hold
+        this process's rows; per-trajectory and per-group arrays are complete everywhere).
+      shardings: a `Batch`-shaped pytree of `jax.sharding.Sharding` (or one sharding for all).
+      global_rows: B, rows of the global batch.
+    Returns:
+      The `Batch` with global `jax.Array` leaves.
+    """
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, local_batch)
+
+    def one(x, sharding):
+        x = np.asarray(x)
+        # Row arrays ([B, S, ...]) are process-local; per-trajectory/per-group ones are whole.
+        global_shape = (global_rows,) + x.shape[1:] if x.ndim >= 2 else x.shape
+        return jax.make_array_from_process_local_data(sharding, x, global_shape)
+
+    return jax.tree.map(one, local_batch, shardings)

@@ -1,0 +1,229 @@
+"""Record validation: a decoded `Group` becomes a `ParsedGroup` (numpy arrays) or is rejected
+with one of the documented reasons (docs/feed.md lists them for grader authors)."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional
+
+import msgspec
+import numpy as np
+
+from gagar_jax.feed import schema
+
+
+class Reason:
+    """Quarantine reasons, as written to dead_letter.jsonl and ledger.json."""
+
+    UNPARSEABLE = "unparseable"                  # not valid JSON / msgpack
+    SCHEMA = "schema"                            # missing field or wrong type
+    UNKNOWN_OUTCOME = "unknown_outcome"          # outcome not pass | fail | infra_error
+    SCHEMA_VERSION = "unsupported_schema_version"
+    DUPLICATE_GROUP = "duplicate_group_id"       # group_id seen before in this run
+    RECORD_TOO_LARGE = "record_too_large"        # encoded record over max_record_bytes
+    TOO_MANY_TRAJECTORIES = "too_many_trajectories"
+    DUPLICATE_TRAJECTORY = "duplicate_trajectory_id"
+    LENGTH_MISMATCH = "length_mismatch"          # loss_mask / logprobs length != tokens length
+    BAD_LOSS_MASK = "bad_loss_mask"              # values other than 0/1, or first token generated
+    TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
+    NON_FINITE = "non_finite"                    # NaN/inf log-prob or adjustment
+    BAD_QUALITY = "bad_quality"                  # tier without rank, tier and factor together
+    TOO_LONG = "trajectory_too_long"             # over max_traj_tokens (truncate_long=False)
+    NO_GENERATED_TOKENS = "no_generated_tokens"  # a valid trajectory with no loss_mask=1 token
+    ROUTED_EXPERTS = "routed_experts_shape"      # routed_experts does not match the model
+    NO_VALID_TRAJECTORY = "no_valid_trajectory"  # empty, or every trajectory an infra error
+    GROUP_TOO_LARGE = "group_too_large"          # cannot fit one global batch
+
+    @classmethod
+    def all(cls) -> tuple[str, ...]:
+        return tuple(v for k, v in vars(cls).items() if k.isupper())
+
+
+class Rejected(Exception):
+    """A record failed validation; `reason` is a `Reason` value, `detail` says where/why."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the records must agree with: vocabulary and routing-replay shape."""
+
+    vocab_size: int
+    num_moe_layers: int = 0
+    top_k: int = 0
+    num_experts: Optional[int] = None
+
+
+@dataclasses.dataclass
+class ParsedTrajectory:
+    trajectory_id: str
+    tokens: np.ndarray              # int32 [n]
+    loss_mask: np.ndarray           # float32 [n] 0/1
+    logprobs: np.ndarray            # float32 [n]
+    routed: Optional[np.ndarray]    # int32 [n, L, K] (token t as the input), or None
+    reward: float                   # 1.0 pass, 0.0 fail (hacked passes keep 1: the loss zeroes them)
+    hacked: bool
+    tier: int                       # schema.TIER_CODES, or -1 (factor sent directly / missing)
+    rank: int
+    factor: float                   # direct factor; NaN when missing (rule-5 fallback)
+    adjustment: float
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclasses.dataclass
+class ParsedGroup:
+    """A validated group; `trajectories` holds the non-infra (valid) members only."""
+
+    record: schema.Group
+    trajectories: list
+    grading_ok: bool
+    num_infra: int
+
+    @property
+    def group_id(self) -> str:
+        return self.record.group_id
+
+    @property
+    def policy_version(self) -> int:
+        return self.record.policy_version
+
+    @property
+    def mixed(self) -> bool:
+        """0 < passes < valid members, with hacked passes counted as failures (SPEC rules 2, 3)."""
+        k = sum(1 for t in self.trajectories if t.reward > 0 and not t.hacked)
+        return 0 < k < len(self.trajectories)
+
+    @property
+    def lengths(self) -> list:
+        return [t.length for t in self.trajectories]
+
+
+_PATH = re.compile(r"at `([^`]*)`")
+
+
+def classify_decode_error(err: msgspec.DecodeError) -> Rejected:
+    """Maps a msgspec error to a reason; the message keeps msgspec's JSON path."""
+    msg = str(err)
+    if not isinstance(err, msgspec.ValidationError):
+        return Rejected(Reason.UNPARSEABLE, msg)
+    m = _PATH.search(msg)
+    if m and m.group(1).endswith(".outcome") and "enum" in msg:
+        return Rejected(Reason.UNKNOWN_OUTCOME, msg)
+    return Rejected(Reason.SCHEMA, msg)
+
+
+def _routed(traj: schema.Trajectory, mask: np.ndarray, shape: ModelShape, where: str):
+    if traj.routed_experts is None:
+        return None
+    L, K = shape.num_moe_layers, shape.top_k
+    try:
+        arr = np.asarray(traj.routed_experts, dtype=np.int64)
+    except ValueError:
+        raise Rejected(Reason.ROUTED_EXPERTS, f"{where}: ragged routed_experts") from None
+    n, n_gen = mask.shape[0], int(mask.sum())
+    if arr.ndim != 3 or arr.shape[1:] != (L, K) or arr.shape[0] not in (n, n_gen):
+        raise Rejected(Reason.ROUTED_EXPERTS,
+                       f"{where}: routed_experts shape {arr.shape}, expected [n, {L}, {K}] with "
+                       f"n = {n_gen} generated tokens or {n} tokens")
+    hi = shape.num_experts if shape.num_experts is not None else np.iinfo(np.int32).max
+    if arr.size and (arr.min() < -1 or arr.max() >= hi):
+        raise Rejected(Reason.ROUTED_EXPERTS, f"{where}: expert id outside [-1, {hi})")
+    if arr.shape[0] == n:
+        return arr.astype(np.int32)
+    # Entry j produced the j-th generated token at position t: its input was token t - 1.
+    full = np.full((n, L, K), -1, np.int32)
+    full[np.flatnonzero(mask) - 1] = arr
+    return full
+
+
+def _quality(traj: schema.Trajectory, where: str) -> tuple[int, int, float]:
+    q = traj.quality
+    if q is None:
+        return schema.TIER_DIRECT_FACTOR, 0, float("nan")
+    if q.factor is not None and (q.tier is not None or q.rank is not None):
+        raise Rejected(Reason.BAD_QUALITY, f"{where}: quality has both a factor and a tier/rank")
+    if q.factor is not None:
+        return schema.TIER_DIRECT_FACTOR, 0, float(q.factor)
+    if q.tier is None or q.rank is None:
+        raise Rejected(Reason.BAD_QUALITY, f"{where}: quality needs tier and rank, or factor")
+    return schema.TIER_CODES[q.tier], int(q.rank), float("nan")
+
+
+def _trajectory(traj: schema.Trajectory, limits, shape: ModelShape, where: str):
+    n = len(traj.tokens)
+    if len(traj.loss_mask) != n or len(traj.logprobs) != n:
+        raise Rejected(Reason.LENGTH_MISMATCH,
+                       f"{where}: {n} tokens, {len(traj.loss_mask)} loss_mask, "
+                       f"{len(traj.logprobs)} logprobs")
+    try:
+        tokens = np.asarray(traj.tokens, np.int64)
+        mask = np.asarray(traj.loss_mask, np.int64)
+    except OverflowError:
+        raise Rejected(Reason.TOKEN_OUT_OF_VOCAB, f"{where}: integer out of range") from None
+    if n and (tokens.min() < 0 or tokens.max() >= shape.vocab_size):
+        raise Rejected(Reason.TOKEN_OUT_OF_VOCAB, f"{where}: token ids must be in "
+                       f"[0, {shape.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
+    if n and (((mask != 0) & (mask != 1)).any() or mask[0] == 1):
+        raise Rejected(Reason.BAD_LOSS_MASK, f"{where}: loss_mask must be 0/1 and 0 at the "
+                       "first token (it has no context to be predicted from)")
+    logprobs = np.asarray(traj.logprobs, np.float64)
+    if not np.isfinite(logprobs).all() or not np.isfinite(traj.adjustment):
+        raise Rejected(Reason.NON_FINITE, f"{where}: non-finite logprobs or adjustment")
+    tier, rank, factor = _quality(traj, where)
+    routed = _routed(traj, mask, shape, where)
+    if n > limits.max_traj_tokens:
+        if not limits.truncate_long:
+            raise Rejected(Reason.TOO_LONG,
+                           f"{where}: {n} tokens > max_traj_tokens {limits.max_traj_tokens}")
+        n = limits.max_traj_tokens
+        tokens, mask, logprobs = tokens[:n], mask[:n], logprobs[:n]
+        routed = None if routed is None else routed[:n]
+    if not mask.any():
+        raise Rejected(Reason.NO_GENERATED_TOKENS, f"{where}: no loss_mask=1 token")
+    return ParsedTrajectory(
+        trajectory_id=traj.trajectory_id, tokens=tokens.astype(np.int32),
+        loss_mask=mask.astype(np.float32), logprobs=logprobs.astype(np.float32), routed=routed,
+        reward=1.0 if traj.outcome == "pass" else 0.0, hacked=bool(traj.hacked),
+        tier=tier, rank=rank, factor=factor, adjustment=float(traj.adjustment))
+
+
+def validate_group(group: schema.Group, limits, shape: ModelShape) -> ParsedGroup:
+    """Checks one decoded record against the schema's semantic rules and the model.
+
+    Args:
+      group: the decoded record.
+      limits: a `FeedConfig` (max_group_trajectories, max_traj_tokens, truncate_long).
+      shape: the model's vocabulary and routing shape.
+    Returns:
+      The `ParsedGroup`; raises `Rejected` with the first problem found.
+    """
+    gid = group.group_id
+    if group.schema_version not in schema.SUPPORTED_SCHEMA_VERSIONS:
+        raise Rejected(Reason.SCHEMA_VERSION, f"group {gid!r}: schema_version "
+                       f"{group.schema_version}, supported {schema.SUPPORTED_SCHEMA_VERSIONS}")
+    if len(group.trajectories) > limits.max_group_trajectories:
+        raise Rejected(Reason.TOO_MANY_TRAJECTORIES, f"group {gid!r}: {len(group.trajectories)} "
+                       f"> max_group_trajectories {limits.max_group_trajectories}")
+    ids = [t.trajectory_id for t in group.trajectories]
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        raise Rejected(Reason.DUPLICATE_TRAJECTORY, f"group {gid!r}: repeated ids {dup}")
+    parsed, num_infra = [], 0
+    for i, traj in enumerate(group.trajectories):
+        if traj.outcome == "infra_error":
+            num_infra += 1
+            continue
+        where = f"group {gid!r} trajectories[{i}] ({traj.trajectory_id!r})"
+        parsed.append(_trajectory(traj, limits, shape, where))
+    if not parsed:
+        raise Rejected(Reason.NO_VALID_TRAJECTORY,
+                       f"group {gid!r}: no trajectory other than infra errors")
+    return ParsedGroup(record=group, trajectories=parsed,
+                       grading_ok=group.grading.status == "ok", num_infra=num_infra)
