@@ -1,0 +1,235 @@
+"""Checkpoints: the train state, the feed position and the config, saved together with orbax.
+
+A resume is exact only if the train state and the feed position come from the same step, so
+both (and the run's config) are written as items of one orbax step directory and committed
+together: either the whole step exists or none of it does.
+
+Directory layout (``directory`` is ``<workdir>/checkpoints`` in the trainer)::
+
+    <directory>/
+      <step>/                          one committed step (step = completed train steps)
+        _CHECKPOINT_METADATA           orbax step metadata (commit time)
+        commit_success.txt             orbax commit marker
+        state/                         the TrainState pytree (OCDBT + zarr; sharding-agnostic)
+        feed/metadata                  JSON: feed position/state (`batcher.state_dict()`-style)
+        config/metadata                JSON: the run's config (ConfigDict.to_dict())
+      <step>.orbax-checkpoint-tmp-*/   a save in flight (or killed mid-save): never read
+      <step>.corrupt-<unix time>/      a step that failed to restore, moved aside (kept for forensics)
+
+Saves are asynchronous: `save` returns once the arrays are copied off the devices, and the files
+are written by a background thread, so the next train step may donate the state's buffers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any, Mapping, Optional
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+_ITEMS = ("state", "feed", "config")
+# Files every committed step has; a step missing one is incomplete (e.g. deleted by hand).
+_REQUIRED = ("_CHECKPOINT_METADATA", "state", "feed", "config")
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """A restored checkpoint.
+
+    Attributes:
+      step: the step the checkpoint was written at.
+      state: the train state, on the shardings of the abstract state passed to `restore`.
+      feed: the feed position/state dict saved with it.
+      config: the config dict saved with it.
+    """
+
+    step: int
+    state: Any
+    feed: dict
+    config: dict
+
+
+def _jsonable(obj: Any, what: str) -> Any:
+    """A JSON round-trip of `obj` (numpy scalars/arrays become Python), or a clear error."""
+
+    def default(x):
+        if isinstance(x, np.generic):
+            return x.item()
+        if isinstance(x, (np.ndarray, jax.Array)):
+            return np.asarray(x).tolist()
+        raise TypeError(f"{what}: value of type {type(x).__name__} is not JSON-serializable")
+
+    if hasattr(obj, "to_dict"):  # ml_collections.ConfigDict
+        obj = obj.to_dict()
+    if not isinstance(obj, Mapping):
+        raise TypeError(f"{what} must be a dict, got {type(obj).__name__}")
+    return json.loads(json.dumps(obj, default=default, allow_nan=False))
+
+
+def _check_abstract(abstract_state: Any) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
+        if getattr(leaf, "sharding", None) is None:
+            raise ValueError(
+                "abstract_state: every leaf must be a jax.ShapeDtypeStruct (or jax.Array) with a "
+                f"sharding; leaf {jax.tree_util.keystr(path)} has none")
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        ocp.multihost.sync_global_processes(name)
+
+
+class Checkpointer:
+    """A small wrapper over `orbax.checkpoint.CheckpointManager` for the trainer.
+
+    Args:
+      directory: where step directories live (created if missing).
+      save_interval_steps: `save` writes only at steps divisible by this (unless forced).
+      max_to_keep: keep the newest K committed steps; older ones are deleted after a save.
+      async_save: write files on a background thread (True in the trainer).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, save_interval_steps: int = 100,
+                 max_to_keep: int = 3, async_save: bool = True):
+        if save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
+        if max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.save_interval_steps = save_interval_steps
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=save_interval_steps,
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=async_save,
+            # Removes `*.orbax-checkpoint-tmp-*` dirs left by a save that was killed.
+            cleanup_tmp_directories=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+
+    # -- queries ------------------------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> Optional[int]:
+        """The newest committed step, or None if there is none."""
+        return self._manager.latest_step()
+
+    def should_save(self, step: int) -> bool:
+        """Whether `save(step, ...)` without `force` would write."""
+        # Our own rule, not orbax's default (which also saves the first step it sees).
+        latest = self.latest_step()
+        return step % self.save_interval_steps == 0 and (latest is None or step > latest)
+
+    # -- save ---------------------------------------------------------------------------------
+    def save(self, step: int, state: Any, feed: Mapping[str, Any], config: Any, *,
+             force: bool = False) -> bool:
+        """Starts an (async) save of state + feed position + config as one step.
+
+        Call on every process. Writes when `step` is a multiple of `save_interval_steps`, or
+        always with `force=True` (preemption, end of run); a step that already exists is never
+        overwritten.
+
+        Args:
+          step: completed train steps.
+          state: the train state pytree (sharded jax.Arrays).
+          feed: the feed position/state, a JSON-serializable dict.
+          config: the run's config (dict or ConfigDict), stored for reference.
+          force: write even off the save interval.
+
+        Returns:
+          True if a save was started.
+        """
+        feed_json = _jsonable(feed, "feed")
+        config_json = _jsonable(config, "config")
+        if not force and not self.should_save(step):
+            return False
+        if step in self._manager.all_steps():
+            log.info("checkpoint for step %d already exists; not saving again", step)
+            return False
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            feed=ocp.args.JsonSave(feed_json),
+            config=ocp.args.JsonSave(config_json),
+        )
+        return bool(self._manager.save(step, args=args, force=True))
+
+    def wait_until_finished(self) -> None:
+        """Blocks until pending async saves are committed (re-raises their errors)."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases the manager's threads."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    # -- restore ------------------------------------------------------------------------------
+    def restore(self, abstract_state: Any, step: Optional[int] = None) -> Restored:
+        """Restores a step onto the shardings of `abstract_state`.
+
+        The checkpoint is sharding-agnostic: a state written on 8 devices restores onto any
+        mesh whose shardings divide the shapes (e.g. 4 devices).
+
+        With `step=None`, tries the newest committed step first; a step that is incomplete or
+        fails to read (missing/truncated files, bad JSON) is logged as a warning, moved aside
+        to `<step>.corrupt-<time>`, and the next older one is tried.
+
+        Args:
+          abstract_state: pytree of `jax.ShapeDtypeStruct` with `sharding` (e.g. from
+            `jax.eval_shape` + the trainer's shardings), same structure as the saved state.
+          step: a specific step (no fallback: errors propagate), or None for the latest good one.
+
+        Returns:
+          `Restored(step, state, feed, config)`.
+
+        Raises:
+          FileNotFoundError: no step (or no readable step) exists.
+        """
+        _check_abstract(abstract_state)
+        if step is not None:
+            return self._restore_step(abstract_state, step)
+        self._manager.reload()
+        candidates = sorted(self._manager.all_steps(), reverse=True)
+        if not candidates:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        for candidate in candidates:
+            try:
+                return self._restore_step(abstract_state, candidate)
+            except Exception as err:  # noqa: BLE001 -- any read failure means "unusable step"
+                log.warning("checkpoint step %d in %s is unusable (%s: %s); falling back to the "
+                            "previous one", candidate, self.directory, type(err).__name__, err)
+                self._quarantine(candidate)
+        raise FileNotFoundError(f"no readable checkpoint in {self.directory} "
+                                f"(tried steps {candidates})")
+
+    def _restore_step(self, abstract_state: Any, step: int) -> Restored:
+        step_dir = os.path.join(self.directory, str(step))
+        missing = [name for name in _REQUIRED if not os.path.exists(os.path.join(step_dir, name))]
+        if missing:
+            raise FileNotFoundError(f"step {step} is incomplete: missing {missing} in {step_dir}")
+        out = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state),
+            feed=ocp.args.JsonRestore(),
+            config=ocp.args.JsonRestore(),
+        ))
+        if not isinstance(out.feed, dict) or not isinstance(out.config, dict):
+            raise ValueError(f"step {step}: feed/config items are not JSON objects")
+        return Restored(step=step, state=out.state, feed=out.feed, config=out.config)
+
+    def _quarantine(self, step: int) -> None:
+        """Moves a bad step out of orbax's sight, so later saves of that step number can happen."""
+        if jax.process_index() == 0:
+            src = os.path.join(self.directory, str(step))
+            dst = f"{src}.corrupt-{int(time.time())}"
+            if os.path.exists(src):
+                os.replace(src, dst)
+                log.warning("moved unusable checkpoint %s to %s", src, dst)
+        _barrier(f"gagar_checkpoint_quarantine_{step}")
+        self._manager.reload()
