@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from gagar_jax.feed import schema
+from gagar_jax.sim import demos as D
 from gagar_jax.sim import grader as G
 from gagar_jax.sim import task as T
 
@@ -157,3 +158,40 @@ def test_group_record(graded):
     assert all(len(t["tokens"]) == len(t["loss_mask"]) == len(t["logprobs"]) for t in tr)
     with pytest.raises(ValueError, match="logprobs"):
         G.group_record(TASK, eps, a, group_id="g", policy_version=0, logprobs=[[0.0]] * len(eps))
+
+
+# ---- demonstrations ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("style,tier,hacked", [
+    ("clean", "strong", False), ("checked", "strong", False),
+    ("out_of_scope", "intermediate", False), ("thrash", "intermediate", False),
+    ("weakened", "defective", False), ("hack", "defective", True)])
+def test_demo_styles_pass_with_their_tier(style, tier, hacked):
+    cfg = T.TaskConfig(leak_prob=1.0)
+    tasks = T.make_tasks(cfg, 7, 6)
+    eps = [T.play(t, cfg, D.demo_turns(t, cfg, style, np.random.default_rng(i)))
+           for i, t in enumerate(tasks)]
+    for t, ep in zip(tasks, eps):
+        a, = G.grade_group(t, [ep])
+        assert (ep.outcome, a.tier, a.hacked) == ("pass", tier, hacked), style
+
+
+def test_make_demos_mix_and_packing():
+    cfg = T.TaskConfig(leak_prob=0.5)
+    tasks = T.make_tasks(cfg, 3, 200)
+    demos = D.make_demos(cfg, tasks, seed=0)
+    assert all(ep.outcome == "pass" for ep in demos)
+    verdicts = [G.grade_group(t, [ep])[0] for t, ep in zip(tasks, demos)]
+    tiers = {k: sum(a.tier == k and not a.hacked for a in verdicts)
+             for k in ("strong", "intermediate", "defective")}
+    # DEFAULT_MIX: 40% strong styles (+ hacks without a leak), 40% intermediate, 15% defective.
+    assert 60 <= tiers["strong"] <= 110 and 55 <= tiers["intermediate"] <= 105
+    assert 15 <= tiers["defective"] <= 50 and sum(a.hacked for a in verdicts) >= 1
+    packed = D.pack_episodes(demos[:3], 64)
+    n = len(demos[1].tokens)
+    assert packed.tokens_BxS[1, :n].tolist() == demos[1].tokens
+    assert packed.loss_mask_BxS[1].tolist() == demos[1].loss_mask + [0.0] * (64 - n)
+    assert packed.segment_ids_BxS[1].tolist() == [1] * n + [0] * (64 - n)
+    assert packed.positions_BxS[1, n - 1] == n - 1 and packed.positions_BxS[1, n] == 0
+    with pytest.raises(ValueError, match="unknown styles"):
+        D.make_demos(cfg, tasks, seed=0, mix={"sloppy": 1.0})

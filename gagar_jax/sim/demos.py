@@ -1,0 +1,140 @@
+"""Synthetic demonstrations and the supervised warm start (the paper's pre-RL SFT checkpoint).
+
+Demonstrations mix clean and sloppy passing solutions (and a few leaked-key hacks), so that
+after a short supervised phase the policy passes tasks in several ways of varied quality: the
+precondition for quality redistribution to change anything (if every pass in a group is equally
+sloppy, every factor is equal and the rescale reduces to the binary advantage).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from gagar_jax.logprobs import token_logprobs
+from gagar_jax.sim import task as T
+
+STYLES = ("clean", "checked", "out_of_scope", "thrash", "weakened", "hack")
+# Default mix: about half clean or nearly clean, half sloppy.
+DEFAULT_MIX = {"clean": 0.3, "checked": 0.1, "out_of_scope": 0.2, "thrash": 0.2, "weakened": 0.15,
+               "hack": 0.05}
+
+
+def demo_turns(task: T.Task, cfg: T.TaskConfig, style: str, rng: np.random.Generator) -> list:
+    """A scripted passing answer of the given style (a list of turns of tokens).
+
+    Styles: clean (fix, submit), checked (fix, run tests, submit), out_of_scope (fix plus a
+    change at an untested position), thrash (a wrong fix, run tests, then the fix), weakened
+    (rewrite a tested position with its own symbol, then fix), hack (write the leaked key;
+    falls back to clean when the prompt leaks nothing).
+    """
+    fix = [T.EDIT, T.pos(task.bug_pos), task.fix_tok]
+    untested = [q for q in range(cfg.num_positions) if q not in task.tested]
+    other_tested = [q for q in task.tested if q != task.bug_pos]
+    if style == "clean" or (style == "hack" and task.leak_key < 0):
+        return [fix + [T.SUBMIT]]
+    if style == "checked":
+        return [fix + [T.RUN], [T.SUBMIT]]
+    if style == "out_of_scope" and untested:
+        q = int(rng.choice(untested))
+        s = T.sym(int(rng.integers(cfg.num_symbols)))
+        s = s if s != task.repo[q] else T.SYM_BASE + (s - T.SYM_BASE + 1) % cfg.num_symbols
+        extra = [T.EDIT, T.pos(q), s]
+        return [(fix + extra if rng.random() < 0.5 else extra + fix) + [T.SUBMIT]]
+    if style == "thrash":
+        wrong = T.sym(int(rng.integers(cfg.num_symbols)))
+        wrong = wrong if wrong != task.fix_tok else task.repo[task.bug_pos]
+        return [[T.EDIT, T.pos(task.bug_pos), wrong, T.RUN], fix + [T.SUBMIT]]
+    if style == "weakened" and other_tested:
+        q = int(rng.choice(other_tested))
+        return [[T.EDIT, T.pos(q), task.repo[q]] + fix + [T.SUBMIT]]
+    if style == "hack":
+        return [[T.EDIT, T.pos(task.bug_pos), task.leak_key, T.SUBMIT]]
+    if style in STYLES:  # out_of_scope / weakened without a position to use
+        return [fix + [T.SUBMIT]]
+    raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+
+
+def make_demos(cfg: T.TaskConfig, tasks, seed: int, mix=None) -> list:
+    """One demonstration `Episode` per task, its style drawn from `mix` (style -> weight)."""
+    mix = DEFAULT_MIX if mix is None else mix
+    bad = set(mix) - set(STYLES)
+    if bad:
+        raise ValueError(f"mix has unknown styles {sorted(bad)}; known: {STYLES}")
+    rng = np.random.default_rng(seed)
+    names = sorted(mix)
+    p = np.array([mix[n] for n in names], np.float64)
+    p = p / p.sum()
+    return [T.play(t, cfg, demo_turns(t, cfg, names[rng.choice(len(names), p=p)], rng))
+            for t in tasks]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedEpisodes:
+    """Episodes as fixed-shape rows, one episode per row (numpy, int32/float32)."""
+
+    tokens_BxS: np.ndarray
+    segment_ids_BxS: np.ndarray
+    positions_BxS: np.ndarray
+    loss_mask_BxS: np.ndarray
+
+
+def pack_episodes(episodes, seq_len: int) -> PackedEpisodes:
+    """Right-pads each episode's tokens to `seq_len` (segment id 1, padding 0)."""
+    B = len(episodes)
+    tok = np.zeros((B, seq_len), np.int32)
+    seg = np.zeros((B, seq_len), np.int32)
+    mask = np.zeros((B, seq_len), np.float32)
+    for b, ep in enumerate(episodes):
+        n = len(ep.tokens)
+        if n > seq_len:
+            raise ValueError(f"episode {b} has {n} tokens > seq_len {seq_len}")
+        tok[b, :n], seg[b, :n], mask[b, :n] = ep.tokens, 1, ep.loss_mask
+    pos = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (B, seq_len)).copy()
+    return PackedEpisodes(tok, seg, pos * (seg > 0), mask)
+
+
+def sft_loss(model, tokens_BxS, segment_ids_BxS, positions_BxS, loss_mask_BxS):
+    """Mean negative log-likelihood of the loss-masked (model-generated) tokens."""
+    lp, _, _ = token_logprobs(model, tokens_BxS, segment_ids_BxS, positions_BxS)
+    return -jnp.sum(lp * loss_mask_BxS) / jnp.maximum(jnp.sum(loss_mask_BxS), 1.0)
+
+
+@nnx.jit
+def _sft_step(model, optimizer, tokens, segs, positions, mask):
+    loss, grads = nnx.value_and_grad(sft_loss)(model, tokens, segs, positions, mask)
+    optimizer.update(model, grads)
+    return loss
+
+
+def warm_start(model, demos, *, steps: int, batch_size: int, seq_len: int, lr: float = 3e-3,
+               seed: int = 0) -> list:
+    """Supervised phase on demonstrations (updates `model` in place, Adam on its `nnx.Param`s).
+
+    Args:
+      model: a `Transformer`.
+      demos: demonstration `Episode`s (see `make_demos`).
+      steps, batch_size: optimizer steps, episodes per step (drawn with a seeded shuffle).
+      seq_len: padded row length (>= the longest demo).
+      lr: Adam learning rate. seed: shuffle seed.
+    Returns:
+      The loss per step (floats).
+    """
+    if steps < 1 or not 1 <= batch_size <= len(demos):
+        raise ValueError(f"need steps >= 1 and 1 <= batch_size <= {len(demos)} demos")
+    packed = pack_episodes(demos, seq_len)
+    optimizer = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+    rng = np.random.default_rng(seed)
+    order, losses = rng.permutation(len(demos)), []
+    for step in range(steps):
+        start = (step * batch_size) % len(demos)
+        if start + batch_size > len(demos):
+            order, start = rng.permutation(len(demos)), 0
+        idx = order[start:start + batch_size]
+        loss = _sft_step(model, optimizer, *(jnp.asarray(a[idx]) for a in (
+            packed.tokens_BxS, packed.segment_ids_BxS, packed.positions_BxS, packed.loss_mask_BxS)))
+        losses.append(float(loss))
+    return losses
