@@ -15,6 +15,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from gagar_jax import checkpoint as ckpt
 from gagar_jax import publish
 
+# A failed orbax read (the corrupt-checkpoint tests) can leave tensorstore callbacks aimed at
+# orbax's already-closed asyncio loop; Python reports them at garbage collection, possibly during
+# a later test, as "Event loop is closed". Harmless: the failed read was already handled.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
 
 @flax.struct.dataclass
 class FakeTrainState:
@@ -160,9 +165,6 @@ def _delete_metadata(step_dir):
     os.remove(step_dir / "_CHECKPOINT_METADATA")
 
 
-# A failed orbax read can leave tensorstore callbacks aimed at orbax's already-closed asyncio
-# loop; Python reports them at garbage collection as "Event loop is closed". Harmless here.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("corrupt", [_truncate_state, _delete_feed, _bad_json, _delete_metadata])
 def test_corrupt_latest_falls_back_with_warning(tmp_path, state8, mesh8, caplog, corrupt):
     mgr, _ = _save_steps(tmp_path, state8, [2, 4])

@@ -1,0 +1,335 @@
+"""Metrics off the critical path: delayed host transfer, JSONL/TensorBoard writers, audit logs.
+
+Files written in the workdir (process 0 only):
+  metrics.jsonl     one JSON object per logged step: {"step", "time", <name>: float, ...};
+                    non-finite values are written as null and listed under "nonfinite".
+  groups.jsonl      one JSON object per trained group (see `group_records`).
+  tensorboard/      TensorBoard event files (tensorboardX), one scalar per metric name.
+
+The loop dispatches step N+1 before it reads step N's metrics (`MetricsBuffer`), so the device
+never waits for the host to format numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from typing import Any, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# -- device -> host -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMetrics:
+    """One step's metrics on the host.
+
+    Attributes:
+      step: the train step they belong to.
+      scalars: flattened name ("a/b") -> Python float, for every 0-d leaf.
+      arrays: flattened name -> numpy array, for every leaf with ndim > 0 (e.g. `lam_G`).
+      nonfinite: names of scalars that are NaN or +-inf (sorted).
+    """
+
+    step: int
+    scalars: dict
+    arrays: dict
+    nonfinite: tuple
+
+    @property
+    def finite(self) -> bool:
+        return not self.nonfinite
+
+
+def _flat_name(path) -> str:
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def to_host(step: int, device_metrics: Any) -> HostMetrics:
+    """Copies a pytree of (device) metrics to the host in one transfer and classifies them.
+
+    Args:
+      step: the step the metrics belong to.
+      device_metrics: pytree (nested dicts / struct dataclass) of arrays or numbers.
+
+    Returns:
+      `HostMetrics` with 0-d leaves as floats, other leaves as numpy arrays.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(device_metrics)[0]
+    values = jax.device_get([leaf for _, leaf in leaves])
+    scalars, arrays, bad = {}, {}, []
+    for (path, _), value in zip(leaves, values):
+        name = _flat_name(path)
+        arr = np.asarray(value)
+        if arr.ndim == 0:
+            scalars[name] = float(arr)
+            if not math.isfinite(scalars[name]):
+                bad.append(name)
+        else:
+            arrays[name] = arr
+    return HostMetrics(step=step, scalars=scalars, arrays=arrays, nonfinite=tuple(sorted(bad)))
+
+
+class MetricsBuffer:
+    """Holds one step's device metrics until the next step has been dispatched.
+
+    Usage in the loop::
+
+        state, m = train_step(state, batch)     # dispatches step N (async)
+        prev = buffer.push(step, m)             # HostMetrics of step N-1, or None
+        if prev is not None: writer.write(prev)
+        ...
+        last = buffer.flush()                   # after the loop
+    """
+
+    def __init__(self):
+        self._pending: Optional[tuple[int, Any]] = None
+
+    def push(self, step: int, device_metrics: Any) -> Optional[HostMetrics]:
+        """Queues `device_metrics` (starting their host copy) and returns the previous step's."""
+        for leaf in jax.tree_util.tree_leaves(device_metrics):
+            if isinstance(leaf, jax.Array):
+                leaf.copy_to_host_async()
+        prev, self._pending = self._pending, (step, device_metrics)
+        return None if prev is None else to_host(*prev)
+
+    def flush(self) -> Optional[HostMetrics]:
+        """Returns the queued metrics (if any) and empties the buffer."""
+        prev, self._pending = self._pending, None
+        return None if prev is None else to_host(*prev)
+
+
+# -- parameter fingerprints ---------------------------------------------------------------------
+
+
+def _host_leaf(leaf: Any) -> np.ndarray:
+    if isinstance(leaf, jax.Array):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+            leaf = jax.random.key_data(leaf)
+        if not leaf.is_fully_addressable:
+            from jax.experimental import multihost_utils
+            return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(jax.device_get(leaf))
+
+
+def params_sha256(params: Any) -> str:
+    """SHA-256 of all parameter bytes in a fixed order, independent of sharding and devices.
+
+    Leaves are visited in sorted order of their key paths; for each, the key path, dtype name,
+    shape and the little-endian C-order bytes are hashed. Leaves are gathered to the host one at
+    a time (call on every process when arrays span processes).
+
+    Args:
+      params: pytree of arrays (jax or numpy).
+
+    Returns:
+      The hex digest.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    digest = hashlib.sha256()
+    for name, leaf in sorted((jax.tree_util.keystr(p), leaf) for p, leaf in leaves):
+        arr = _host_leaf(leaf)
+        arr = np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("<"), copy=False))
+        header = json.dumps([name, arr.dtype.name, list(arr.shape)]).encode()
+        digest.update(len(header).to_bytes(8, "little") + header)
+        digest.update(arr.tobytes())
+    return digest.hexdigest()
+
+
+def params_l2(params: Any) -> float:
+    """Global L2 norm of all parameters (float32 accumulation on device)."""
+    leaves = [x for x in jax.tree_util.tree_leaves(params)
+              if not jax.dtypes.issubdtype(jnp.asarray(x).dtype, jax.dtypes.extended)]
+    total = sum(jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))) for x in leaves)
+    return float(jnp.sqrt(total))
+
+
+# -- per-group audit records --------------------------------------------------------------------
+
+
+def group_records(step: int, group_ids: Sequence[str], trajectory_ids: Sequence[Optional[str]],
+                  group_index_T: np.ndarray, factors_T: np.ndarray, advantages_T: np.ndarray,
+                  lam_G: np.ndarray, capped_G: np.ndarray, fallback_G: np.ndarray, *,
+                  valid_T: Optional[np.ndarray] = None,
+                  rewards_T: Optional[np.ndarray] = None) -> list[dict]:
+    """One audit record per real group of a batch, for `groups.jsonl`.
+
+    Args:
+      step: the train step.
+      group_ids: the feed's group id of batch group g, for the real groups (len <= G; the
+        rest of the G slots are padding and skipped).
+      trajectory_ids: the feed's trajectory id of slot t, None (or missing, if shorter than T)
+        for padding slots.
+      group_index_T: int [T], batch group of each slot.
+      factors_T, advantages_T: float [T], quality factor and final advantage.
+      lam_G, capped_G, fallback_G: [G] per-group λ, cap fired, grading fallback.
+      valid_T: optional bool [T]; written per trajectory when given.
+      rewards_T: optional float [T]; written per trajectory when given.
+
+    Returns:
+      A list of dicts {"step", "group_id", "lam", "capped", "fallback", "trajectories":
+      [{"id", "factor", "advantage", ["valid"], ["reward"]}, ...]} in batch group order.
+    """
+    group_index_T = np.asarray(group_index_T)
+    T, G = group_index_T.shape[0], np.asarray(lam_G).shape[0]
+    if len(group_ids) > G:
+        raise ValueError(f"group_ids has {len(group_ids)} entries for {G} group slots")
+    if len(trajectory_ids) > T:
+        raise ValueError(f"trajectory_ids has {len(trajectory_ids)} entries for {T} slots")
+    per_traj = {"factor": np.asarray(factors_T, np.float64),
+                "advantage": np.asarray(advantages_T, np.float64)}
+    if valid_T is not None:
+        per_traj["valid"] = np.asarray(valid_T, bool)
+    if rewards_T is not None:
+        per_traj["reward"] = np.asarray(rewards_T, np.float64)
+    for name, arr in per_traj.items():
+        if arr.shape != (T,):
+            raise ValueError(f"{name}_T has shape {arr.shape}, expected ({T},)")
+    members: list[list[dict]] = [[] for _ in group_ids]
+    for t, traj_id in enumerate(trajectory_ids):
+        g = int(group_index_T[t])
+        if traj_id is None or g >= len(group_ids):
+            continue
+        entry = {"id": traj_id}
+        entry.update({k: v[t].item() for k, v in per_traj.items()})
+        members[g].append(entry)
+    lam, capped, fallback = (np.asarray(a) for a in (lam_G, capped_G, fallback_G))
+    return [{"step": int(step), "group_id": gid, "lam": float(lam[g]),
+             "capped": bool(capped[g]), "fallback": bool(fallback[g]),
+             "trajectories": members[g]} for g, gid in enumerate(group_ids)]
+
+
+# -- writers ------------------------------------------------------------------------------------
+
+
+def _json_line(obj: Mapping[str, Any]) -> str:
+    return json.dumps(obj, allow_nan=False, separators=(",", ":")) + "\n"
+
+
+class MetricsWriter:
+    """Writes `metrics.jsonl`, `groups.jsonl` and TensorBoard events in `workdir`.
+
+    Only process 0 writes; on other processes every method is a no-op.
+
+    Args:
+      workdir: the run's workdir (created if missing).
+      tensorboard: also write TensorBoard event files under `workdir/tensorboard`.
+      enabled: override the process-0 rule (tests).
+    """
+
+    def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True,
+                 enabled: Optional[bool] = None):
+        self.enabled = jax.process_index() == 0 if enabled is None else enabled
+        self.workdir = os.fspath(workdir)
+        self._metrics = self._groups = self._tb = None
+        if not self.enabled:
+            return
+        os.makedirs(self.workdir, exist_ok=True)
+        # Append: a resumed run continues the same files.
+        self._metrics = open(os.path.join(self.workdir, "metrics.jsonl"), "a")
+        self._groups = open(os.path.join(self.workdir, "groups.jsonl"), "a")
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(logdir=os.path.join(self.workdir, "tensorboard"))
+
+    def write(self, step: int, scalars: Mapping[str, float], *, wall_time: Optional[float] = None):
+        """Writes one step's scalar metrics (non-finite values: null + listed in "nonfinite")."""
+        if not self.enabled:
+            return
+        import time
+        now = time.time() if wall_time is None else wall_time
+        record: dict[str, Any] = {"step": int(step), "time": now}
+        bad = []
+        for name, value in scalars.items():
+            value = float(value)
+            if math.isfinite(value):
+                record[name] = value
+                if self._tb is not None:
+                    self._tb.add_scalar(name, value, global_step=int(step), walltime=now)
+            else:
+                record[name] = None
+                bad.append(name)
+        if bad:
+            record["nonfinite"] = sorted(bad)
+        self._metrics.write(_json_line(record))
+
+    def write_host_metrics(self, metrics: HostMetrics, **extra: float) -> None:
+        """`write(metrics.step, metrics.scalars | extra)`."""
+        self.write(metrics.step, {**metrics.scalars, **extra})
+
+    def write_groups(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """Appends `group_records(...)` output to groups.jsonl."""
+        if not self.enabled:
+            return
+        for record in records:
+            self._groups.write(_json_line(record))
+
+    def flush(self) -> None:
+        if not self.enabled:
+            return
+        self._metrics.flush()
+        self._groups.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.flush()
+        self._metrics.close()
+        self._groups.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+# -- progress bar -------------------------------------------------------------------------------
+
+
+def progress_postfix(*, tokens_per_s: float, loss: float, lam: float, groups: int) -> str:
+    """The progress bar's right-hand text: tokens/s, loss, mean λ, groups trained."""
+    return f"tok/s={tokens_per_s:,.0f} loss={loss:.4g} λ={lam:.3f} groups={groups}"
+
+
+class Progress:
+    """A tqdm bar over train steps (disabled on processes other than 0).
+
+    Args:
+      total: the last step of the run.
+      initial: the step the run starts (or resumes) at.
+      enabled: override the process-0 rule.
+      file: stream for the bar (default stderr).
+    """
+
+    def __init__(self, total: int, initial: int = 0, *, enabled: Optional[bool] = None,
+                 file: Any = None):
+        from tqdm.auto import tqdm
+        on = jax.process_index() == 0 if enabled is None else enabled
+        self._bar = tqdm(total=total, initial=initial, disable=not on, unit="step",
+                         dynamic_ncols=True, file=file)
+
+    @property
+    def n(self) -> int:
+        """Steps counted so far (including `initial`)."""
+        return self._bar.n
+
+    def update(self, steps: int = 1, *, tokens_per_s: float, loss: float, lam: float,
+               groups: int) -> None:
+        self._bar.set_postfix_str(progress_postfix(tokens_per_s=tokens_per_s, loss=loss,
+                                                   lam=lam, groups=groups), refresh=False)
+        self._bar.update(steps)
+
+    def close(self) -> None:
+        self._bar.close()

@@ -1,0 +1,218 @@
+"""Metrics: delayed host transfer, parameter fingerprints, JSONL/TensorBoard and audit logs."""
+import glob
+import hashlib
+import io
+import json
+import os
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from gagar_jax import metrics
+
+
+def _params_np():
+    rng = np.random.default_rng(1)
+    return {
+        "layers": {"0": {"w_DxF": rng.standard_normal((16, 8)).astype(np.float32)},
+                   "1": {"w_DxF": rng.standard_normal((16, 8)).astype(np.float32)}},
+        "emb_VxD": rng.standard_normal((8, 16)).astype(jnp.bfloat16),
+        "norm_D": rng.standard_normal((16,)).astype(np.float32),
+    }
+
+
+def _put(params, mesh, spec_2d):
+    def put(x):
+        spec = spec_2d if x.ndim == 2 else P()
+        return jax.device_put(x, NamedSharding(mesh, spec))
+    return jax.tree.map(put, params)
+
+
+# -- params_sha256 / params_l2 ------------------------------------------------------------------
+
+def test_sha256_is_sharding_and_order_independent(devices):
+    params = _params_np()
+    reference = metrics.params_sha256(params)
+    mesh8 = Mesh(np.array(devices).reshape(8), ("x",))
+    mesh4 = Mesh(np.array(devices[:4]).reshape(2, 2), ("x", "y"))
+    one = jax.sharding.SingleDeviceSharding(devices[3])
+    assert metrics.params_sha256(_put(params, mesh8, P("x", None))) == reference
+    assert metrics.params_sha256(_put(params, mesh8, P(None, "x"))) == reference
+    assert metrics.params_sha256(_put(params, mesh4, P("y", "x"))) == reference
+    assert metrics.params_sha256(jax.device_put(params, one)) == reference
+    reordered = {"norm_D": params["norm_D"], "emb_VxD": params["emb_VxD"],
+                 "layers": {"1": params["layers"]["1"], "0": params["layers"]["0"]}}
+    assert metrics.params_sha256(reordered) == reference
+
+
+def test_sha256_matches_independent_definition():
+    params = {"b": np.arange(3, dtype=np.float32), "a": np.ones((2, 2), np.int32)}
+    h = hashlib.sha256()
+    for name, arr in (("['a']", params["a"]), ("['b']", params["b"])):
+        header = json.dumps([name, arr.dtype.name, list(arr.shape)]).encode()
+        h.update(struct.pack("<Q", len(header)) + header + arr.astype("<" + arr.dtype.str[1:]).tobytes())
+    assert metrics.params_sha256(params) == h.hexdigest()
+
+
+def test_sha256_changes_on_one_ulp_name_dtype_or_shape():
+    params = _params_np()
+    reference = metrics.params_sha256(params)
+    bumped = jax.tree.map(np.copy, params)
+    w = bumped["layers"]["1"]["w_DxF"]
+    w[5, 3] = np.nextafter(w[5, 3], np.float32(np.inf))
+    assert metrics.params_sha256(bumped) != reference
+    renamed = {**params, "norm2_D": params["norm_D"]}
+    del renamed["norm_D"]
+    assert metrics.params_sha256(renamed) != reference
+    recast = {**params, "emb_VxD": params["emb_VxD"].astype(np.float32)}
+    assert metrics.params_sha256(recast) != reference
+    reshaped = {**params, "norm_D": params["norm_D"].reshape(4, 4)}
+    assert metrics.params_sha256(reshaped) != reference
+
+
+def test_params_l2_matches_numpy(devices):
+    params = _params_np()
+    expected = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(params)))
+    mesh8 = Mesh(np.array(devices).reshape(8), ("x",))
+    np.testing.assert_allclose(metrics.params_l2(params), expected, rtol=1e-6)
+    np.testing.assert_allclose(metrics.params_l2(_put(params, mesh8, P("x", None))), expected,
+                               rtol=1e-6)
+    np.testing.assert_allclose(metrics.params_l2({"a": np.array([3.0, 4.0])}), 5.0, rtol=0)
+
+
+# -- delayed metrics ----------------------------------------------------------------------------
+
+@jax.jit
+def _fake_step(x):
+    return {"loss": jnp.mean(x), "lam": {"mean": jnp.max(x)}, "lam_G": x[:3],
+            "bad": jnp.log(jnp.min(x))}
+
+
+def test_metrics_buffer_returns_previous_step():
+    buf = metrics.MetricsBuffer()
+    assert buf.push(1, _fake_step(jnp.array([1.0, 2.0, 3.0, 4.0]))) is None
+    prev = buf.push(2, _fake_step(jnp.array([0.0, 2.0, 4.0, 6.0])))
+    assert prev.step == 1
+    assert prev.scalars == {"loss": 2.5, "lam/mean": 4.0, "bad": 0.0}
+    assert isinstance(prev.scalars["loss"], float)
+    np.testing.assert_array_equal(prev.arrays["lam_G"], [1.0, 2.0, 3.0])
+    assert prev.finite
+    last = buf.flush()
+    assert last.step == 2 and last.scalars["loss"] == 3.0
+    assert last.nonfinite == ("bad",) and not last.finite  # log(0) = -inf
+    assert buf.flush() is None
+
+
+def test_to_host_reports_nan():
+    host = metrics.to_host(3, {"a": jnp.float32(np.nan), "b": np.float64(1.5), "c": 2})
+    assert host.nonfinite == ("a",)
+    assert host.scalars["b"] == 1.5 and host.scalars["c"] == 2.0
+
+
+# -- group audit records ------------------------------------------------------------------------
+
+def _audit_inputs():
+    # G = 3 slots (2 real groups), T = 6 slots (5 real trajectories, slot 5 is padding).
+    return dict(
+        step=7, group_ids=["task-a/0", "task-b/3"],
+        trajectory_ids=["a1", "b1", "a2", "b2", "a3", None],
+        group_index_T=np.array([0, 1, 0, 1, 0, 0], np.int32),
+        factors_T=np.array([1.0, 0.4, 0.85, 1.0, 1.0, 1.0], np.float32),
+        advantages_T=np.array([0.5, -0.25, 0.125, 0.75, -1.0, 0.0], np.float32),
+        lam_G=np.array([1.25, 1.5, 1.0], np.float32),
+        capped_G=np.array([False, True, False]), fallback_G=np.array([False, False, False]),
+        valid_T=np.array([True, True, True, True, False, False]),
+    )
+
+
+EXPECTED_GROUPS = [
+    {"step": 7, "group_id": "task-a/0", "lam": 1.25, "capped": False, "fallback": False,
+     "trajectories": [
+         {"id": "a1", "factor": 1.0, "advantage": 0.5, "valid": True},
+         {"id": "a2", "factor": float(np.float32(0.85)), "advantage": 0.125, "valid": True},
+         {"id": "a3", "factor": 1.0, "advantage": -1.0, "valid": False}]},
+    {"step": 7, "group_id": "task-b/3", "lam": 1.5, "capped": True, "fallback": False,
+     "trajectories": [
+         {"id": "b1", "factor": float(np.float32(0.4)), "advantage": -0.25, "valid": True},
+         {"id": "b2", "factor": 1.0, "advantage": 0.75, "valid": True}]},
+]
+
+
+def test_group_records_contents():
+    assert metrics.group_records(**_audit_inputs()) == EXPECTED_GROUPS
+    with pytest.raises(ValueError, match="advantage"):
+        metrics.group_records(**{**_audit_inputs(), "advantages_T": np.zeros(5)})
+    with pytest.raises(ValueError, match="group_ids"):
+        metrics.group_records(**{**_audit_inputs(), "group_ids": ["a", "b", "c", "d"]})
+
+
+# -- writers ------------------------------------------------------------------------------------
+
+def _read_tb_scalars(logdir):
+    """Decodes TFRecord event files (length, crc, data, crc) into {tag: [(step, value)]}."""
+    from tensorboardX.proto import event_pb2
+    out = {}
+    for path in glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
+        data = open(path, "rb").read()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                out.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return out
+
+
+def test_writer_jsonl_tensorboard_and_groups(tmp_path):
+    writer = metrics.MetricsWriter(tmp_path)
+    writer.write(1, {"loss": 0.5, "lam/mean": 1.25}, wall_time=100.0)
+    writer.write_host_metrics(metrics.to_host(2, {"loss": jnp.float32(np.inf),
+                                                  "lam/mean": jnp.float32(1.0)}),
+                              tokens_per_s=1000.0)
+    writer.write_groups(metrics.group_records(**_audit_inputs()))
+    writer.close()
+
+    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert lines[0] == {"step": 1, "time": 100.0, "loss": 0.5, "lam/mean": 1.25}
+    assert lines[1]["step"] == 2 and lines[1]["loss"] is None
+    assert lines[1]["nonfinite"] == ["loss"] and lines[1]["tokens_per_s"] == 1000.0
+    assert [json.loads(l) for l in open(tmp_path / "groups.jsonl")] == EXPECTED_GROUPS
+    tb = _read_tb_scalars(tmp_path / "tensorboard")
+    assert tb["loss"] == [(1, 0.5)]  # the inf is not sent to TensorBoard
+    assert tb["lam/mean"] == [(1, 1.25), (2, 1.0)]
+    assert tb["tokens_per_s"] == [(2, 1000.0)]
+
+    # A resumed run appends to the same files.
+    writer = metrics.MetricsWriter(tmp_path, tensorboard=False)
+    writer.write(3, {"loss": 0.25})
+    writer.close()
+    assert [json.loads(l)["step"] for l in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_writer_disabled_writes_nothing(tmp_path):
+    writer = metrics.MetricsWriter(tmp_path / "w", enabled=False)
+    writer.write(1, {"loss": 1.0})
+    writer.write_groups(EXPECTED_GROUPS)
+    writer.close()
+    assert not os.path.exists(tmp_path / "w")
+
+
+def test_progress_line():
+    text = metrics.progress_postfix(tokens_per_s=12345.6, loss=0.123456, lam=1.0625, groups=32)
+    assert text == "tok/s=12,346 loss=0.1235 λ=1.062 groups=32"
+    stream = io.StringIO()
+    bar = metrics.Progress(total=10, initial=4, enabled=True, file=stream)
+    bar.update(2, tokens_per_s=1.0, loss=0.5, lam=1.0, groups=3)
+    bar.close()
+    assert bar.n == 6
+    assert "6/10" in stream.getvalue() and "loss=0.5 λ=1.000 groups=3" in stream.getvalue()
+    quiet = io.StringIO()
+    off = metrics.Progress(total=10, enabled=False, file=quiet)
+    off.update(1, tokens_per_s=1.0, loss=0.5, lam=1.0, groups=3)
+    off.close()
+    assert quiet.getvalue() == ""
