@@ -1,0 +1,180 @@
+"""Expert backends: every backend against a NumPy loop and `dense`, forward and gradients."""
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from gagar_jax import experts, sharding
+
+T, D, F, E, K = 64, 16, 8, 8, 2
+GRAD_ARGS = (0, 1, 2, 3, 5)  # x, gate, up, down, gate weights
+
+
+def numpy_moe(x, g, u, d, idx, w):
+    """Plain loop over tokens and their K assignments; ids outside [0, E) contribute 0."""
+    x, g, u, d, w = (np.asarray(a, np.float64) for a in (x, g, u, d, w))
+    y = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            if 0 <= e < g.shape[0]:
+                hg = x[t] @ g[e]
+                y[t] += w[t, k] * ((hg / (1 + np.exp(-hg)) * (x[t] @ u[e])) @ d[e])
+    return y
+
+
+@pytest.fixture(scope="module")
+def problem():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
+    g, u = (jnp.asarray(rng.normal(size=(E, D, F)) / np.sqrt(D), jnp.float32) for _ in range(2))
+    d = jnp.asarray(rng.normal(size=(E, F, D)) / np.sqrt(F), jnp.float32)
+    logits = rng.normal(size=(T, E))
+    logits[:, 2] += 1.5  # skewed routing: expert 2 is popular, some groups > block sizes
+    idx = np.argsort(-logits, axis=1)[:, :K].astype(np.int32)
+    idx[5, 1] = -1       # "no expert" ids (e.g. another device's expert) contribute 0
+    idx[9, :] = E
+    w = jnp.asarray(rng.uniform(0.1, 1.0, size=(T, K)), jnp.float32)
+    return x, g, u, d, jnp.asarray(idx), w
+
+
+def _loss_and_grads(backend, **opts):
+    def loss(x, g, u, d, idx, w):
+        y = experts.expert_ffn(x, g, u, d, idx, w, backend=backend, **opts)
+        return jnp.sum(jnp.sin(y)), y
+    return jax.jit(jax.value_and_grad(loss, argnums=GRAD_ARGS, has_aux=True))
+
+
+@pytest.fixture(scope="module")
+def reference(problem):
+    return _loss_and_grads("dense")(*problem)
+
+
+def _assert_close(got, want, atol=2e-5, rtol=2e-5):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol, rtol=rtol)
+
+
+def test_dense_matches_numpy_loop(problem, reference):
+    (_, y), _ = reference
+    np.testing.assert_allclose(y, numpy_moe(*problem), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend,opts", [
+    ("ragged", {}),
+    ("grouped", {}),
+    ("grouped", {"block": 8}),
+    ("grouped", {"block": 1}),
+    ("capacity", {"capacity_factor": float(E)}),   # capacity T*K: nothing can drop
+])
+def test_backend_matches_dense_forward_and_grads(problem, reference, backend, opts):
+    got = _loss_and_grads(backend, **opts)(*problem)
+    _assert_close(got, reference)
+    # Rows whose every id is out of range get exactly zero output.
+    assert float(jnp.max(jnp.abs(got[0][1][9]))) == 0.0
+
+
+def _mesh(shape):
+    return sharding.make_mesh(types.SimpleNamespace(**dict(zip(sharding.MESH_AXES, shape))))
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 1, 1), (2, 1, 4, 1), (1, 2, 2, 2)])
+def test_ep_on_meshes_matches_single_device_dense(problem, reference, shape):
+    mesh = _mesh(shape)
+    with jax.set_mesh(mesh):
+        got = _loss_and_grads("ep")(*problem)
+    _assert_close(got, reference)
+
+
+def test_ep_with_explicit_mesh_argument_and_no_ambient_mesh(problem, reference):
+    got = _loss_and_grads("ep", mesh=_mesh((1, 1, 8, 1)))(*problem)
+    _assert_close(got, reference)
+
+
+def test_ep_errors_name_the_problem(problem):
+    with pytest.raises(ValueError, match="needs a mesh"):
+        experts.expert_ffn(*problem, backend="ep")
+    with pytest.raises(ValueError, match="num_experts=6 is not divisible"):
+        x, g, u, d, idx, w = problem
+        experts.expert_ffn(x, g[:6], u[:6], d[:6], idx, w, backend="ep",
+                           mesh=_mesh((2, 1, 4, 1)))
+
+
+def test_dropless_when_every_token_picks_one_expert(problem):
+    x, g, u, d, _, w = problem
+    idx = jnp.full((T, K), 3, jnp.int32)
+    want = numpy_moe(x, g, u, d, np.asarray(idx), w)
+    for backend in ("dense", "ragged", "grouped"):
+        y = jax.jit(lambda *a, b=backend: experts.expert_ffn(*a, backend=b))(x, g, u, d, idx, w)
+        np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5, err_msg=backend)
+    with jax.set_mesh(_mesh((2, 1, 4, 1))):
+        y = jax.jit(lambda *a: experts.expert_ffn(*a, backend="ep"))(x, g, u, d, idx, w)
+    np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5, err_msg="ep")
+
+
+def test_capacity_counts_its_drops(problem):
+    x, g, u, d, _, w = problem
+    idx = jnp.full((T, K), 3, jnp.int32).at[:, 1].set(jnp.arange(T) % E)
+    out = jax.jit(experts.capacity_ffn)(x, g, u, d, idx, w)
+    cap = experts.expert_capacity(T, K, E, 1.25)
+    assert cap == 20
+    # Expert 3 gets T (k=0) + T/E (k=1) assignments; the first `cap` in token order survive.
+    n3 = T + T // E
+    assert int(out.dropped) == n3 - cap
+    keep = np.zeros((T, K), bool)
+    flat = np.asarray(idx).reshape(-1)
+    seen = {}
+    for n, e in enumerate(flat):
+        seen[e] = seen.get(e, 0) + 1
+        keep.reshape(-1)[n] = seen[e] <= cap
+    want = numpy_moe(x, g, u, d, np.where(keep, np.asarray(idx), -1), w)
+    np.testing.assert_allclose(out.y_TxD, want, atol=1e-5, rtol=1e-5)
+
+
+@given(st.lists(st.integers(-1, E), min_size=T * K, max_size=T * K))
+def test_grouped_and_ragged_match_numpy_on_any_routing(problem, ids):
+    x, g, u, d, _, w = problem
+    idx = np.asarray(ids, np.int32).reshape(T, K)
+    want = numpy_moe(x, g, u, d, idx, w)
+    np.testing.assert_allclose(_GROUPED(x, g, u, d, idx, w), want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(_RAGGED(x, g, u, d, idx, w), want, atol=1e-5, rtol=1e-5)
+
+
+_GROUPED = jax.jit(lambda *a: experts.expert_ffn(*a, backend="grouped", block=8))
+_RAGGED = jax.jit(lambda *a: experts.expert_ffn(*a, backend="ragged"))
+
+
+def test_no_recompiles_for_same_shapes(problem):
+    x, g, u, d, idx, w = problem
+    traces = []
+
+    @jax.jit
+    def step(x, g, u, d, idx, w):
+        traces.append(1)
+        return jax.grad(lambda x: jnp.sum(experts.grouped_ffn(x, g, u, d, idx, w)))(x)
+
+    for shift in range(3):
+        step(x + shift, g, u, d, (idx + shift) % E, w).block_until_ready()
+    assert len(traces) == 1
+
+
+def test_padded_block_bound_is_the_worst_case():
+    # sum_e ceil(n_e / b) <= bound for adversarial splits of N assignments.
+    for n, e, b in [(128, 8, 8), (128, 8, 64), (7, 4, 4), (4096 * 2, 32, 64)]:
+        sizes = [b * (n // (e * b)) + 1] * (e - 1)
+        sizes.append(n - sum(sizes))
+        used = sum(-(-s // b) for s in sizes if s > 0)
+        assert used <= experts.num_padded_blocks(n, e, b)
+
+
+def test_bad_arguments_raise_clear_errors(problem):
+    x, g, u, d, idx, w = problem
+    with pytest.raises(ValueError, match="backend='nope'"):
+        experts.expert_ffn(x, g, u, d, idx, w, backend="nope")
+    with pytest.raises(ValueError, match="gate/up/down shapes"):
+        experts.expert_ffn(x, g, u, g, idx, w)
+    with pytest.raises(ValueError, match="idx_TxK"):
+        experts.expert_ffn(x, g, u, d, idx[:, :1], w)
