@@ -18,7 +18,8 @@ _ENC = msgspec.json.Encoder()
 
 
 def _original(raw: Any, encoding: str) -> dict:
-    """The record as it arrived: parsed JSON when it parses, else its raw bytes (base64)."""
+    """The record as it arrived: parsed JSON when it parses, its raw bytes (base64) when it
+    does not parse or was msgpack."""
     if isinstance(raw, schema.Group):
         return {"record": schema.to_builtins(raw)}
     if not isinstance(raw, (bytes, bytearray, memoryview)):
@@ -27,10 +28,13 @@ def _original(raw: Any, encoding: str) -> dict:
         except (TypeError, ValueError):
             return {"record_repr": repr(raw)[:100_000]}
     raw = bytes(raw)
+    b64 = {"raw_base64": base64.b64encode(raw).decode("ascii")}
     try:
-        return {"record": msgspec.to_builtins(schema.decode_untyped(raw, encoding))}
+        record = {"record": msgspec.to_builtins(schema.decode_untyped(raw, encoding))}
     except (msgspec.DecodeError, TypeError, ValueError):
-        return {"raw_base64": base64.b64encode(raw).decode("ascii")}
+        return b64
+    # JSON cannot carry everything msgpack can (non-finite floats, binary): keep the bytes too.
+    return record if encoding == "json" else {**record, **b64}
 
 
 class DeadLetter:
