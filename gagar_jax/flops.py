@@ -1,0 +1,148 @@
+"""Parameter counts, model FLOPs and memory worked out on paper from a model config.
+
+The counts follow the Qwen3-MoE layout the model implements (see `model.py`): per layer GQA
+attention with q/k RMS norms, two RMSNorms, and either a SwiGLU dense MLP (the first
+`num_dense_layers` layers) or a softmax/sigmoid router over `num_experts` SwiGLU experts of which
+`top_k` run per token. `cfg` is anything with the attributes of the `model` section of
+`configs/tiny_cpu.py` (a `ModelConfig` or the ConfigDict itself).
+
+Used by `tests/test_configs.py` (the configs' docstrings state these numbers) and by
+`aot.py` / `docs/scaling.md` (the paper-side memory estimate beside the compiler's).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+# Bytes per element of the dtype names configs use.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of one model, split the way memory and FLOPs need them."""
+
+    embedding: int       # input embedding table V x D
+    lm_head: int         # output projection V x D (0 when tied to the embedding)
+    attention: int       # all layers: q, k, v, o projections and the q/k norms
+    dense_mlp: int       # the first num_dense_layers SwiGLU MLPs
+    router: int          # all MoE layers' router matrices D x E
+    experts: int         # all MoE layers' experts, E x 3 x D x F each
+    norms: int           # per-layer RMSNorms and the final norm
+    active_experts: int  # the experts a token runs through: K x 3 x D x F per MoE layer
+
+    @property
+    def total(self) -> int:
+        return (self.embedding + self.lm_head + self.attention + self.dense_mlp + self.router
+                + self.experts + self.norms)
+
+    @property
+    def active(self) -> int:
+        """Parameters one token touches (the embedding row counts as the whole table, as usual)."""
+        return self.total - self.experts + self.active_experts
+
+    @property
+    def active_matmul(self) -> int:
+        """Active parameters that take part in a matmul (all but the embedding lookup and norms)."""
+        return self.active - self.embedding - self.norms
+
+
+def num_moe_layers(cfg) -> int:
+    """Layers with a routed-expert MLP."""
+    return cfg.num_layers - cfg.num_dense_layers
+
+
+def param_counts(cfg) -> ParamCounts:
+    """Analytic parameter counts of the model `cfg` describes.
+
+    Args:
+      cfg: a `ModelConfig` or the `model` ConfigDict section.
+    Returns:
+      `ParamCounts`; `.total` and `.active` are the headline numbers.
+    """
+    D, V = cfg.hidden_size, cfg.vocab_size
+    H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    L, L_moe = cfg.num_layers, num_moe_layers(cfg)
+    per_layer_attn = D * H * hd + 2 * D * KV * hd + H * hd * D + 2 * hd
+    per_expert = 3 * D * cfg.moe_intermediate_size
+    return ParamCounts(
+        embedding=V * D,
+        lm_head=0 if cfg.tie_embeddings else V * D,
+        attention=L * per_layer_attn,
+        dense_mlp=cfg.num_dense_layers * 3 * D * cfg.intermediate_size,
+        router=L_moe * D * cfg.num_experts,
+        experts=L_moe * cfg.num_experts * per_expert,
+        norms=2 * L * D + D,
+        active_experts=L_moe * cfg.top_k * per_expert,
+    )
+
+
+def attention_flops_per_token(cfg, seq_len: int) -> float:
+    """Forward FLOPs per token of the score and value matmuls (QK^T and PV), causal.
+
+    A causal token attends to (seq_len + 1) / 2 keys on average; each key costs 2 matmuls of
+    2 * H * head_dim FLOPs.
+    """
+    return cfg.num_layers * 4.0 * cfg.num_heads * cfg.head_dim * (seq_len + 1) / 2.0
+
+
+def train_flops_per_token(cfg, seq_len: int) -> float:
+    """Model FLOPs per trained token of one forward + backward pass (3x the forward).
+
+    Forward = 2 x active matmul parameters (the 2*N rule) + causal attention scores. Remat
+    recomputation is not counted (these are model FLOPs, the MFU numerator).
+
+    Args:
+      cfg: model config.
+      seq_len: tokens per packed row (attention cost grows with it).
+    Returns:
+      FLOPs per token.
+    """
+    forward = 2.0 * param_counts(cfg).active_matmul + attention_flops_per_token(cfg, seq_len)
+    return 3.0 * forward
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device of the train state, worked out on paper (no activations)."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def state(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def state_bytes_per_device(cfg, expert_shards: int, other_shards: int, *,
+                           optimizer_moments: int = 2, moment_bytes: int = 4) -> MemoryEstimate:
+    """Parameters, gradients and optimizer moments per device.
+
+    Expert weights are split `expert_shards` ways (expert x fsdp x tensor on a pod mesh), every
+    other parameter `other_shards` ways (fsdp x tensor: attention, embeddings, dense MLPs are
+    replicated over the expert axis). Gradients have the parameter dtype; Adam keeps
+    `optimizer_moments` moments of `moment_bytes` each.
+
+    Args:
+      cfg: model config (`param_dtype` sets parameter and gradient bytes).
+      expert_shards, other_shards: ways the two kinds of parameters are split.
+    Returns:
+      `MemoryEstimate` in bytes per device.
+    """
+    if expert_shards < 1 or other_shards < 1:
+        raise ValueError(f"shard counts must be >= 1, got {expert_shards}, {other_shards}")
+    p = param_counts(cfg)
+    n = p.experts / expert_shards + (p.total - p.experts) / other_shards
+    p_bytes = DTYPE_BYTES[cfg.param_dtype]
+    return MemoryEstimate(params=n * p_bytes, grads=n * p_bytes,
+                          optimizer=n * optimizer_moments * moment_bytes)
+
+
+def remat_activation_bytes_per_device(cfg, tokens_per_device: int) -> float:
+    """Layer-boundary activations kept for the backward pass under full remat.
+
+    With `remat="full"` each layer keeps only its input [tokens, D] in the compute dtype; the
+    rest is recomputed one layer at a time. This is the dominant activation term at long
+    sequence lengths (the per-layer working set comes on top, once).
+    """
+    return cfg.num_layers * tokens_per_device * cfg.hidden_size * DTYPE_BYTES[cfg.compute_dtype]

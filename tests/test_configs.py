@@ -1,0 +1,119 @@
+"""Every config loads, has tiny_cpu's schema, builds a ModelConfig, and is the size it claims.
+
+Parameter counts come from `gagar_jax.flops` (analytic), which is itself checked against the
+model's real parameter tree (`nnx.eval_shape`, nothing allocated) for every config.
+"""
+import glob
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from gagar_jax import flops
+from gagar_jax.config import load_config_file
+from gagar_jax.model import ModelConfig, Transformer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAMES = ["tiny_cpu", "small", "qwen3_30b_a3b", "flash_310b", "pro_1t"]
+# (total, active) parameters the paper / model card states, and the tolerance we hold them to.
+PUBLISHED = {
+    "qwen3_30b_a3b": (30.5e9, 3.3e9, 0.02),   # Qwen3-30B-A3B model card: 30.5B / 3.3B
+    "flash_310b": (310e9, 15e9, 0.03),        # paper: MiMo-V2.6-Flash 310B / 15B
+    "pro_1t": (1.02e12, 42e9, 0.03),          # paper: MiMo-V2.6-Pro 1.02T / 42B
+    "small": (100e6, 47e6, 0.05),
+}
+_UNIT = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+
+
+def _load(name):
+    return load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
+
+
+def _keys(d, prefix=""):
+    out = set()
+    for k, v in d.items():
+        out |= _keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
+    return out
+
+
+def _docstring_claim(name):
+    """(total, active) from the config docstring's 'Numbers ...: X total, Y active' line."""
+    path = os.path.join(ROOT, "configs", f"{name}.py")
+    text = open(path).read().split('"""')[1]
+    m = re.search(r"([\d.]+)([KMBT]) total, ([\d.]+)([KMBT]) active", text.replace("\n", " "))
+    assert m, f"{name}: docstring must state 'X total, Y active' params"
+    return float(m.group(1)) * _UNIT[m.group(2)], float(m.group(3)) * _UNIT[m.group(4)]
+
+
+def test_all_configs_present():
+    found = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py")))
+    assert set(NAMES) <= set(found)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_config_loads_with_tiny_schema_and_builds_model_config(name):
+    cfg = _load(name)
+    assert _keys(cfg.to_dict()) == _keys(_load("tiny_cpu").to_dict())
+    mc = ModelConfig.from_config(cfg.model)
+    assert mc.hidden_size == cfg.model.hidden_size
+    # Batch rows split evenly into micro-batches.
+    assert cfg.feed.rows_per_batch % (cfg.train.mini_batches * cfg.train.micro_batches) == 0
+    assert cfg.feed.seq_len % mc.attn_block == 0 or mc.attention == "plain"
+
+
+def _real_param_count(mc):
+    abstract = nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(0)))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_analytic_count_matches_model_parameters(name):
+    mc = ModelConfig.from_config(_load(name).model)
+    assert flops.param_counts(mc).total == _real_param_count(mc)
+
+
+def test_tiny_counts_by_hand():
+    # V=256, D=64, L=2, H=4, Kv=2, Dh=16, E=8, K=2, F=32, untied.
+    p = flops.param_counts(ModelConfig.from_config(_load("tiny_cpu").model))
+    attn_layer = 64 * 4 * 16 + 2 * 64 * 2 * 16 + 4 * 16 * 64 + 2 * 16
+    assert p.total == 2 * 256 * 64 + 2 * attn_layer + 2 * 64 * 8 + 2 * 8 * 3 * 64 * 32 + (2 * 2 * 64 + 64)
+    assert p.active == p.total - 2 * (8 - 2) * 3 * 64 * 32
+    # 6N + causal attention: forward 2 * N_matmul + 4 * L * H * Dh * (S + 1) / 2.
+    S = 128
+    fwd = 2 * (p.active - 256 * 64 - (2 * 2 * 64 + 64)) + 4 * 2 * 4 * 16 * (S + 1) / 2
+    assert flops.train_flops_per_token(ModelConfig.from_config(_load("tiny_cpu").model), S) == 3 * fwd
+
+
+@pytest.mark.parametrize("name", NAMES[1:])
+def test_docstring_states_the_counts(name):
+    p = flops.param_counts(ModelConfig.from_config(_load(name).model))
+    total, active = _docstring_claim(name)
+    assert p.total == pytest.approx(total, rel=5e-3)
+    assert p.active == pytest.approx(active, rel=5e-3)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_counts_match_published_sizes(name):
+    p = flops.param_counts(ModelConfig.from_config(_load(name).model))
+    total, active, tol = PUBLISHED[name]
+    assert p.total == pytest.approx(total, rel=tol)
+    assert p.active == pytest.approx(active, rel=tol)
+
+
+@pytest.mark.parametrize("name,chips", [("qwen3_30b_a3b", 64), ("flash_310b", 512), ("pro_1t", 1024)])
+def test_pod_meshes_fill_their_slice_and_divide_shapes(name, chips):
+    cfg = _load(name)
+    sizes = {a: cfg.mesh[a] for a in ("data", "fsdp", "expert", "tensor")}
+    assert int(np.prod(list(sizes.values()))) == chips
+    m = cfg.model
+    assert m.num_experts % sizes["expert"] == 0
+    for dim in (m.num_heads, m.num_kv_heads, m.moe_intermediate_size, m.vocab_size):
+        assert dim % sizes["tensor"] == 0, (name, dim)
+    assert m.hidden_size % sizes["fsdp"] == 0
+    batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    micro_rows = cfg.feed.rows_per_batch // (cfg.train.mini_batches * cfg.train.micro_batches)
+    assert micro_rows % batch_shards == 0, "every batch shard gets whole rows"
+
