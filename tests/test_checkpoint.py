@@ -133,6 +133,18 @@ def test_interval_keep_last_k_and_force(tmp_path, state8):
     mgr.close()
 
 
+def test_async_save_survives_buffer_donation(tmp_path, state8, mesh8):
+    """The loop donates the state to the next step right after `save` returns."""
+    copy = jax.tree.map(lambda x: x.copy(), state8)
+    mgr = ckpt.Checkpointer(tmp_path, save_interval_steps=1)
+    assert mgr.save(1, copy, FEED, CONFIG)
+    for leaf in jax.tree.leaves(copy):
+        leaf.delete()  # what donation does to the old buffers
+    mgr.wait_until_finished()
+    _assert_bit_equal(mgr.restore(_abstract(state8, mesh8)).state, state8)
+    mgr.close()
+
+
 def test_reshard_8_to_4_devices(tmp_path, state8, devices):
     mgr, _ = _save_steps(tmp_path, state8, [2])
     mesh4 = _mesh(devices[4:], 4)  # 4 *other* devices, other axis sharded
@@ -192,6 +204,8 @@ def test_unfinalized_tmp_dir_is_ignored(tmp_path, state8, mesh8):
     mgr = ckpt.Checkpointer(tmp_path, save_interval_steps=2)
     assert mgr.latest_step() == 2
     assert mgr.restore(_abstract(state8, mesh8)).step == 2
+    mgr.wait_until_finished()
+    assert not [p for p in os.listdir(tmp_path) if "tmp" in p]  # cleaned up at start
     mgr.close()
 
 
