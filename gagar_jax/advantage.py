@@ -1,0 +1,338 @@
+"""Gagar advantages: outcome advantages, quality redistribution, the lambda cap, equivalent rewards.
+
+Everything is element-wise over trajectories [T] plus segment reductions over groups [G]; there
+is no Python loop over groups or trajectories, so one compiled function serves every batch of
+the same padded shape. The rules (SPEC section 2) and the identities INV-1..INV-9 are explained
+in docs/advantage.md; `check_invariants` (advantage_checks.py) asserts them inside jit.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+MODES = ("sum_preserving", "downweight_only", "binary")
+
+
+@flax.struct.dataclass
+class AdvantageOutput:
+    """Per-trajectory advantages and per-group diagnostics of one batch."""
+    advantages: jax.Array                # f32[T] final: A' plus centred adjustments
+    outcome_advantages: jax.Array        # f32[T] A = r - p (0 for invalid / non-mixed)
+    redistributed_advantages: jax.Array  # f32[T] A' after cap and re-centre, no adjustments
+    effective_rewards: jax.Array         # f32[T] binary outcome after hack zeroing; 0 if invalid
+    factors_used: jax.Array              # f32[T] factor after the fallback (passes); 1 elsewhere
+    lam: jax.Array                       # f32[G] lambda applied (1 where not applicable)
+    capped: jax.Array                    # bool[G]
+    mixed: jax.Array                     # bool[G]
+    fallback: jax.Array                  # bool[G]
+    pass_rate: jax.Array                 # f32[G] p_g = k_g / n_g (0 for empty groups)
+    num_valid: jax.Array                 # i32[G] n_g
+    pos_credit_before: jax.Array         # f32[G] sum of A over passes (mixed groups)
+    pos_credit_after: jax.Array          # f32[G] sum of A' over passes
+    neg_credit: jax.Array                # f32[G] sum of A' over valid failures (<= 0)
+
+
+@flax.struct.dataclass
+class GroupStats:
+    """What every mode shares: membership, outcome statistics and the fallback-resolved factors."""
+    member_T: jax.Array     # bool: valid with an in-range group id
+    pass_T: jax.Array       # bool: member whose outcome (after hack zeroing) is 1
+    gid_T: jax.Array        # int32: group id, clipped so gathers are always in range
+    n_G: jax.Array          # f32: valid members
+    k_G: jax.Array          # f32: passes
+    mixed_G: jax.Array      # bool: 0 < k < n
+    p_G: jax.Array          # f32: pass rate
+    A_T: jax.Array          # f32: outcome advantage r - p in mixed groups, else 0
+    f_T: jax.Array          # f32: factor after the fallback for passes, 1 elsewhere
+    fallback_G: jax.Array   # bool
+
+
+def segment_sum(x_T: jax.Array, gid_T: jax.Array, num_groups: int) -> jax.Array:
+    """Sum of `x_T` per group (callers mask non-members to 0 first)."""
+    return jax.ops.segment_sum(x_T, gid_T, num_segments=num_groups)
+
+
+def _check_array(name, x, kind, shape):
+    x = jnp.asarray(x)
+    if x.ndim != len(shape):
+        raise ValueError(f"{name} must have rank {len(shape)} with shape {shape}, got shape {x.shape}")
+    if x.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+    ok = {"float": jnp.issubdtype(x.dtype, jnp.floating),
+          "int": jnp.issubdtype(x.dtype, jnp.integer) and x.dtype != jnp.bool_,
+          "bool": x.dtype == jnp.bool_}[kind]
+    if not ok:
+        raise TypeError(f"{name} must have a {kind} dtype, got {x.dtype}")
+    return x
+
+
+def validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok, *, num_groups,
+                    lam_cap=1.5, mode="sum_preserving", adjustments=None):
+    """Trace-time checks of ranks, shapes, dtypes and static options; returns jnp arrays.
+
+    Raises:
+      ValueError / TypeError naming the offending argument.
+    """
+    if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral) or num_groups < 1:
+        raise ValueError(f"num_groups must be a static Python int >= 1, got {num_groups!r}")
+    if isinstance(lam_cap, bool) or not isinstance(lam_cap, numbers.Real):
+        raise TypeError(f"lam_cap must be a static Python float, got {type(lam_cap).__name__}")
+    if not 1.0 <= float(lam_cap) < float("inf"):
+        raise ValueError(f"lam_cap must be finite and >= 1 (lambda >= 1 always), got {lam_cap!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    rewards = jnp.asarray(rewards)
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must have rank 1 (shape [T]), got shape {rewards.shape}")
+    t = rewards.shape
+    arrays = dict(
+        rewards=_check_array("rewards", rewards, "float", t),
+        group_ids=_check_array("group_ids", group_ids, "int", t),
+        factors=_check_array("factors", factors, "float", t),
+        valid=_check_array("valid", valid, "bool", t),
+        hacked=_check_array("hacked", hacked, "bool", t),
+        grading_ok=_check_array("grading_ok", grading_ok, "bool", (num_groups,)),
+    )
+    if adjustments is not None:
+        arrays["adjustments"] = _check_array("adjustments", adjustments, "float", t)
+    return arrays
+
+
+def group_stats(rewards, group_ids, factors, valid, hacked, grading_ok, *, num_groups: int,
+                use_factors: bool = True) -> GroupStats:
+    """Rules 1-5: exclusion, hack zeroing, mixed groups, outcome advantages, grading fallback.
+
+    Inputs are validated arrays (see `validate_inputs`). With `use_factors=False` (binary mode)
+    no factor is read and no group falls back.
+    """
+    G = num_groups
+    gid = group_ids.astype(jnp.int32)
+    member = valid & (gid >= 0) & (gid < G)   # out-of-range ids would be dropped by segment ops
+    gid = jnp.where(member, gid, 0)
+    passed = member & ~hacked & (rewards > 0.5)
+    n = segment_sum(member.astype(jnp.float32), gid, G)
+    k = segment_sum(passed.astype(jnp.float32), gid, G)
+    mixed = (k > 0) & (k < n)
+    p = k / jnp.maximum(n, 1.0)
+    in_mixed = member & mixed[gid]
+    A = jnp.where(in_mixed, passed.astype(jnp.float32) - p[gid], 0.0)
+    if use_factors:
+        # Select before computing: a failure's factor (maybe NaN) never enters arithmetic.
+        f_sel = jnp.where(passed, factors.astype(jnp.float32), 1.0)
+        bad = passed & ~((f_sel > 0.0) & (f_sel <= 1.0))   # NaN fails both comparisons
+        any_bad = segment_sum(bad.astype(jnp.float32), gid, G) > 0
+        fallback = mixed & (~grading_ok | any_bad)
+        f = jnp.where(passed & ~fallback[gid], f_sel, 1.0)
+    else:
+        fallback = jnp.zeros((G,), jnp.bool_)
+        f = jnp.ones_like(A)
+    return GroupStats(member_T=member, pass_T=passed, gid_T=gid, n_G=n, k_G=k, mixed_G=mixed,
+                      p_G=p, A_T=A, f_T=f, fallback_G=fallback)
+
+
+def _redistribute(st: GroupStats, *, num_groups: int, lam_cap: float, mode: str):
+    """Rules 6-8: returns (A'_T, lam_G, capped_G)."""
+    G, gid, A, f = num_groups, st.gid_T, st.A_T, st.f_T
+    no_cap = jnp.zeros((G,), jnp.bool_)
+    if mode == "binary":
+        return A, jnp.ones((G,), jnp.float32), no_cap
+    if mode == "downweight_only":
+        return jnp.where(st.pass_T, f * A, A), jnp.ones((G,), jnp.float32), no_cap
+    F = segment_sum(jnp.where(st.pass_T, f, 0.0), gid, G)
+    # lambda = k / sum f > cap  <=>  mean pass factor < 1 / cap; no division needed to decide.
+    capped = st.mixed_G & (lam_cap * F < st.k_G)
+    lam_raw = st.k_G / jnp.where(F > 0, F, 1.0)
+    lam = jnp.where(st.mixed_G, jnp.minimum(lam_raw, lam_cap), 1.0)
+    A1 = jnp.where(st.pass_T, lam[gid] * f * A, A)
+    # Re-centre capped groups so they keep zero mean (conservation no longer holds there).
+    mean = segment_sum(jnp.where(st.member_T, A1, 0.0), gid, G) / jnp.maximum(st.n_G, 1.0)
+    A2 = jnp.where(st.member_T & capped[gid], A1 - mean[gid], A1)
+    return A2, lam.astype(jnp.float32), capped
+
+
+def _advantages(x, *, num_groups: int, lam_cap: float, mode: str):
+    """The computation behind `gagar_advantages` on validated arrays; also returns the stats."""
+    G = num_groups
+    st = group_stats(x["rewards"], x["group_ids"], x["factors"], x["valid"], x["hacked"],
+                     x["grading_ok"], num_groups=G, use_factors=mode != "binary")
+    A2, lam, capped = _redistribute(st, num_groups=G, lam_cap=float(lam_cap), mode=mode)
+    gid, in_mixed = st.gid_T, st.member_T & st.mixed_G[st.gid_T]
+    final = A2
+    if "adjustments" in x:
+        # Rule 9: adjustments are centred on their own and never enter lambda or the cap.
+        c = jnp.where(in_mixed, x["adjustments"].astype(jnp.float32), 0.0)
+        c_mean = segment_sum(c, gid, G) / jnp.maximum(st.n_G, 1.0)
+        final = A2 + jnp.where(in_mixed, c - c_mean[gid], 0.0)
+    fail = st.member_T & ~st.pass_T
+    out = AdvantageOutput(
+        advantages=final, outcome_advantages=st.A_T, redistributed_advantages=A2,
+        effective_rewards=st.pass_T.astype(jnp.float32), factors_used=st.f_T,
+        lam=lam, capped=capped, mixed=st.mixed_G, fallback=st.fallback_G, pass_rate=st.p_G,
+        num_valid=st.n_G.astype(jnp.int32),
+        pos_credit_before=segment_sum(jnp.where(st.pass_T, st.A_T, 0.0), gid, G),
+        pos_credit_after=segment_sum(jnp.where(st.pass_T, A2, 0.0), gid, G),
+        neg_credit=segment_sum(jnp.where(fail, A2, 0.0), gid, G),
+    )
+    return out, st
+
+
+def gagar_advantages(rewards, group_ids, factors, valid, hacked, grading_ok, *,
+                     num_groups: int, lam_cap: float = 1.5, mode: str = "sum_preserving",
+                     adjustments: Optional[jax.Array] = None) -> AdvantageOutput:
+    """Gagar advantages of one batch of groups (SPEC section 2).
+
+    Args:
+      rewards: f32[T] binary test outcome 0/1.
+      group_ids: int[T] group index in [0, num_groups) (ignored for invalid members).
+      factors: f32[T] quality factor in (0, 1]; read for passes only.
+      valid: bool[T] false for infra failures and padding.
+      hacked: bool[T] grader-confirmed reliance on a leaked answer (reward forced to 0).
+      grading_ok: bool[num_groups] false = grading failed, the group keeps outcome advantages.
+      num_groups: static G.
+      lam_cap: static lambda_max >= 1.
+      mode: "sum_preserving" (Gagar), "downweight_only" (ablation) or "binary" (Dr. GRPO).
+      adjustments: optional f32[T] additive reward adjustments, centred per group and added
+        after the redistribution (rule 9).
+
+    Returns:
+      AdvantageOutput; `advantages` is what the loss broadcasts to tokens.
+    """
+    x = validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok,
+                        num_groups=num_groups, lam_cap=lam_cap, mode=mode, adjustments=adjustments)
+    return _advantages(x, num_groups=num_groups, lam_cap=lam_cap, mode=mode)[0]
+
+
+def equivalent_rewards(rewards, group_ids, factors, valid, hacked, grading_ok, *,
+                       num_groups: int, lam_cap: float = 1.5,
+                       mode: str = "sum_preserving") -> jax.Array:
+    """The shaped reward r' whose per-group mean-centring reproduces A' (INV-8).
+
+    Valid members of mixed groups get `p_g + A'_i`; members of other groups keep their effective
+    (hack-zeroed) reward; invalid trajectories get 0. Same arguments as `gagar_advantages`.
+
+    Returns:
+      f32[T].
+    """
+    x = validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok,
+                        num_groups=num_groups, lam_cap=lam_cap, mode=mode)
+    out, st = _advantages(x, num_groups=num_groups, lam_cap=lam_cap, mode=mode)
+    in_mixed = st.member_T & st.mixed_G[st.gid_T]
+    return jnp.where(in_mixed, st.p_G[st.gid_T] + out.redistributed_advantages,
+                     out.effective_rewards)
+
+
+def broadcast_to_tokens(adv_T: jax.Array, traj_index_BxS: jax.Array,
+                        loss_mask_BxS: jax.Array) -> jax.Array:
+    """Per-token advantages for packed rows (rule 10).
+
+    Args:
+      adv_T: f32[T] per-trajectory advantages.
+      traj_index_BxS: int[B, S] index of each token's trajectory in [0, T).
+      loss_mask_BxS: [B, S] 1 (or True) on model-generated tokens.
+
+    Returns:
+      f32[B, S]: `adv_T[traj]` on generated tokens, exactly 0 on prompt, tool and padding tokens.
+    """
+    adv_T = jnp.asarray(adv_T)
+    if adv_T.ndim != 1:
+        raise ValueError(f"adv_T must have rank 1 (shape [T]), got shape {adv_T.shape}")
+    if not jnp.issubdtype(adv_T.dtype, jnp.floating):
+        raise TypeError(f"adv_T must have a float dtype, got {adv_T.dtype}")
+    traj_index_BxS = jnp.asarray(traj_index_BxS)
+    if traj_index_BxS.ndim != 2:
+        raise ValueError(f"traj_index_BxS must have rank 2 (shape [B, S]), got {traj_index_BxS.shape}")
+    if not jnp.issubdtype(traj_index_BxS.dtype, jnp.integer):
+        raise TypeError(f"traj_index_BxS must have an int dtype, got {traj_index_BxS.dtype}")
+    loss_mask_BxS = jnp.asarray(loss_mask_BxS)
+    if loss_mask_BxS.shape != traj_index_BxS.shape:
+        raise ValueError(f"loss_mask_BxS must have shape {traj_index_BxS.shape}, "
+                         f"got {loss_mask_BxS.shape}")
+    adv_BxS = jnp.take(adv_T.astype(jnp.float32), traj_index_BxS, mode="clip")
+    return jnp.where(loss_mask_BxS.astype(jnp.bool_), adv_BxS, 0.0)
+
+
+def check_invariants(out: AdvantageOutput, rewards, group_ids, factors, valid, hacked, grading_ok,
+                     *, num_groups: int, lam_cap: float = 1.5, mode: str = "sum_preserving",
+                     atol: float = 1e-5) -> None:
+    """Asserts the input contract and the identities that hold for `mode` (chex value asserts).
+
+    Runs eagerly, or inside jit when the jitted function is wrapped in `chex.chexify` (the loss
+    calls it under `debug_checks`). sum_preserving: INV-1..INV-7 (INV-8 follows from INV-1);
+    downweight_only: INV-3, INV-4, INV-7; binary: A' = A. INV-9 is a property of the whole
+    function and is tested, not asserted. Element tolerances are `atol`, group sums `atol * n_g`.
+
+    Args:
+      out: the AdvantageOutput to check.
+      rewards, group_ids, factors, valid, hacked, grading_ok: the inputs it was computed from.
+      num_groups, lam_cap, mode: as passed to `gagar_advantages`.
+      atol: absolute tolerance.
+    """
+    x = validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok,
+                        num_groups=num_groups, lam_cap=lam_cap, mode=mode)
+    G = num_groups
+    st = group_stats(x["rewards"], x["group_ids"], x["factors"], x["valid"], x["hacked"],
+                     x["grading_ok"], num_groups=G, use_factors=mode != "binary")
+    gid, member, passed, A, f = st.gid_T, st.member_T, st.pass_T, st.A_T, st.f_T
+    seg = lambda v: segment_sum(v, gid, G)  # noqa: E731
+    close = lambda a, b, tol: jnp.abs(a - b) <= tol  # noqa: E731
+    fail, in_mixed = member & ~passed, member & st.mixed_G[gid]
+    A1, tol_G = out.redistributed_advantages, atol * jnp.maximum(st.n_G, 1.0)
+    r, g, adj = x["rewards"], x["group_ids"], jnp.where(member, out.advantages - A1, 0.0)
+    checks = {
+        "input contract: rewards of valid members are 0 or 1": ~x["valid"] | (r == 0) | (r == 1),
+        "input contract: valid members' group ids lie in [0, num_groups)":
+            ~x["valid"] | ((g >= 0) & (g < G)),
+        "advantages are finite": jnp.isfinite(out.advantages) & jnp.isfinite(A1),
+        "mixed flags follow 0 < k < n": out.mixed == st.mixed_G,
+        "outcome advantages are r - p": close(out.outcome_advantages, A, atol),
+        "zero advantage outside mixed groups": in_mixed | ((out.advantages == 0) & (A1 == 0)),
+        "INV-7 lambda <= lambda_max": out.lam <= lam_cap,
+        "lambda = 1, not capped, no fallback outside mixed groups":
+            st.mixed_G | ((out.lam == 1) & ~out.capped & ~out.fallback),
+        "fallback flags follow rule 5": out.fallback == st.fallback_G,
+    }
+    if mode == "binary":
+        checks["binary: A' = A"] = close(A1, A, atol)
+    if mode != "sum_preserving":
+        checks["lambda = 1 and no cap outside sum_preserving"] = (out.lam == 1) & ~out.capped
+    if mode == "downweight_only":
+        checks["INV-3 failures untouched"] = ~fail | close(A1, A, atol)
+        checks["INV-4 passes get f * A"] = ~passed | close(A1, f * A, atol)
+    if mode == "sum_preserving":
+        k, F = st.k_G, seg(jnp.where(passed, f, 0.0))
+        capped_T = out.capped[gid]
+        unc_G, unc_T = st.mixed_G & ~out.capped, in_mixed & ~capped_T
+        pos_A1, pos_A = seg(jnp.where(passed, A1, 0.0)), seg(jnp.where(passed, A, 0.0))
+        c_G = pos_A1 / jnp.where(F > 0, F, 1.0)
+        fbar = F / jnp.maximum(k, 1.0)
+        fbar_T = jnp.where(passed, fbar[gid], 1.0)
+        fmax = jax.ops.segment_max(jnp.where(passed, f, -jnp.inf), gid, num_segments=G)
+        fmin = jax.ops.segment_min(jnp.where(passed, f, jnp.inf), gid, num_segments=G)
+        base = jnp.where(passed, lam_cap * f * A, A)   # capped groups before re-centring
+        shift = jnp.where(member & capped_T, A1 - base, 0.0)
+        smax = jax.ops.segment_max(jnp.where(member & capped_T, shift, -jnp.inf), gid, num_segments=G)
+        smin = jax.ops.segment_min(jnp.where(member & capped_T, shift, jnp.inf), gid, num_segments=G)
+        checks.update({
+            "the cap fires iff the mean pass factor < 1 / lambda_max": ~st.mixed_G | jnp.where(
+                out.capped, F * lam_cap <= k * (1 + 1e-6), F * lam_cap >= k * (1 - 1e-6)),
+            "capped groups apply lambda_max": ~out.capped | (out.lam == lam_cap),
+            "uncapped lambda = k / sum of pass factors": ~unc_G | close(out.lam * F, k, atol * k),
+            "capped groups: lambda_max f A re-centred by one shift":
+                ~out.capped | close(smax, smin, atol),
+            "INV-1 zero mean": close(seg(jnp.where(member, A1, 0.0)), 0.0, tol_G),
+            "INV-2 positive credit preserved": ~unc_G | close(pos_A1, pos_A, tol_G),
+            "INV-3 failures untouched": ~(unc_T & fail) | close(A1, A, atol),
+            "INV-4 pass advantages proportional to factors":
+                ~(unc_T & passed) | close(A1, f * c_G[gid], atol),
+            "INV-5 zero-sum shift": ~(unc_T & passed) | close(A1 - A, A * (f - fbar_T) / fbar_T, atol),
+            "INV-6 equal factors reduce to A": ~(unc_T & (fmax == fmin)[gid]) | close(A1, A, atol),
+        })
+    checks["adjustments are centred per group"] = close(
+        seg(adj), 0.0, tol_G * (1.0 + jnp.max(jnp.abs(adj))))
+    for name, ok in checks.items():
+        chex.assert_trees_all_equal(jnp.all(ok), jnp.array(True), custom_message=name)
