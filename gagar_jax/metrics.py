@@ -164,7 +164,9 @@ def group_records(step: int, group_ids: Sequence[str], trajectory_ids: Sequence[
                   group_index_T: np.ndarray, factors_T: np.ndarray, advantages_T: np.ndarray,
                   lam_G: np.ndarray, capped_G: np.ndarray, fallback_G: np.ndarray, *,
                   valid_T: Optional[np.ndarray] = None,
-                  rewards_T: Optional[np.ndarray] = None) -> list[dict]:
+                  rewards_T: Optional[np.ndarray] = None,
+                  outcome_advantages_T: Optional[np.ndarray] = None,
+                  mixed_G: Optional[np.ndarray] = None) -> list[dict]:
     """One audit record per real group of a batch, for `groups.jsonl`.
 
     Args:
@@ -178,10 +180,14 @@ def group_records(step: int, group_ids: Sequence[str], trajectory_ids: Sequence[
       lam_G, capped_G, fallback_G: [G] per-group λ, cap fired, grading fallback.
       valid_T: optional bool [T]; written per trajectory when given.
       rewards_T: optional float [T]; written per trajectory when given.
+      outcome_advantages_T: optional float [T], the advantage before redistribution; written
+        per trajectory as "outcome_advantage" when given.
+      mixed_G: optional bool [G]; written per group as "mixed" when given.
 
     Returns:
-      A list of dicts {"step", "group_id", "lam", "capped", "fallback", "trajectories":
-      [{"id", "factor", "advantage", ["valid"], ["reward"]}, ...]} in batch group order.
+      A list of dicts {"step", "group_id", "lam", "capped", "fallback", ["mixed"],
+      "trajectories": [{"id", "factor", "advantage", ["valid"], ["reward"],
+      ["outcome_advantage"]}, ...]} in batch group order.
     """
     group_index_T = np.asarray(group_index_T)
     T, G = group_index_T.shape[0], np.asarray(lam_G).shape[0]
@@ -195,6 +201,8 @@ def group_records(step: int, group_ids: Sequence[str], trajectory_ids: Sequence[
         per_traj["valid"] = np.asarray(valid_T, bool)
     if rewards_T is not None:
         per_traj["reward"] = np.asarray(rewards_T, np.float64)
+    if outcome_advantages_T is not None:
+        per_traj["outcome_advantage"] = np.asarray(outcome_advantages_T, np.float64)
     for name, arr in per_traj.items():
         if arr.shape != (T,):
             raise ValueError(f"{name}_T has shape {arr.shape}, expected ({T},)")
@@ -207,9 +215,15 @@ def group_records(step: int, group_ids: Sequence[str], trajectory_ids: Sequence[
         entry.update({k: v[t].item() for k, v in per_traj.items()})
         members[g].append(entry)
     lam, capped, fallback = (np.asarray(a) for a in (lam_G, capped_G, fallback_G))
-    return [{"step": int(step), "group_id": gid, "lam": float(lam[g]),
-             "capped": bool(capped[g]), "fallback": bool(fallback[g]),
-             "trajectories": members[g]} for g, gid in enumerate(group_ids)]
+    records = []
+    for g, gid in enumerate(group_ids):
+        record = {"step": int(step), "group_id": gid, "lam": float(lam[g]),
+                  "capped": bool(capped[g]), "fallback": bool(fallback[g])}
+        if mixed_G is not None:
+            record["mixed"] = bool(np.asarray(mixed_G)[g])
+        record["trajectories"] = members[g]
+        records.append(record)
+    return records
 
 
 # -- writers ------------------------------------------------------------------------------------

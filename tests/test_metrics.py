@@ -6,10 +6,12 @@ import json
 import os
 import struct
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gagar_jax import metrics
@@ -74,6 +76,23 @@ def test_sha256_changes_on_one_ulp_name_dtype_or_shape():
     assert metrics.params_sha256(reshaped) != reference
 
 
+@given(st.lists(st.sampled_from(["f32", "bf16", "i32"]), min_size=1, max_size=4),
+       st.integers(0, 2**31 - 1))
+def test_sha256_any_single_bit_flip_changes_it(dtypes, seed):
+    rng = np.random.default_rng(seed)
+    kinds = {"f32": np.float32, "bf16": jnp.bfloat16, "i32": np.int32}
+    params = {f"p{i}": (rng.standard_normal(int(rng.integers(1, 6))) * 100).astype(kinds[d])
+              for i, d in enumerate(dtypes)}
+    reference = metrics.params_sha256(params)
+    assert metrics.params_sha256(dict(reversed(list(params.items())))) == reference
+    name = f"p{int(rng.integers(len(dtypes)))}"
+    flipped = params[name].copy()
+    raw = flipped.reshape(-1).view(np.uint8)
+    bit = int(rng.integers(raw.size * 8))
+    raw[bit // 8] ^= np.uint8(1 << (bit % 8))
+    assert metrics.params_sha256({**params, name: flipped}) != reference
+
+
 def test_params_l2_matches_numpy(devices):
     params = _params_np()
     expected = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(params)))
@@ -105,6 +124,23 @@ def test_metrics_buffer_returns_previous_step():
     assert last.step == 2 and last.scalars["loss"] == 3.0
     assert last.nonfinite == ("bad",) and not last.finite  # log(0) = -inf
     assert buf.flush() is None
+
+
+@flax.struct.dataclass
+class _Audit:
+    lam_G: jax.Array
+
+
+@flax.struct.dataclass
+class _StepMetrics:
+    loss: jax.Array
+    audit: _Audit
+
+
+def test_to_host_names_struct_fields():
+    host = metrics.to_host(1, _StepMetrics(loss=jnp.float32(0.5), audit=_Audit(jnp.ones(3))))
+    assert host.scalars == {"loss": 0.5}
+    assert list(host.arrays) == ["audit/lam_G"]
 
 
 def test_to_host_reports_nan():
@@ -142,8 +178,36 @@ EXPECTED_GROUPS = [
 ]
 
 
+@given(st.integers(1, 6), st.integers(1, 12), st.integers(0, 2**31 - 1))
+def test_group_records_partition_trajectories(G, T, seed):
+    """Every real trajectory appears exactly once, under its own group, in slot order."""
+    rng = np.random.default_rng(seed)
+    n_real_groups = int(rng.integers(0, G + 1))
+    group_index_T = rng.integers(0, G, T).astype(np.int32)
+    ids = [None if rng.random() < 0.2 else f"t{t}" for t in range(T)]
+    records = metrics.group_records(
+        0, [f"g{g}" for g in range(n_real_groups)], ids, group_index_T,
+        rng.random(T), rng.standard_normal(T), rng.random(G), rng.random(G) < 0.5,
+        rng.random(G) < 0.5)
+    listed = [(r["group_id"], t["id"], t["advantage"]) for r in records for t in r["trajectories"]]
+    expected = sorted(((f"g{group_index_T[t]}", ids[t]) for t in range(T)
+                       if ids[t] is not None and group_index_T[t] < n_real_groups),
+                      key=lambda x: (int(x[0][1:]), int(x[1][1:])))
+    assert [(g, i) for g, i, _ in listed] == expected
+    assert len(records) == n_real_groups
+
+
 def test_group_records_contents():
     assert metrics.group_records(**_audit_inputs()) == EXPECTED_GROUPS
+    extra = metrics.group_records(
+        **_audit_inputs(), mixed_G=np.array([True, False, False]),
+        rewards_T=np.array([1, 0, 1, 1, 0, 0], np.float32),
+        outcome_advantages_T=np.array([0.4, -0.5, 0.4, 0.5, -0.6, 0.0], np.float32))
+    assert [r["mixed"] for r in extra] == [True, False]
+    assert extra[0]["trajectories"][1] == {
+        **EXPECTED_GROUPS[0]["trajectories"][1], "reward": 1.0,
+        "outcome_advantage": float(np.float32(0.4))}
+    assert [t["reward"] for t in extra[1]["trajectories"]] == [0.0, 1.0]
     with pytest.raises(ValueError, match="advantage"):
         metrics.group_records(**{**_audit_inputs(), "advantages_T": np.zeros(5)})
     with pytest.raises(ValueError, match="group_ids"):
