@@ -1,0 +1,66 @@
+"""Config files (ConfigDict) in, frozen dataclasses out: the library edge.
+
+A config file is a Python module with `get_config() -> ml_collections.ConfigDict` (see
+`configs/tiny_cpu.py`). The trainer locks it, applies command-line overrides, and converts each
+section once into the frozen dataclass of the module that owns it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+
+import ml_collections
+
+
+class ConfigError(ValueError):
+    """A config file, key or value the user gave is wrong; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The visible loop's own settings (`cfg.train`)."""
+
+    steps: int                 # train steps; one step consumes one feed batch
+    checkpoint_every: int      # orbax save interval in steps (0 = only at the end / on SIGTERM)
+    keep_checkpoints: int      # keep the last K checkpoints
+    publish_every: int         # publish HF weights every N steps (0 = never)
+    keep_published: int        # keep the last K published weight sets
+    log_every: int             # metrics interval in steps
+    init_from: str             # HF Qwen3-MoE directory to start from ("" = random init)
+    reference_from: str        # KL reference policy directory ("" = initial weights)
+
+    @classmethod
+    def from_config(cls, c: ml_collections.ConfigDict) -> "TrainConfig":
+        out = cls(**{f.name: c[f.name] for f in dataclasses.fields(cls)})
+        for name in ("steps", "keep_checkpoints", "keep_published", "log_every"):
+            if getattr(out, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(out, name)}")
+        for name in ("checkpoint_every", "publish_every"):
+            if getattr(out, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(out, name)}")
+        for name in ("init_from", "reference_from"):
+            path = getattr(out, name)
+            if path and not os.path.isdir(path):
+                raise ConfigError(f"train.{name}: no such directory: {path}")
+        return out
+
+
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+    """Imports a config file and returns its locked `get_config()`."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    spec = importlib.util.spec_from_file_location("gagar_user_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {path} has no get_config()")
+    cfg = module.get_config()
+    cfg.lock()
+    return cfg
+
+
+def to_json(cfg: ml_collections.ConfigDict) -> str:
+    """The config as JSON (saved beside every checkpoint)."""
+    return json.dumps(cfg.to_dict(), sort_keys=True, default=str)
