@@ -56,16 +56,24 @@ class Restored:
     config: dict
 
 
-def _jsonable(obj: Any, what: str) -> Any:
-    """A JSON round-trip of `obj` (numpy scalars/arrays become Python), or a clear error."""
+def _jsonable(obj: Any, what: str, *, lenient: bool = False) -> Any:
+    """A JSON round-trip of `obj` (numpy scalars/arrays become Python), or a clear error.
+
+    `obj` may be a dict, a ConfigDict or a JSON object string. With `lenient`, values JSON cannot
+    hold are stored as their `str` (the config is kept for reference only).
+    """
 
     def default(x):
         if isinstance(x, np.generic):
             return x.item()
         if isinstance(x, (np.ndarray, jax.Array)):
             return np.asarray(x).tolist()
+        if lenient:
+            return str(x)
         raise TypeError(f"{what}: value of type {type(x).__name__} is not JSON-serializable")
 
+    if isinstance(obj, str):
+        obj = json.loads(obj)
     if hasattr(obj, "to_dict"):  # ml_collections.ConfigDict
         obj = obj.to_dict()
     if not isinstance(obj, Mapping):
@@ -91,21 +99,22 @@ class Checkpointer:
 
     Args:
       directory: where step directories live (created if missing).
-      save_interval_steps: `save` writes only at steps divisible by this (unless forced).
+      save_interval_steps: `save` writes only at steps divisible by this (unless forced);
+        0 = only forced saves (end of run, SIGTERM).
       max_to_keep: keep the newest K committed steps; older ones are deleted after a save.
       async_save: write files on a background thread (True in the trainer).
     """
 
     def __init__(self, directory: str | os.PathLike, *, save_interval_steps: int = 100,
                  max_to_keep: int = 3, async_save: bool = True):
-        if save_interval_steps < 1:
-            raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
+        if save_interval_steps < 0:
+            raise ValueError(f"save_interval_steps must be >= 0, got {save_interval_steps}")
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
         self.directory = os.path.abspath(os.fspath(directory))
         self.save_interval_steps = save_interval_steps
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=save_interval_steps,
+            save_interval_steps=max(save_interval_steps, 1),  # unused: we decide, see save()
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
             # Removes `*.orbax-checkpoint-tmp-*` dirs left by a save that was killed.
@@ -125,8 +134,10 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         """Whether `save(step, ...)` without `force` would write."""
         # Our own rule, not orbax's default (which also saves the first step it sees).
+        if self.save_interval_steps == 0 or step % self.save_interval_steps:
+            return False
         latest = self.latest_step()
-        return step % self.save_interval_steps == 0 and (latest is None or step > latest)
+        return latest is None or step > latest
 
     # -- save ---------------------------------------------------------------------------------
     def save(self, step: int, state: Any, feed: Mapping[str, Any], config: Any, *,
@@ -141,14 +152,14 @@ class Checkpointer:
           step: completed train steps.
           state: the train state pytree (sharded jax.Arrays).
           feed: the feed position/state, a JSON-serializable dict.
-          config: the run's config (dict or ConfigDict), stored for reference.
+          config: the run's config (dict, ConfigDict or JSON string), stored for reference.
           force: write even off the save interval.
 
         Returns:
           True if a save was started.
         """
         feed_json = _jsonable(feed, "feed")
-        config_json = _jsonable(config, "config")
+        config_json = _jsonable(config, "config", lenient=True)
         if not force and not self.should_save(step):
             return False
         if step in self._manager.all_steps():

@@ -6,6 +6,7 @@ import threading
 
 import flax.struct
 import jax
+import ml_collections
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -133,6 +134,18 @@ def test_interval_keep_last_k_and_force(tmp_path, state8):
     mgr.close()
 
 
+def test_interval_zero_saves_only_when_forced(tmp_path, state8, mesh8):
+    mgr, written = _save_steps(tmp_path, state8, range(1, 5), interval=0)
+    assert written == [] and mgr.latest_step() is None
+    # Config given as a ConfigDict (a JSON string works too); odd values are kept as text.
+    config = ml_collections.ConfigDict({**CONFIG, "dtype": jnp.bfloat16})
+    assert mgr.save(4, state8, FEED, config, force=True)
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [4]
+    assert mgr.restore(_abstract(state8, mesh8)).config == {**CONFIG, "dtype": str(jnp.bfloat16)}
+    mgr.close()
+
+
 def test_async_save_survives_buffer_donation(tmp_path, state8, mesh8):
     """The loop donates the state to the next step right after `save` returns."""
     copy = jax.tree.map(lambda x: x.copy(), state8)
@@ -218,6 +231,8 @@ def test_restore_errors(tmp_path, state8, mesh8):
         mgr.restore(no_sharding)
     with pytest.raises(TypeError, match="feed"):
         mgr.save(1, state8, {"x": object()}, CONFIG, force=True)
+    with pytest.raises(ValueError, match="save_interval_steps"):
+        ckpt.Checkpointer(tmp_path / "y", save_interval_steps=-1)
     with pytest.raises(ValueError, match="max_to_keep"):
         ckpt.Checkpointer(tmp_path / "x", max_to_keep=0)
     mgr.close()
