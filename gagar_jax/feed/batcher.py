@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import time
 from typing import Any, Callable, Optional
 
 import msgspec
@@ -33,6 +35,7 @@ from gagar_jax.feed.validate import (ModelShape, ParsedGroup, Reason, Rejected,
                                      classify_decode_error, validate_group)
 
 STATE_VERSION = 1
+LEDGER_WRITE_EVERY_S = 5.0   # ledger.json rewrite interval (always on finish/restore)
 _NO_GRADE = -2     # tier code for "not graded" (fails, hacked passes, padding)
 
 
@@ -104,6 +107,7 @@ class Feed:
         self.buffer: list = []        # validated mixed groups waiting for a batch (FIFO)
         self.seen_group_ids: set = set()
         self.exhausted = False
+        self._ledger_written = -math.inf
 
     # ---- intake -----------------------------------------------------------------------------
     def _reject(self, raw, reason: str, detail: str, group_id: Optional[str] = None) -> None:
@@ -265,20 +269,23 @@ class Feed:
         return batch, info
 
     # ---- ledger and checkpointed state ------------------------------------------------------
-    def _write_ledger(self) -> None:
-        if self.writer:
+    def _write_ledger(self, force: bool = False) -> None:
+        # Rate-limited: the checkpointed state is the authority; ledger.json is for people.
+        now = time.monotonic()
+        if self.writer and (force or now - self._ledger_written >= LEDGER_WRITE_EVERY_S):
             self.ledger.write(self.workdir / "ledger.json")
+            self._ledger_written = now
 
     def record_trained(self, group_ids, fallback_flags, capped_flags) -> None:
         """`Ledger.record_trained` plus a ledger.json rewrite (call once per trained batch)."""
         self.ledger.record_trained(group_ids, fallback_flags, capped_flags)
-        self._write_ledger()
+        self._write_ledger(force=True)
 
     def finish(self) -> Ledger:
         """Ends the run's accounting: still-buffered groups count as `leftover`."""
         self.ledger.leftover = len(self.buffer)
         self.ledger.finished = True
-        self._write_ledger()
+        self._write_ledger(force=True)
         return self.ledger
 
     def state(self) -> dict:
@@ -306,4 +313,4 @@ class Feed:
         self.seen_group_ids = set(state["seen_group_ids"])
         self.dead_letter.restore(int(state["dead_letter"]["length"]),
                                  int(state["dead_letter"]["count"]))
-        self._write_ledger()
+        self._write_ledger(force=True)

@@ -37,22 +37,23 @@ def first_fit_decreasing(lengths: Sequence[int], num_rows: int, seq_len: int) ->
     if lengths.size and (lengths.min() < 1 or lengths.max() > seq_len):
         raise ValueError(f"lengths must lie in [1, seq_len={seq_len}], got "
                          f"[{lengths.min()}, {lengths.max()}]")
-    order = np.argsort(-lengths, kind="stable")
-    used = np.zeros(num_rows, np.int64)
-    count = np.zeros(num_rows, np.int64)
+    order = np.argsort(-lengths, kind="stable").tolist()
+    sizes = lengths.tolist()
+    used = [0] * num_rows            # plain lists: this runs per candidate group, on the host
+    count = [0] * num_rows
     row_T = np.zeros(lengths.size, np.int64)
     offset_T = np.zeros(lengths.size, np.int64)
     segment_T = np.zeros(lengths.size, np.int64)
     rows_used = 0
     for i in order:
-        fits = np.flatnonzero(used + lengths[i] <= seq_len)
-        if fits.size == 0:
+        n = sizes[i]
+        r = next((r for r in range(num_rows) if used[r] + n <= seq_len), None)
+        if r is None:
             return None
-        r = int(fits[0])
         row_T[i], offset_T[i] = r, used[r]
         count[r] += 1
         segment_T[i] = count[r]
-        used[r] += lengths[i]
+        used[r] += n
         rows_used = max(rows_used, r + 1)
     return PackPlan(row_T=row_T, offset_T=offset_T, segment_T=segment_T, rows_used=rows_used)
 

@@ -46,7 +46,7 @@ class ShardReader:
         self.encoding = shard_encoding(self.path)
         self.index = 0
         if self.encoding == "json":
-            self._lines: Iterator[bytes] = iter(self.path.read_bytes().splitlines())
+            self._lines: Iterator[bytes] = iter(self.path.open("rb"))   # streamed, not slurped
         else:
             import grain.python as grain  # deferred: grain is heavy to import
             self._source = grain.ArrayRecordDataSource([str(self.path)])
