@@ -1,0 +1,270 @@
+"""The visible training loop: feed -> train step -> metrics, checkpoints and published weights.
+
+    summary = run(cfg, workdir)
+
+One step consumes one feed batch. The loop dispatches step N+1 before it reads step N's metrics
+(so the host never waits on the device for logging), saves the train state together with the
+feed position (exact resume), writes a checkpoint and exits 0 on SIGTERM (preemption), and ends
+when `train.steps` are done or a finite feed is exhausted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import time
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from flax import nnx
+
+from gagar_jax import hf, metrics as metrics_lib, publish
+from gagar_jax.checkpoint import Checkpointer
+from gagar_jax.config import ConfigError, TrainConfig
+from gagar_jax.feed.batcher import Feed
+from gagar_jax.feed.config import FeedConfig
+from gagar_jax.feed.packing import make_global_batch
+from gagar_jax.sharding import make_mesh
+from gagar_jax.train_step import (StepConfig, batch_shardings, init_train_state,
+                                  make_train_step)
+
+log = logging.getLogger("gagar_jax.train")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """All frozen section configs of one run."""
+
+    step: StepConfig
+    feed: FeedConfig
+    train: TrainConfig
+    seed: int
+
+    @classmethod
+    def from_config(cls, cfg) -> "RunConfig":
+        try:
+            return cls(step=StepConfig.from_config(cfg), feed=FeedConfig.from_config(cfg.feed),
+                       train=TrainConfig.from_config(cfg.train), seed=int(cfg.seed))
+        except ConfigError:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ConfigError(f"bad config: {e}") from e
+
+
+class _Preemption:
+    """Turns SIGTERM into a flag the loop checks after every step (all processes agree)."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = None
+
+    def __enter__(self):
+        try:
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread (e.g. some test runners): no handler
+            self._old = None
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+    def agreed(self) -> bool:
+        if jax.process_count() == 1:
+            return self.requested
+        from jax.experimental import multihost_utils
+        flags = multihost_utils.process_allgather(np.array(self.requested, np.int32))
+        return bool(np.any(flags))
+
+
+def _load_hf_params(path: str, step_cfg: StepConfig, like: Any, shardings: Any) -> Any:
+    """Parameters of a HF Qwen3-MoE directory, checked against the configured model, sharded."""
+    model_cfg = step_cfg.model
+    model, _ = hf.from_pretrained(path, dtype=model_cfg.param_dtype)
+    from gagar_jax.train_step import _split_model
+    _, params, _ = _split_model(model)
+    want = jax.tree.map(lambda x: (x.shape, x.dtype), like)
+    got = jax.tree.map(lambda x: (x.shape, x.dtype), params)
+    if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
+        raise ConfigError(f"{path}: checkpoint architecture does not match the config's model "
+                          "section (set model.* to the checkpoint's shapes)")
+    return jax.device_put(params, shardings)
+
+
+def _abstract(state: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        state, shardings)
+
+
+class _StepLog:
+    """Host-side bookkeeping of finished steps: ledger counts, audit log, metrics, summary."""
+
+    def __init__(self, feed: Feed, writer: metrics_lib.MetricsWriter, progress, log_every: int):
+        self.feed, self.writer, self.progress, self.log_every = feed, writer, progress, log_every
+        self.losses, self.lam_means, self.lam_max = [], [], 0.0
+        self.tokens = 0
+        self.skipped = 0
+        self.t_last = time.perf_counter()
+
+    def finish_step(self, step: int, info, batch_np, device_metrics) -> metrics_lib.HostMetrics:
+        m = metrics_lib.to_host(step, device_metrics)
+        a = m.arrays
+        n = info.num_groups
+        self.feed.record_trained(info.group_ids, a["audit/fallback_G"][:n].tolist(),
+                                 a["audit/capped_G"][:n].tolist())
+        traj_ids: list = [None] * a["audit/advantages_T"].shape[0]
+        for ids, slots in zip(info.trajectory_ids, info.traj_slots):
+            for tid, t in zip(ids, slots):
+                traj_ids[t] = tid
+        self.writer.write_groups(metrics_lib.group_records(
+            step, info.group_ids, traj_ids, batch_np.group_ids_T, batch_np.factors_T,
+            a["audit/advantages_T"], a["audit/lam_G"], a["audit/capped_G"],
+            a["audit/fallback_G"], valid_T=batch_np.valid_T, rewards_T=batch_np.rewards_T,
+            outcome_advantages_T=a["audit/outcome_advantages_T"], mixed_G=a["audit/mixed_G"]))
+        s = m.scalars
+        now = time.perf_counter()
+        tok_s = info.num_tokens / max(now - self.t_last, 1e-9)
+        self.t_last = now
+        self.tokens += info.num_tokens
+        self.losses.append(s["loss"])
+        self.lam_means.append(s["lam_mean"])
+        self.lam_max = max(self.lam_max, s["lam_max"])
+        self.skipped += int(s["skipped"])
+        if not m.finite or s["skipped"] > 0:
+            log.warning("step %d: non-finite values %s; %d optimizer update(s) skipped",
+                        step, list(m.nonfinite), int(s["skipped"]))
+        if step % self.log_every == 0:
+            self.writer.write(step, {**s, "feed/packing_efficiency": info.packing_efficiency,
+                                     "perf/tokens_per_s": tok_s})
+        self.progress.update(1, tokens_per_s=tok_s, loss=s["loss"], lam=s["lam_mean"],
+                             groups=int(s["groups"]))
+        return m
+
+
+def run(cfg, workdir: str, *, source: Any = None) -> Optional[dict]:
+    """Trains until `train.steps` or the end of a finite feed; returns the run summary.
+
+    Args:
+      cfg: the locked ConfigDict (sections model, mesh, loss, optim, train, feed).
+      workdir: run directory; an existing checkpoint there is resumed from.
+      source: optional feed source object (e.g. `IteratorSource` for in-process producers);
+        default: `feed.path` / `feed.spool_dir` from the config.
+    Returns:
+      The summary dict (also written to `workdir/summary.json` by process 0).
+    """
+    rc = RunConfig.from_config(cfg)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    os.makedirs(workdir, exist_ok=True)
+    pidx, pcount = jax.process_index(), jax.process_count()
+    if rc.feed.rows_per_batch % pcount:
+        raise ConfigError(f"feed.rows_per_batch={rc.feed.rows_per_batch} must divide by the "
+                          f"{pcount} processes")
+    if rc.feed.path and not any(ch in rc.feed.path for ch in "*?[") and not os.path.exists(
+            rc.feed.path):
+        raise ConfigError(f"feed.path: no such file: {rc.feed.path}")
+    try:
+        mesh = make_mesh(cfg.mesh)
+    except ValueError as e:
+        raise ConfigError(f"mesh: {e}") from e
+    model_cfg = rc.step.model
+
+    state, graphdef, shardings = init_train_state(rc.step, mesh, jax.random.PRNGKey(rc.seed))
+    if rc.train.init_from:
+        params = _load_hf_params(rc.train.init_from, rc.step, state.params, shardings.params)
+        state = state.replace(params=params, opt_state=state.opt_state,
+                              ref_params=params if state.ref_params is not None else None)
+    if rc.train.reference_from and state.ref_params is not None:
+        state = state.replace(ref_params=_load_hf_params(
+            rc.train.reference_from, rc.step, state.params, shardings.params))
+
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"),
+                        save_interval_steps=max(rc.train.checkpoint_every, 1),
+                        max_to_keep=rc.train.keep_checkpoints)
+    feed = Feed(rc.feed, workdir, vocab_size=model_cfg.vocab_size,
+                num_moe_layers=model_cfg.num_moe_layers, top_k=model_cfg.top_k,
+                num_experts=model_cfg.num_experts, source=source, process_index=pidx,
+                process_count=pcount)
+    if ckpt.latest_step() is not None:
+        restored = ckpt.restore(_abstract(state, shardings))
+        state = restored.state
+        feed.restore(restored.feed)
+        log.info("resumed from checkpoint step %d in %s", restored.step, ckpt.directory)
+
+    step = int(jax.device_get(state.step))
+    start_step = step
+    writer = metrics_lib.MetricsWriter(workdir)
+    progress = metrics_lib.Progress(total=rc.train.steps, initial=step)
+    steplog = _StepLog(feed, writer, progress, rc.train.log_every)
+    step_fn, batch_sh = None, None
+    pending = None            # (step, BatchInfo, numpy Batch, device metrics) not yet read back
+    cfg_json = json.loads(cfg.to_json())
+    t0 = time.perf_counter()
+    preempted = False
+
+    def drain():
+        nonlocal pending
+        if pending is not None:
+            steplog.finish_step(*pending)
+            pending = None
+
+    with _Preemption() as preemption:
+        while step < rc.train.steps:
+            item = feed.next_batch(step)
+            if item is None:
+                log.info("feed exhausted after step %d", step)
+                break
+            batch_np, info = item
+            if step_fn is None:
+                batch_sh = batch_shardings(batch_np, mesh)
+                step_fn = make_train_step(rc.step, mesh, shardings, batch_sh, graphdef)
+            batch = make_global_batch(batch_np, batch_sh, rc.feed.rows_per_batch)
+            state, device_metrics = step_fn(state, batch)
+            step += 1
+            drain()                       # step - 1's metrics, read while step runs
+            pending = (step, info, batch_np, device_metrics)
+            preempted = preemption.agreed()
+            publish_now = rc.train.publish_every and step % rc.train.publish_every == 0
+            if preempted or ckpt.should_save(step) or publish_now:
+                drain()                   # the ledger must include this step before saving
+            if preempted or (rc.train.checkpoint_every and ckpt.should_save(step)):
+                ckpt.save(step, state, feed.state(), cfg_json, force=preempted)
+            if publish_now:
+                publish.publish_weights(nnx.merge(graphdef, state.params, state.router_bias),
+                                        step, workdir, hf.save_pretrained,
+                                        keep=rc.train.keep_published)
+            if preempted:
+                log.info("SIGTERM: checkpoint written at step %d; exiting", step)
+                break
+    drain()
+    if not preempted and step > start_step:
+        ckpt.save(step, state, feed.state(), cfg_json, force=True)
+    ckpt.close()
+    progress.close()
+    ledger = feed.finish() if not preempted else feed.ledger
+    elapsed = time.perf_counter() - t0
+    summary = {
+        "steps": step,
+        "steps_this_run": step - start_step,
+        "preempted": preempted,
+        "tokens": steplog.tokens,
+        "tokens_per_s": steplog.tokens / max(elapsed, 1e-9),
+        "wall_s": elapsed,
+        "final_loss": steplog.losses[-1] if steplog.losses else None,
+        "lam_mean": float(np.mean(steplog.lam_means)) if steplog.lam_means else None,
+        "lam_max": steplog.lam_max,
+        "skipped_updates": steplog.skipped,
+        "ledger": ledger.to_json(),
+        "params_sha256": metrics_lib.params_sha256(state.params),
+        "params_l2": metrics_lib.params_l2(state.params),
+    }
+    writer.close()
+    if pidx == 0:
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2, sort_keys=True)
+    return summary
