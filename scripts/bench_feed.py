@@ -1,7 +1,8 @@
 """Feed throughput: groups/s and tokens/s decoded, validated and packed, JSONL vs ArrayRecord.
 
 Usage:
-  JAX_PLATFORMS=cpu python scripts/bench_feed.py [--groups 1500] [--long-groups 120] [--repeats 3] [--no-write]
+  JAX_PLATFORMS=cpu python scripts/bench_feed.py [--groups 1500] [--long-groups 120] \
+      [--repeats 3] [--no-write]
 
 Two shapes: the tiny config's (trajectories of 24-110 tokens, [16, 128] batches) and a
 long-context one (1-4k-token trajectories, [16, 8192] batches). Writes the
@@ -70,7 +71,8 @@ def write_section(rows: list) -> None:
              "from a local shard, best of 3 runs (`JAX_PLATFORMS=cpu python scripts/bench_feed.py`). "
              "Tokens/s counts tokens packed into batches (uniform groups are dropped and not "
              "counted). Efficiency = packed tokens / (B x S), last partial batch excluded.", "",
-             "| shape | batch [B, S] | encoding | shard MiB | groups | groups/s | packed tokens/s | packing efficiency |",
+             "| shape | batch [B, S] | encoding | shard MiB | groups | groups/s | packed tokens/s "
+             "| packing efficiency |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['batch']} | {r['encoding']} | {r['mb']:.1f} | {r['groups']} | "

@@ -122,8 +122,8 @@ def test_staleness(tmp_path):
 def test_buffered_group_that_goes_stale_is_dropped(tmp_path):
     cfg = FeedConfig(rows_per_batch=1, seq_len=64, max_trajectories=16, groups_per_batch=3,
                      max_traj_tokens=64, max_staleness=2)
-    big = lambda gid, v: group(gid, [traj("x", "pass", n=30), traj("y", "fail", n=30)], version=v)  # noqa: E731
-    feed = Feed(cfg, tmp_path, **MODEL, source=IteratorSource([big("a", 0), big("b", 0)]))
+    big = [group(gid, [traj("x", "pass", n=30), traj("y", "fail", n=30)]) for gid in "ab"]
+    feed = Feed(cfg, tmp_path, **MODEL, source=IteratorSource(big))
     assert feed.next_batch(0)[1].group_ids == ("a",)        # "b" does not fit: buffered
     assert [pg.group_id for pg in feed.buffer] == ["b"] and feed.ledger.leftover == 1
     assert feed.next_batch(5) is None                         # lag 5 > 2 by then
@@ -245,3 +245,12 @@ def test_feed_config_rejects_bad_values():
         FeedConfig.from_config({"rows": 3})
     with pytest.raises(ValueError, match="rows_per_batch"):
         FeedConfig(rows_per_batch=0)
+
+
+def test_committed_sample_feed_matches_its_documented_command(tmp_path):
+    # docs/feed.md: python scripts/make_sample_feed.py --out data/sample_feed.jsonl --groups 96 --seed 0
+    import subprocess
+    out = tmp_path / "s.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_sample_feed.py"), "--out", str(out),
+                    "--groups", "96", "--seed", "0"], check=True, capture_output=True)
+    assert out.read_bytes() == (ROOT / "data" / "sample_feed.jsonl").read_bytes()

@@ -292,7 +292,7 @@ class Feed:
         """JSON-able resume state: source position, ledger, buffered groups, dead-letter length."""
         return {
             "version": STATE_VERSION, "source": self.source.state(),
-            "ledger": self.ledger.to_json(), "exhausted": self.exhausted,
+            "ledger": self.ledger.to_json(),
             "buffer": [schema.encode(pg.record, "json").decode() for pg in self.buffer],
             "seen_group_ids": sorted(self.seen_group_ids),
             "dead_letter": {"length": self.dead_letter.length, "count": self.dead_letter.count},
@@ -307,7 +307,7 @@ class Feed:
             raise ValueError(f"feed state version {state.get('version')}, expected {STATE_VERSION}")
         self.source.restore(state["source"])
         self.ledger = Ledger.from_json(state["ledger"])
-        self.exhausted = bool(state["exhausted"])
+        self.exhausted = False      # the source says again if it is at its end (a spool may not be)
         self.buffer = [validate_group(schema.decode(r.encode(), "json"), self.cfg, self.shape)
                        for r in state["buffer"]]
         self.seen_group_ids = set(state["seen_group_ids"])
