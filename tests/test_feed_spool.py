@@ -103,3 +103,14 @@ def test_example_producer_feeds_the_learner(tmp_path):
     ledger = feed.finish()
     assert ledger.received == 6 and ledger.trained == 6 and ledger.quarantined == 0
     assert sum(i.num_infra[0] for _, i in batches) == 2      # one infra error per group, left out
+
+
+def test_spool_with_the_multihost_listing_agreement(tmp_path):
+    # Single process: the broadcast returns process 0's (our own) view unchanged.
+    from gagar_jax.feed.sources import broadcast_from_process0
+    view = {"names": ["0002.jsonl", "0010.arrayrecord"], "done": False, "timed_out": True}
+    assert broadcast_from_process0(view) == view
+    publish(tmp_path, "0001.jsonl", synthetic.make_groups(2, seed=0))
+    (tmp_path / DONE_MARKER).touch()
+    src = SpoolSource(str(tmp_path), poll_s=0.01, agree=broadcast_from_process0)
+    assert [src.next_record() is not None for _ in range(3)] == [True, True, False]
