@@ -16,14 +16,14 @@ _REPO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
                             "configs", "tiny_cpu.py")
 
 
-def _define_flags():
+def _define_flags(argv):
     from absl import flags
     from ml_collections import config_flags
 
     fv = flags.FlagValues()
     config_flags.DEFINE_config_file(
-        "config", _REPO_CONFIG if os.path.isfile(_REPO_CONFIG) else None,
-        "Config file (get_config() -> ConfigDict).", flag_values=fv, lock_config=True)
+        "config", None, "Config file (get_config() -> ConfigDict); default: configs/tiny_cpu.py.",
+        flag_values=fv, lock_config=True, sys_argv=argv)  # overrides are found in argv
     flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, ledger).",
                         flag_values=fv)
     flags.DEFINE_string("coordinator_address", None, "jax.distributed coordinator HOST:PORT.",
@@ -65,14 +65,32 @@ def _init_distributed(fv) -> None:
     jax.distributed.initialize(coordinator_address=addr, num_processes=nproc, process_id=pid)
 
 
+def _config_path(argv) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv if argv is None else argv)
     from absl import flags
 
-    fv = _define_flags()
+    path = _config_path(argv)
+    if path is None and os.path.isfile(_REPO_CONFIG):  # the embedded default
+        path = _REPO_CONFIG
+        argv[1:1] = ["--config", path]
+    if path is not None and not os.path.isfile(path):
+        return _error(f"config file not found: {path}")
+
+    fv = _define_flags(argv)
     try:
         fv(argv)
         cfg = fv.config
+        if cfg is not None:
+            cfg.to_dict()  # a config file that failed to load raises only when first read
     except AttributeError as e:  # ConfigDict: an override names a key that does not exist
         return _error(_unknown_key(argv, e))
     except flags.Error as e:
