@@ -16,7 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,tpu]'
 	touch $(STAMP)
 
+# A fresh run each time (the same --workdir would resume from its last checkpoint).
 train: $(STAMP)
+	rm -rf runs/tiny_cpu
 	$(PY) -m gagar_jax.cli --config configs/tiny_cpu.py --workdir runs/tiny_cpu
 
 test: $(STAMP)
