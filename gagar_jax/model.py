@@ -1,0 +1,243 @@
+"""The policy: a decoder-only MoE transformer in the Qwen3-MoE layout (Flax NNX).
+
+    tokens -> embedding -> [dense blocks] -> [MoE blocks] -> RMSNorm -> lm_head (or tied) -> logits
+    block:  x + attn(norm(x)),  then  h + mlp(norm(h))   (mlp = SwiGLU, or the MoE layer)
+
+The first `num_dense_layers` blocks use a dense MLP, the rest the MoE layer. Each kind is one
+homogeneous stack of parameters with a leading layer axis, run by `jax.lax.scan`, so compile
+time does not grow with depth; the scan body is rematerialized per `remat`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gagar_jax.layers import Attention, DenseMLP, RMSNorm, _normal
+from gagar_jax.moe import MoE
+from gagar_jax.sharding import constrain
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Save the weight matmuls (no batch dims), recompute norms, activations, attention.
+    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Model architecture and numerics (the `model` section of a config).
+
+    Attributes:
+      vocab_size, hidden_size (D), num_layers, num_heads (H), num_kv_heads, head_dim: shape.
+      moe_intermediate_size: F, each expert's SwiGLU width. intermediate_size: dense MLP width.
+      num_dense_layers: the first layers use a dense MLP instead of the MoE layer.
+      num_experts (E), top_k (K), norm_topk_prob: router; renormalize the top-k gate weights.
+      router: "softmax" (Qwen3) | "sigmoid_bias" (DeepSeek-V3 aux-loss-free balancing bias).
+      rope_theta, rms_norm_eps: RoPE base and RMSNorm epsilon.
+      tie_embeddings: the output head reuses the embedding matrix.
+      param_dtype, compute_dtype: "float32" | "bfloat16".
+      remat: "none" | "full" | "save_matmuls" (activation rematerialization of each layer).
+      attention: "blockwise" (memory-linear, custom VJP) | "plain" (reference).
+      attn_block: query/key block of the blockwise path.
+      expert_backend: the expert FFN implementation (see `experts.py`).
+      logprob_vocab_chunk: vocab chunk of the log-prob / entropy computation.
+      router_aux_loss_coef, router_z_loss_coef: loss weights (read by the loss).
+      router_bias_update_rate: step of the sigmoid_bias router's balancing-bias update.
+    """
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    moe_intermediate_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    num_dense_layers: int = 0
+    norm_topk_prob: bool = True
+    router: str = "softmax"
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: str = "none"
+    attention: str = "blockwise"
+    attn_block: int = 512
+    expert_backend: str = "dense"
+    logprob_vocab_chunk: int = 8192
+    router_aux_loss_coef: float = 1e-3
+    router_z_loss_coef: float = 0.0
+    router_bias_update_rate: float = 1e-3
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "moe_intermediate_size", "intermediate_size", "num_experts", "top_k",
+                     "attn_block", "logprob_vocab_chunk"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of "
+                             f"model.num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"model.head_dim must be even (RoPE), got {self.head_dim}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}")
+        if not 0 <= self.num_dense_layers <= self.num_layers:
+            raise ValueError(f"model.num_dense_layers must be in [0, num_layers], got {self.num_dense_layers}")
+        checks = {"router": ("softmax", "sigmoid_bias"), "param_dtype": DTYPES, "compute_dtype": DTYPES,
+                  "remat": tuple(REMAT_POLICIES), "attention": ("blockwise", "plain")}
+        for name, allowed in checks.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+            raise ValueError("model.rope_theta and model.rms_norm_eps must be > 0")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+    @classmethod
+    def from_config(cls, section) -> "ModelConfig":
+        """Builds the config from the `model` section (ConfigDict or dict); unknown keys fail."""
+        d = dict(section.to_dict() if hasattr(section, "to_dict") else section)
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown keys in the model config section: {sorted(unknown)}")
+        return cls(**d)
+
+
+@flax.struct.dataclass
+class ModelAux:
+    """Router statistics of one forward pass (MoE layers only; zeros when there are none).
+
+    aux_loss: load-balancing loss, mean over MoE layers (unweighted).
+    z_loss: router z-loss, mean over MoE layers (unweighted).
+    expert_load_LxE: fraction of the (non-padding) routed token slots each expert received, per
+      MoE layer; rows sum to 1. The sigmoid_bias update reads it (see `moe.update_router_bias`).
+    routed_experts_BxSxLxK: int32 experts each token used per MoE layer (the replayed ones where
+      replay was given): what a rollout engine would record.
+    """
+    aux_loss: jax.Array
+    z_loss: jax.Array
+    expert_load_LxE: jax.Array
+    routed_experts_BxSxLxK: jax.Array
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: attention, then a dense MLP or the MoE layer."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+        self.mlp = MoE(cfg, rngs=rngs) if moe else DenseMLP(cfg, rngs=rngs)
+        self.is_moe = moe
+
+    def __call__(self, x_BxSxD, segment_ids_BxS, positions_BxS, routed_BxSxK=None):
+        x_BxSxD = constrain(x_BxSxD, "batch", None, None)
+        h = x_BxSxD + self.attn(self.attn_norm(x_BxSxD), segment_ids_BxS, positions_BxS)
+        if self.is_moe:
+            y, stats = self.mlp(self.mlp_norm(h), segment_ids_BxS > 0, routed_BxSxK)
+            return h + y, stats
+        return h + self.mlp(self.mlp_norm(h)), None
+
+
+def _stack(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs) -> Block:
+    """n Blocks whose parameters carry a leading layer axis."""
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=n)
+    def make(r):
+        return Block(cfg, moe, rngs=r)
+    return make(rngs)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only MoE transformer; see the module docstring for the layout."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        D, V, pd = cfg.hidden_size, cfg.vocab_size, cfg.param_dtype
+        self.embedding = nnx.Param((jax.random.normal(rngs.params(), (V, D)) * 0.02).astype(pd))
+        self.dense_layers = _stack(cfg, False, cfg.num_dense_layers, rngs) if cfg.num_dense_layers else None
+        self.moe_layers = _stack(cfg, True, cfg.num_moe_layers, rngs) if cfg.num_moe_layers else None
+        self.final_norm = RMSNorm(D, cfg.rms_norm_eps, pd)
+        self.lm_head = None if cfg.tie_embeddings else nnx.Param(_normal(rngs, (D, V), D, pd))
+
+    def _scan(self, layers, x, segment_ids_BxS, positions_BxS, routed_LxBxSxK):
+        graphdef, state = nnx.split(layers)
+
+        def body(x, inputs):
+            layer_state, routed = inputs
+            return nnx.merge(graphdef, layer_state)(x, segment_ids_BxS, positions_BxS, routed)
+
+        policy = REMAT_POLICIES[self.cfg.remat]
+        if self.cfg.remat != "none":
+            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        return jax.lax.scan(body, x, (state, routed_LxBxSxK))
+
+    def hidden_states(self, tokens_BxS, *, segment_ids_BxS=None, positions_BxS=None,
+                      routed_experts_BxSxLxK=None):
+        """Final (normed) hidden states [B, S, D] in compute dtype, and the `ModelAux`.
+
+        Args:
+          tokens_BxS: int token ids.
+          segment_ids_BxS: packed-row segment ids, 0 = padding (default: one segment per row).
+          positions_BxS: positions restarting at 0 per segment (default: 0..S-1).
+          routed_experts_BxSxLxK: optional routing replay over the L MoE layers (-1 = select).
+        """
+        cfg = self.cfg
+        if tokens_BxS.ndim != 2:
+            raise ValueError(f"tokens_BxS must be [B, S], got shape {tokens_BxS.shape}")
+        B, S = tokens_BxS.shape
+        if segment_ids_BxS is None:
+            segment_ids_BxS = jnp.ones((B, S), jnp.int32)
+        if positions_BxS is None:
+            positions_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        for name, a in (("segment_ids_BxS", segment_ids_BxS), ("positions_BxS", positions_BxS)):
+            if a.shape != (B, S):
+                raise ValueError(f"{name} must have shape {(B, S)}, got {a.shape}")
+        routed = None
+        if routed_experts_BxSxLxK is not None:
+            want = (B, S, cfg.num_moe_layers, cfg.top_k)
+            if routed_experts_BxSxLxK.shape != want:
+                raise ValueError(f"routed_experts_BxSxLxK must have shape {want}, "
+                                 f"got {routed_experts_BxSxLxK.shape}")
+            routed = jnp.moveaxis(routed_experts_BxSxLxK.astype(jnp.int32), 2, 0)
+
+        x = self.embedding[...].astype(cfg.compute_dtype)[tokens_BxS]
+        if self.dense_layers is not None:
+            x, _ = self._scan(self.dense_layers, x, segment_ids_BxS, positions_BxS, None)
+        if self.moe_layers is not None:
+            x, stats = self._scan(self.moe_layers, x, segment_ids_BxS, positions_BxS, routed)
+            aux = ModelAux(aux_loss=jnp.mean(stats.aux_loss), z_loss=jnp.mean(stats.z_loss),
+                           expert_load_LxE=stats.expert_load_E,
+                           routed_experts_BxSxLxK=jnp.moveaxis(stats.routed_BxSxK, 0, 2))
+        else:
+            zero = jnp.zeros((), jnp.float32)
+            aux = ModelAux(zero, zero, jnp.zeros((0, cfg.num_experts), jnp.float32),
+                           jnp.zeros((B, S, 0, cfg.top_k), jnp.int32))
+        return self.final_norm(x), aux
+
+    def output_kernel_DxV(self) -> jax.Array:
+        """The [D, V] output projection in compute dtype (the embedding's transpose if tied)."""
+        w = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
+        return w.astype(self.cfg.compute_dtype)
+
+    def __call__(self, tokens_BxS, *, segment_ids_BxS=None, positions_BxS=None,
+                 routed_experts_BxSxLxK=None):
+        """Logits [B, S, V] (float32) and `ModelAux`; arguments as in `hidden_states`."""
+        h, aux = self.hidden_states(tokens_BxS, segment_ids_BxS=segment_ids_BxS,
+                                    positions_BxS=positions_BxS,
+                                    routed_experts_BxSxLxK=routed_experts_BxSxLxK)
+        logits = jnp.einsum("bsd,dv->bsv", h, self.output_kernel_DxV(),
+                            preferred_element_type=jnp.float32)
+        return constrain(logits, "batch", None, "vocab"), aux

@@ -1,0 +1,174 @@
+"""The device mesh and the one table of logical-axis rules.
+
+Every array dimension that may be sharded carries a *logical* name ("batch", "embed", "expert",
+...). `LOGICAL_RULES` maps logical names to mesh axes; parameters (via `PARAM_AXES`) and
+activations (via `constrain`) use the same names, so the whole sharding layout reads from the two
+short tables below. Mesh axes:
+
+  data    pure data parallelism (parameters replicated)
+  fsdp    data parallelism with parameters sharded along their model width (ZeRO-3 style)
+  expert  expert parallelism: expert weights split along E; tokens are also split over it
+  tensor  tensor parallelism: heads, MLP width and vocabulary split
+
+A mesh axis is dropped from a dimension it does not divide (e.g. 2 KV heads on tensor = 4), so
+small test models run on any mesh; large configs divide evenly.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+# logical name -> mesh axis, tuple of mesh axes, or None (replicated).
+LOGICAL_RULES: dict[str, Any] = {
+    "batch": ("data", "fsdp", "expert"),  # token rows: every non-model axis splits the batch
+    "seq": None,
+    "embed": "fsdp",                      # parameter model width (activations keep D whole)
+    "vocab": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "expert": "expert",
+    "layers": None,                       # the scanned layer axis of stacked parameters
+}
+
+# parameter leaf name -> logical axes of its (unstacked) dimensions.
+PARAM_AXES: dict[str, tuple] = {
+    "embedding": ("vocab", "embed"),          # [V, D]
+    "lm_head": ("embed", "vocab"),            # [D, V]
+    "scale": (None,),                         # RMSNorm scales [D] / [Dh]
+    "wq": ("embed", "heads", None),           # [D, H, Dh]
+    "wk": ("embed", "kv_heads", None),        # [D, Kv, Dh]
+    "wv": ("embed", "kv_heads", None),
+    "wo": ("heads", None, "embed"),           # [H, Dh, D]
+    "router": ("embed", None),                # [D, E], small: replicated over experts
+    "router_bias": (None,),                   # [E]
+    "expert_gate": ("expert", "embed", "mlp"),  # [E, D, F]
+    "expert_up": ("expert", "embed", "mlp"),
+    "expert_down": ("expert", "mlp", "embed"),  # [E, F, D]
+    "mlp_gate": ("embed", "mlp"),             # [D, I]
+    "mlp_up": ("embed", "mlp"),
+    "mlp_down": ("mlp", "embed"),             # [I, D]
+}
+STACKED_CONTAINERS = ("dense_layers", "moe_layers")  # their leaves get a leading "layers" axis
+
+
+def make_mesh(mesh_cfg, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """Builds the ('data', 'fsdp', 'expert', 'tensor') mesh.
+
+    Args:
+      mesh_cfg: anything with integer attributes data, fsdp, expert, tensor; at most one may be
+        -1 (= all remaining devices).
+      devices: devices to use (default: all of `jax.devices()`).
+    Returns:
+      A `Mesh` whose axis sizes multiply to the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [int(getattr(mesh_cfg, a)) for a in MESH_AXES]
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh sizes {dict(zip(MESH_AXES, sizes))}: positive, at most one -1")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} cannot fill {len(devices)} devices")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {np.prod(sizes)} devices, "
+                         f"have {len(devices)}")
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES,
+                axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def _mesh_axes(name) -> tuple:
+    if name is None:
+        return ()
+    if name not in LOGICAL_RULES:
+        raise KeyError(f"unknown logical axis {name!r}; known: {sorted(LOGICAL_RULES)}")
+    rule = LOGICAL_RULES[name]
+    return () if rule is None else ((rule,) if isinstance(rule, str) else tuple(rule))
+
+
+def logical_to_spec(axes: Sequence, shape: Optional[Sequence[int]] = None, mesh=None) -> P:
+    """PartitionSpec for logical `axes`; with `shape` and `mesh`, drops non-dividing mesh axes."""
+    spec = []
+    for i, name in enumerate(axes):
+        mesh_axes = _mesh_axes(name)
+        if shape is not None and mesh is not None:
+            kept, size = [], 1
+            for a in mesh_axes:
+                if shape[i] % (size * mesh.shape[a]) == 0:
+                    kept.append(a)
+                    size *= mesh.shape[a]
+            mesh_axes = tuple(kept)
+        spec.append(None if not mesh_axes else (mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes))
+    return P(*spec)
+
+
+def named_sharding(mesh: Mesh, axes: Sequence, shape: Optional[Sequence[int]] = None) -> NamedSharding:
+    """NamedSharding on `mesh` for logical `axes`."""
+    return NamedSharding(mesh, logical_to_spec(axes, shape, mesh))
+
+
+def constrain(x: jax.Array, *axes) -> jax.Array:
+    """Activation sharding constraint by logical names; a no-op outside a mesh context."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    if len(axes) != x.ndim:
+        raise ValueError(f"constrain: {len(axes)} axes for an array of shape {x.shape}")
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh))
+
+
+def _key_name(k) -> str:
+    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+
+
+def param_logical_axes(path: Sequence[str], ndim: int) -> tuple:
+    """Logical axes of a parameter from its path (leaf name; stacked containers add "layers")."""
+    names = [n for n in path if n != "value"]
+    leaf = names[-1]
+    if leaf not in PARAM_AXES:
+        raise KeyError(f"no logical axes for parameter {'/'.join(names)}; add it to PARAM_AXES")
+    axes = PARAM_AXES[leaf]
+    if any(c in names for c in STACKED_CONTAINERS):
+        axes = ("layers",) + axes
+    if len(axes) != ndim:
+        raise ValueError(f"parameter {'/'.join(names)} has {ndim} dims, axes {axes}")
+    return axes
+
+
+def state_specs(state, mesh: Optional[Mesh] = None):
+    """PartitionSpecs (same tree as `state`) for an `nnx.State` of the model."""
+    def spec(path, x):
+        axes = param_logical_axes([_key_name(k) for k in path], len(x.shape))
+        return logical_to_spec(axes, x.shape, mesh)
+    return jax.tree_util.tree_map_with_path(spec, state)
+
+
+def state_shardings(state, mesh: Mesh):
+    """NamedShardings (same tree as `state`) for an `nnx.State` of the model."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(state, mesh))
+
+
+def create_sharded_model(model_cfg, mesh: Mesh, rng: jax.Array):
+    """Creates a `Transformer` with every parameter born sharded (no host-side full copy).
+
+    eval_shape gives the abstract state, the rule tables give its shardings, and a jitted
+    init with those `out_shardings` materializes each shard on its device.
+    """
+    from gagar_jax.model import Transformer  # model imports this module
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(rng))))
+    shardings = state_shardings(abstract, mesh)
+
+    @jax.jit
+    def init(key):
+        return nnx.split(Transformer(model_cfg, rngs=nnx.Rngs(key)))[1]
+
+    state = jax.jit(init, out_shardings=shardings)(rng)
+    return nnx.merge(graphdef, state)

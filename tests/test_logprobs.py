@@ -1,0 +1,83 @@
+"""Chunked log-probs / entropy against the plain log_softmax path; the model-level contract."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs.tiny_cpu import get_config
+from gagar_jax.logprobs import chunked_logprobs_entropy, next_token_mask, token_logprobs
+from gagar_jax.model import ModelConfig, Transformer
+
+
+def _plain(h, w, tgt):
+    logp = jax.nn.log_softmax(jnp.einsum("nd,dv->nv", h, w), axis=-1)
+    lp = jnp.take_along_axis(logp, tgt[:, None], axis=-1)[:, 0]
+    return lp, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+@pytest.mark.parametrize("chunk", [7, 32, 100])  # 7, 32 do not divide V=50; 100 > V
+def test_chunked_matches_plain_values_and_grads(chunk):
+    kh, kw, kt = jax.random.split(jax.random.key(0), 3)
+    h = jax.random.normal(kh, (12, 16))
+    w = jax.random.normal(kw, (16, 50)) * 0.5
+    tgt = jax.random.randint(kt, (12,), 0, 50)
+    lp, ent = jax.jit(chunked_logprobs_entropy, static_argnums=3)(h, w, tgt, chunk)
+    lp0, ent0 = _plain(h, w, tgt)
+    np.testing.assert_allclose(lp, lp0, atol=1e-5)
+    np.testing.assert_allclose(ent, ent0, atol=1e-5)
+
+    def scalar(fn):
+        def f(h, w):
+            lp, ent = fn(h, w)
+            return jnp.sum(lp * jnp.arange(12.0)) + jnp.sum(ent * jnp.cos(jnp.arange(12.0)))
+        return f
+
+    g = jax.grad(scalar(lambda h, w: chunked_logprobs_entropy(h, w, tgt, chunk)), (0, 1))(h, w)
+    g0 = jax.grad(scalar(lambda h, w: _plain(h, w, tgt)), (0, 1))(h, w)
+    for a, b in zip(g, g0):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_entropy_of_uniform_is_log_v():
+    lp, ent = chunked_logprobs_entropy(jnp.zeros((3, 4)), jnp.ones((4, 10)), jnp.array([0, 3, 9]), 4)
+    np.testing.assert_allclose(ent, np.log(10.0) * np.ones(3), rtol=1e-6)
+    np.testing.assert_allclose(lp, -np.log(10.0) * np.ones(3), rtol=1e-6)
+
+
+def test_next_token_mask_by_hand():
+    seg = jnp.array([[1, 1, 1, 2, 2, 0, 0], [3, 3, 3, 3, 3, 3, 3]])
+    expect = [[0, 1, 1, 0, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1]]
+    np.testing.assert_array_equal(next_token_mask(seg), expect)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(ModelConfig.from_config(get_config().model), rngs=nnx.Rngs(0))
+
+
+def test_token_logprobs_match_full_logits(model):
+    B, S = 2, 24
+    tokens = jax.random.randint(jax.random.key(1), (B, S), 0, 256)
+    seg = jnp.array([[1] * 10 + [2] * 10 + [0] * 4, [1] * 24], jnp.int32)
+    pos = jnp.array([list(range(10)) * 2 + [0] * 4, list(range(24))], jnp.int32)
+
+    @nnx.jit
+    def both(m, tokens):
+        lp, ent, _ = token_logprobs(m, tokens, seg, pos)
+        logits, _ = m(tokens, segment_ids_BxS=seg, positions_BxS=pos)
+        return lp, ent, logits
+
+    lp, ent, logits = both(model, tokens)
+    logp = np.asarray(jax.nn.log_softmax(logits, -1))
+    mask = np.asarray(next_token_mask(seg))
+    want_lp = np.zeros((B, S), np.float32)
+    want_ent = np.zeros((B, S), np.float32)
+    for b in range(B):
+        for t in range(1, S):
+            if mask[b, t]:
+                want_lp[b, t] = logp[b, t - 1, int(tokens[b, t])]
+                want_ent[b, t] = -np.sum(np.exp(logp[b, t - 1]) * logp[b, t - 1])
+    np.testing.assert_allclose(lp, want_lp, atol=1e-5)
+    np.testing.assert_allclose(ent, want_ent, atol=1e-5)
+    assert float(jnp.abs(lp[0, 10])) == 0.0 and float(jnp.abs(lp[0, 20:]).max()) == 0.0
