@@ -22,6 +22,7 @@ gather through the inverse map, never a scatter-add (slow on XLA:CPU).
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Mapping
 
 import flax.struct
@@ -148,11 +149,6 @@ def ragged_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK) ->
 
 
 # --------------------------------------------------------------------------- grouped (CPU)
-def _expert_blocks(sizes_E, block: int):
-    blocks_E = (sizes_E + block - 1) // block
-    return jnp.cumsum(blocks_E) - blocks_E, blocks_E
-
-
 def _varying_like(z: jax.Array, *refs: jax.Array) -> jax.Array:
     """Inside shard_map, loop carries must carry the union of their inputs' varying axes."""
     vary = lambda a: jax.typeof(a).manual_axis_type.varying  # noqa: E731
@@ -167,67 +163,86 @@ def _sum_to_type_of(g: jax.Array, primal: jax.Array) -> jax.Array:
     return jax.lax.psum(g, tuple(sorted(extra))) if extra else g
 
 
-@jax.custom_vjp
-def _grouped_swiglu(x_NBxBxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E):
-    return _grouped_fwd(x_NBxBxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E)[0]
+def _over_expert_rows(first, size, block: int, big: int, body, carry):
+    """Runs body(row0, rows, carry) over rows [first, first + size) of one expert.
+
+    Chunks of `big` rows while they fit (large, efficient matmuls), then `block`-row chunks
+    for the rest (the run is padded to a multiple of `block`, so the last chunk stays inside
+    it). Trip counts are dynamic: only rows this expert actually has are computed.
+    """
+    n_big = size // big
+    carry = jax.lax.fori_loop(0, n_big, lambda j, c: body(first + j * big, big, c), carry)
+    rest0, rest = first + n_big * big, size - n_big * big
+    return jax.lax.fori_loop(0, (rest + block - 1) // block,
+                             lambda j, c: body(rest0 + j * block, block, c), carry)
 
 
-def _grouped_fwd(x_NBxBxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E):
-    nb, b, d = x_NBxBxD.shape
+def _expert_starts(sizes_E, block: int):
+    padded_E = (sizes_E + block - 1) // block * block
+    return jnp.cumsum(padded_E) - padded_E
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _grouped_swiglu(x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E, block, big):
+    return _grouped_fwd(x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E, block, big)[0]
+
+
+def _grouped_fwd(x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E, block, big):
+    s, d = x_SxD.shape
     f = gate_ExDxF.shape[-1]
-    first_E, blocks_E = _expert_blocks(sizes_E, b)
+    get = jax.lax.dynamic_slice_in_dim
+    put = jax.lax.dynamic_update_slice_in_dim
 
     def per_expert(carry, xs):
-        wg, wu, wd, first, count = xs
+        wg, wu, wd, first, size = xs
 
-        def per_block(j, c):
+        def chunk(row0, rows, c):
             y_buf, hg_buf, hu_buf = c
-            x_b = jax.lax.dynamic_index_in_dim(x_NBxBxD, first + j, keepdims=False)
-            hg, hu = x_b @ wg, x_b @ wu
-            y_b = (jax.nn.silu(hg) * hu) @ wd
-            put = lambda buf, v: jax.lax.dynamic_update_index_in_dim(buf, v, first + j, 0)  # noqa
-            return put(y_buf, y_b), put(hg_buf, hg), put(hu_buf, hu)
+            x_c = get(x_SxD, row0, rows)
+            hg, hu = x_c @ wg, x_c @ wu
+            y_c = (jax.nn.silu(hg) * hu) @ wd
+            return put(y_buf, y_c, row0, 0), put(hg_buf, hg, row0, 0), put(hu_buf, hu, row0, 0)
 
-        # Dynamic trip count: only the expert's active blocks are computed.
-        return jax.lax.fori_loop(0, count, per_block, carry), None
+        return _over_expert_rows(first, size, block, big, chunk, carry), None
 
-    refs = (x_NBxBxD, gate_ExDxF, up_ExDxF, down_ExFxD)
-    zeros = lambda last: _varying_like(jnp.zeros((nb, b, last), x_NBxBxD.dtype), *refs)  # noqa
-    (y, hg, hu), _ = jax.lax.scan(per_expert, (zeros(d), zeros(f), zeros(f)),
-                                  (gate_ExDxF, up_ExDxF, down_ExFxD, first_E, blocks_E))
-    return y, (x_NBxBxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E, hg, hu)
+    refs = (x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD)
+    zeros = lambda last: _varying_like(jnp.zeros((s, last), x_SxD.dtype), *refs)  # noqa: E731
+    xs = (gate_ExDxF, up_ExDxF, down_ExFxD, _expert_starts(sizes_E, block), sizes_E)
+    (y, hg, hu), _ = jax.lax.scan(per_expert, (zeros(d), zeros(f), zeros(f)), xs)
+    # Saving the gate/up activations spares two of the three matmuls' recomputation.
+    return y, (x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E, hg, hu)
 
 
-def _grouped_bwd(res, dy_NBxBxD):
-    x_NBxBxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E, hg_buf, hu_buf = res
-    b = x_NBxBxD.shape[1]
-    first_E, blocks_E = _expert_blocks(sizes_E, b)
+def _grouped_bwd(block, big, res, dy_SxD):
+    x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E, hg_buf, hu_buf = res
+    get = jax.lax.dynamic_slice_in_dim
 
     def per_expert(dx_buf, xs):
-        wg, wu, wd, first, count = xs
+        wg, wu, wd, first, size = xs
 
-        def per_block(j, c):
+        def chunk(row0, rows, c):
             dx_buf, dwg, dwu, dwd = c
-            at = lambda buf: jax.lax.dynamic_index_in_dim(buf, first + j, keepdims=False)  # noqa
-            x_b, dy_b, hg, hu = at(x_NBxBxD), at(dy_NBxBxD), at(hg_buf), at(hu_buf)
+            x_c, dy_c = get(x_SxD, row0, rows), get(dy_SxD, row0, rows)
+            hg, hu = get(hg_buf, row0, rows), get(hu_buf, row0, rows)
             sig = jax.nn.sigmoid(hg)
             silu = hg * sig
-            da = dy_b @ wd.T
+            da = dy_c @ wd.T
             dhu = da * silu
             dhg = da * hu * sig * (1 + hg * (1 - sig))
-            dx_b = dhg @ wg.T + dhu @ wu.T
-            dx_buf = jax.lax.dynamic_update_index_in_dim(dx_buf, dx_b, first + j, 0)
-            return dx_buf, dwg + x_b.T @ dhg, dwu + x_b.T @ dhu, dwd + (silu * hu).T @ dy_b
+            dx_buf = jax.lax.dynamic_update_slice_in_dim(
+                dx_buf, dhg @ wg.T + dhu @ wu.T, row0, 0)
+            return dx_buf, dwg + x_c.T @ dhg, dwu + x_c.T @ dhu, dwd + (silu * hu).T @ dy_c
 
-        refs = (x_NBxBxD, dy_NBxBxD, wg)
+        refs = (x_SxD, dy_SxD, wg)
         init = (dx_buf,) + tuple(_varying_like(jnp.zeros_like(w), *refs) for w in (wg, wu, wd))
-        dx_buf, dwg, dwu, dwd = jax.lax.fori_loop(0, count, per_block, init)
+        dx_buf, dwg, dwu, dwd = _over_expert_rows(first, size, block, big, chunk, init)
         return dx_buf, (dwg, dwu, dwd)
 
-    dx0 = _varying_like(jnp.zeros_like(x_NBxBxD), dy_NBxBxD, gate_ExDxF)
-    dx, (dg, du, dd) = jax.lax.scan(per_expert, dx0,
-                                    (gate_ExDxF, up_ExDxF, down_ExFxD, first_E, blocks_E))
-    return (_sum_to_type_of(dx, x_NBxBxD), _sum_to_type_of(dg, gate_ExDxF),
+    dx0 = _varying_like(jnp.zeros_like(x_SxD), dy_SxD, gate_ExDxF)
+    xs = (gate_ExDxF, up_ExDxF, down_ExFxD, _expert_starts(sizes_E, block), sizes_E)
+    # Per-expert weight gradients come out as scan outputs: no scatter into [E, D, F].
+    dx, (dg, du, dd) = jax.lax.scan(per_expert, dx0, xs)
+    return (_sum_to_type_of(dx, x_SxD), _sum_to_type_of(dg, gate_ExDxF),
             _sum_to_type_of(du, up_ExDxF), _sum_to_type_of(dd, down_ExFxD), None)
 
 
@@ -235,20 +250,23 @@ _grouped_swiglu.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def grouped_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
-                block: int = 128) -> jax.Array:
-    """Dropless block-padded grouped matmul, fast on XLA:CPU.
+                block: int = 32, big_block: int = 256) -> jax.Array:
+    """Dropless grouped matmul, fast on XLA:CPU.
 
-    The buffer has the static worst-case size `num_padded_blocks(T*K, E, block) * block`
-    rows, but only active blocks are computed (dynamic loop bounds), so the padding costs
-    memory, not FLOPs beyond `< block` rows per expert.
+    Rows are sorted by expert; each expert's run is padded to a multiple of `block` inside a
+    buffer of static worst-case size `num_padded_blocks(T*K, E, block) * block` rows. Each
+    expert runs `big_block`-row matmuls while they fit, then `block`-row ones, with dynamic
+    trip counts, so padding costs memory but fewer than `block` wasted rows per expert.
     """
     t, k = idx_TxK.shape
-    e, d, _ = gate_ExDxF.shape
+    e = gate_ExDxF.shape[0]
     block = max(1, min(block, t * k))
+    big_block = max(block, min(big_block, t * k))
     plan = _padded_plan(idx_TxK, e, block)
-    xb = _gather_tokens(x_TxD, plan, k).reshape(-1, block, d)
-    yb = _grouped_swiglu(xb, gate_ExDxF, up_ExDxF, down_ExFxD, plan.sizes_E)
-    return _combine(yb.reshape(-1, d), plan, weights_TxK)
+    x_SxD = _gather_tokens(x_TxD, plan, k)
+    y_SxD = _grouped_swiglu(x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD, plan.sizes_E,
+                            block, big_block)
+    return _combine(y_SxD, plan, weights_TxK)
 
 
 # --------------------------------------------------------------------------- capacity

@@ -12,15 +12,19 @@ Per device:
   3. psum_scatter over 'expert' adds the partial outputs of the group's devices and hands each
      device back its own token rows.
 
-Static shapes and no token dropping. The price: the gathered buffer on each device holds
-T_local * n_expert tokens (and a worst-case grouped buffer of T_local * n_expert * K rows), so
-activation memory grows with the expert-axis size times the tokens. At pod scale (n_expert of
-64+ and long packed rows) that may not fit; the alternative sends each token only to the
-devices
-that own its experts with `jax.lax.ragged_all_to_all` (dispatch, local grouped matmul, return
-with a second ragged all-to-all). That collective has no XLA:CPU lowering, so it cannot run in
-these CPU tests, but it compiles ahead of time for TPU; it would sit behind the same
-`expert_ffn` interface.
+Static shapes and no token dropping. The price of the gather design: each device holds the
+whole group's tokens, T_local * n_expert rows of x (and a worst-case grouped buffer of
+T_local * n_expert * K rows), so activation memory grows with the expert-axis size times the
+tokens, and every token crosses the expert axis whether or not its experts live elsewhere. At
+pod scale (an expert axis of 64+ devices, long packed rows) that may not fit. The alternative
+is an all-to-all dispatch with `jax.lax.ragged_all_to_all`: sort each device's assignments by
+destination device, exchange the per-device counts, send every row only to the device owning
+its expert, run the local grouped matmul on the received rows, and send the results back with
+a second ragged all-to-all. It moves K/n_expert of the gathered traffic; a dropless version
+still needs a worst-case receive buffer, so in practice it is paired with a capacity bound or
+chunking. `ragged_all_to_all` has no XLA:CPU lowering (it cannot run in these CPU tests) but
+compiles ahead of time for TPU; it is not implemented here and would sit behind the same
+`expert_ffn` interface as another entry of `experts.BACKENDS`.
 """
 from __future__ import annotations
 
@@ -44,13 +48,13 @@ def _spec(axes: tuple) -> Optional[object]:
 
 
 def ep_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
-           mesh=None, block: int = 64) -> jax.Array:
+           mesh=None, block: int = 32, big_block: int = 256) -> jax.Array:
     """Expert-parallel routed SwiGLU (same math as `experts.dense_ffn`).
 
     Args:
       x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK: as `experts.expert_ffn`.
       mesh: a `Mesh`/`AbstractMesh`; default the ambient one (`jax.set_mesh(mesh)`).
-      block: grouped-matmul block rows.
+      block, big_block: grouped-matmul chunk rows (see `experts.grouped_ffn`).
     Returns:
       y_TxD, sharded like the tokens.
     """
@@ -83,7 +87,7 @@ def ep_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
         e_local = wg.shape[0]
         first = jax.lax.axis_index(expert_axis) * e_local
         y = experts.grouped_ffn(gather(x), wg, wu, wd, gather(idx) - first, gather(w),
-                                block=block)
+                                block=block, big_block=big_block)
         if tensor_axes:
             y = jax.lax.psum(y, tensor_axes)
         return jax.lax.psum_scatter(y, expert_axis, scatter_dimension=0, tiled=True)
