@@ -177,6 +177,10 @@ def _over_expert_rows(first, size, block: int, big: int, body, carry):
                              lambda j, c: body(rest0 + j * block, block, c), carry)
 
 
+def _dot_f32(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
 def _expert_starts(sizes_E, block: int):
     padded_E = (sizes_E + block - 1) // block * block
     return jnp.cumsum(padded_E) - padded_E
@@ -231,12 +235,15 @@ def _grouped_bwd(block, big, res, dy_SxD):
             dhg = da * hu * sig * (1 + hg * (1 - sig))
             dx_buf = jax.lax.dynamic_update_slice_in_dim(
                 dx_buf, dhg @ wg.T + dhu @ wu.T, row0, 0)
-            return dx_buf, dwg + x_c.T @ dhg, dwu + x_c.T @ dhu, dwd + (silu * hu).T @ dy_c
+            return (dx_buf, dwg + _dot_f32(x_c.T, dhg), dwu + _dot_f32(x_c.T, dhu),
+                    dwd + _dot_f32((silu * hu).T, dy_c))
 
+        # Weight gradients accumulate over the expert's chunks in fp32 (bf16 sums drift).
         refs = (x_SxD, dy_SxD, wg)
-        init = (dx_buf,) + tuple(_varying_like(jnp.zeros_like(w), *refs) for w in (wg, wu, wd))
+        init = (dx_buf,) + tuple(_varying_like(jnp.zeros(w.shape, jnp.float32), *refs)
+                                 for w in (wg, wu, wd))
         dx_buf, dwg, dwu, dwd = _over_expert_rows(first, size, block, big, chunk, init)
-        return dx_buf, (dwg, dwu, dwd)
+        return dx_buf, (dwg.astype(wg.dtype), dwu.astype(wu.dtype), dwd.astype(wd.dtype))
 
     dx0 = _varying_like(jnp.zeros_like(x_SxD), dy_SxD, gate_ExDxF)
     xs = (gate_ExDxF, up_ExDxF, down_ExFxD, _expert_starts(sizes_E, block), sizes_E)

@@ -77,6 +77,16 @@ def test_backend_matches_dense_forward_and_grads(problem, reference, backend, op
     assert float(jnp.max(jnp.abs(got[0][1][9]))) == 0.0
 
 
+def test_grouped_bf16_close_to_fp32_dense(problem, reference):
+    bf = [a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in problem]
+    (_, y), grads = _loss_and_grads("grouped", block=4, big_block=16)(*bf)
+    (_, y_ref), grads_ref = reference
+    assert y.dtype == jnp.bfloat16 and grads[1].dtype == jnp.bfloat16
+    for a, b in zip((y,) + tuple(grads), (y_ref,) + tuple(grads_ref)):
+        a, b = np.asarray(a, np.float32), np.asarray(b)
+        assert np.max(np.abs(a - b)) <= 0.03 * np.max(np.abs(b))
+
+
 def _mesh(shape):
     return sharding.make_mesh(types.SimpleNamespace(**dict(zip(sharding.MESH_AXES, shape))))
 
