@@ -166,7 +166,6 @@ def create_sharded_model(model_cfg, mesh: Mesh, rng: jax.Array):
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(rng))))
     shardings = state_shardings(abstract, mesh)
 
-    @jax.jit
     def init(key):
         return nnx.split(Transformer(model_cfg, rngs=nnx.Rngs(key)))[1]
 
