@@ -1,0 +1,339 @@
+"""Ahead-of-time compile of the real train step for a TPU topology, on a CPU host.
+
+With `libtpu` installed, `jax.experimental.topologies.get_topology_desc` describes a TPU slice
+(e.g. `v5p:8x8x8`, 512 chips) as compile-only devices. We build the config's mesh over them,
+describe the train state and the batch as `jax.ShapeDtypeStruct`s carrying their shardings (no
+array is ever allocated), and lower + compile the same jitted `train_step` the trainer runs,
+micro-batching included. The compiled executable reports per-device memory
+(`memory_analysis`) and FLOPs (`cost_analysis`); its HLO text shows the collectives.
+
+A layout that does not fit makes the TPU compiler raise `CompileTimeHbmOom` instead of returning
+figures; `compile_report` turns that into `fits=False` with the bytes from the message.
+
+Run with `JAX_PLATFORMS=cpu` (libtpu must not try to claim a real TPU); `configure_libtpu_env`
+sets the variables that keep libtpu from probing cloud metadata on a CPU machine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import time
+from typing import Optional
+
+import ml_collections
+
+from gagar_jax import flops
+
+# HBM per chip as the TPU compiler counts it (the CompileTimeHbmOom message says 95.73G on v5p).
+HBM_BYTES = {"v5p": int(95.74 * 2**30), "v5e": 16 * 2**30, "v4": 32 * 2**30, "v6e": 32 * 2**30}
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-to-all", "all-reduce", "collective-permute")
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def configure_libtpu_env() -> None:
+    """Environment that lets libtpu build compile-only topologies on a host without TPUs."""
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")        # no GCE metadata server here
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")  # silences the "could not determine" probe
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_WORKER_ID", "0")
+    # Compile-only use needs no exclusive TPU: let several processes (tests, scripts) load libtpu.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def parse_topology(topology: str) -> tuple[str, tuple[int, ...]]:
+    """`"v5p:8x8x8"` -> (`"v5p"`, (8, 8, 8)); a clear error on anything else."""
+    m = re.fullmatch(r"(v\d+[a-z]*):(\d+(?:x\d+)*)", topology)
+    if not m:
+        raise ValueError(f"topology must look like 'v5p:2x2x1', got {topology!r}")
+    return m.group(1), tuple(int(d) for d in m.group(2).split("x"))
+
+
+def topology_devices(topology: str) -> list:
+    """Compile-only devices of a TPU topology (`v5p:AxBxC`)."""
+    parse_topology(topology)
+    configure_libtpu_env()
+    from jax.experimental import topologies
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """Static count of each collective op in compiled HLO text (async `-start` forms included).
+
+    A collective inside a loop body (the scan over layers, the micro-batch loop) counts once.
+    """
+    counts = {}
+    for op in COLLECTIVES:
+        counts[op] = len(re.findall(rf"\s{op}(?:-start)?\(", hlo_text))
+    return counts
+
+
+def _bytes(number: str, unit: str) -> int:
+    return int(float(number) * _UNITS[unit.upper()[:1] if unit else ""])
+
+
+_SIZE = r"(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?"
+
+
+def parse_hbm_oom(message: str) -> Optional[dict]:
+    """Bytes required / available from a TPU `CompileTimeHbmOom` message; None if not one.
+
+    Known forms: "... required for HLO temporaries (128.00G) exceeds available HBM (95.73G)" and
+    "Used 120.5G of 95.74G hbm. Exceeded hbm capacity by 24.8G."
+    """
+    if "CompileTimeHbmOom" not in message and "Ran out of memory" not in message \
+            and "hbm capacity" not in message.lower():
+        return None
+    m = re.search(rf"required[^(]*\({_SIZE}\)\s*exceeds available HBM\s*\({_SIZE}\)", message)
+    if m:
+        return {"required_bytes": _bytes(m.group(1), m.group(2)),
+                "available_bytes": _bytes(m.group(3), m.group(4))}
+    m = re.search(rf"Used\s+{_SIZE}\s+of\s+{_SIZE}\s+hbm", message, re.IGNORECASE)
+    if m:
+        return {"required_bytes": _bytes(m.group(1), m.group(2)),
+                "available_bytes": _bytes(m.group(3), m.group(4))}
+    sizes = [_bytes(a, b) for a, b in re.findall(rf"\b{_SIZE}", message) if b]
+    return {"required_bytes": max(sizes) if sizes else None, "available_bytes": None}
+
+
+def _fmt_bytes(b) -> str:
+    if b is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= size:
+            return f"{b / size:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryFigures:
+    """Per-device bytes of one compiled executable (`memory_analysis()`)."""
+
+    arguments: int
+    outputs: int
+    aliases: int        # outputs that reuse (donated) argument buffers
+    temporaries: int
+    code: int
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs - self.aliases + self.temporaries + self.code
+
+    @classmethod
+    def from_compiled(cls, stats) -> "MemoryFigures":
+        return cls(arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
+                   aliases=stats.alias_size_in_bytes, temporaries=stats.temp_size_in_bytes,
+                   code=stats.generated_code_size_in_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class AotReport:
+    """What one ahead-of-time compile found; `summary()` is the script's last stdout line."""
+
+    config: str
+    topology: str
+    num_devices: int
+    mesh: dict
+    batch: dict                  # global rows, seq_len, micro_batches
+    fits: bool
+    per_device_bytes: Optional[int]
+    hbm_bytes: int
+    memory: Optional[MemoryFigures]
+    flops_per_device: Optional[float]     # compiler's cost_analysis, one device, one step
+    model_flops_per_step: float           # analytic 6N + attention, whole batch (flops.py)
+    collectives: dict
+    compile_seconds: float
+    params_total: int
+    params_active: int
+    paper: dict                  # state / activation bytes per device worked out on paper
+    error: str = ""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> dict:
+        return {"config": self.config, "topology": self.topology,
+                "per_device_bytes": self.per_device_bytes, "hbm_bytes": self.hbm_bytes,
+                "fits": self.fits}
+
+    def table(self) -> str:
+        """Human-readable table of the figures (GiB per device)."""
+        g = _fmt_bytes
+        rows = [("config", self.config), ("topology", f"{self.topology} ({self.num_devices} chips)"),
+                ("mesh", " ".join(f"{k}={v}" for k, v in self.mesh.items())),
+                ("batch", " ".join(f"{k}={v}" for k, v in self.batch.items())),
+                ("params total / active", f"{self.params_total / 1e9:.2f}B / {self.params_active / 1e9:.2f}B")]
+        if self.memory is not None:
+            m = self.memory
+            rows += [("arguments", g(m.arguments)), ("outputs", g(m.outputs)),
+                     ("aliases", g(m.aliases)), ("temporaries", g(m.temporaries)),
+                     ("code", g(m.code))]
+        rows += [("per device (total)", g(self.per_device_bytes)), ("HBM per chip", g(self.hbm_bytes)),
+                 ("fits", str(self.fits)),
+                 ("paper: state / activations", f"{g(self.paper['state_bytes'])} / {g(self.paper['activation_bytes'])}")]
+        if self.flops_per_device is not None:
+            rows += [("FLOPs per step (compiler, all chips)", f"{self.flops_per_device * self.num_devices:.3e}")]
+        rows += [("model FLOPs per step (6N + attn)", f"{self.model_flops_per_step:.3e}")]
+        rows += [(f"{op} ops", str(n)) for op, n in self.collectives.items()]
+        rows += [("compile time", f"{self.compile_seconds:.1f} s")]
+        if self.error:
+            rows += [("compiler error", self.error.splitlines()[0][:160])]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _paper_estimate(model_cfg, mesh: dict, rows_per_shard: int, seq_len: int) -> dict:
+    """State and remat activation bytes per device, worked out on paper (see docs/scaling.md)."""
+    expert_shards = mesh["expert"] * mesh["fsdp"] * mesh["tensor"]
+    state = flops.state_bytes_per_device(model_cfg, expert_shards, mesh["fsdp"] * mesh["tensor"])
+    act = flops.remat_activation_bytes_per_device(model_cfg, rows_per_shard * seq_len)
+    return {"params_bytes": state.params, "grads_bytes": state.grads,
+            "optimizer_bytes": state.optimizer, "state_bytes": state.state,
+            "activation_bytes": act}
+
+
+def write_report(report: AotReport, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report.to_json(), f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def lower_train_step(cfg: ml_collections.ConfigDict, devices: list):
+    """Lowers the trainer's jitted `train_step` over `devices` with abstract state and batch.
+
+    Same code path as training: `StepConfig.from_config`, the state and batch shardings of
+    `train_step.py`, and `make_train_step`'s jit (donation, micro-batch scan). Every input is a
+    `ShapeDtypeStruct` carrying its `NamedSharding`; nothing is allocated.
+
+    Returns:
+      (lowered, meta) with meta the model config, mesh sizes and batch geometry.
+    """
+    import jax
+
+    from gagar_jax import batch as batch_lib
+    from gagar_jax import sharding
+    from gagar_jax import train_step as ts
+    from gagar_jax.model import Transformer
+
+    step_cfg = ts.StepConfig.from_config(cfg)
+    mesh = sharding.make_mesh(cfg.mesh, devices=devices)
+    f = cfg.feed
+    graphdef = ts._split_model(nnx_eval_shape(Transformer, step_cfg.model))[0]
+    abstract_state = jax.eval_shape(functools.partial(ts._init_state, cfg=step_cfg),
+                                    jax.random.key(0))
+    mc = step_cfg.model
+    abstract_batch = jax.eval_shape(lambda: batch_lib.dummy_batch(
+        f.rows_per_batch, f.seq_len, f.max_trajectories, f.groups_per_batch,
+        num_moe_layers=mc.num_moe_layers if f.routing_replay else 0,
+        top_k=mc.top_k if f.routing_replay else 0))
+    state_sh = ts.state_shardings(abstract_state, mesh, step_cfg)
+    batch_sh = ts.batch_shardings(abstract_batch, mesh)
+    with_sharding = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
+    state_in = jax.tree.map(with_sharding, abstract_state, state_sh)
+    batch_in = jax.tree.map(with_sharding, abstract_batch, batch_sh)
+    step_fn = ts.make_train_step(step_cfg, mesh, state_sh, batch_sh, graphdef)
+    with jax.set_mesh(mesh):
+        lowered = step_fn.jitted.lower(state_in, batch_in)
+    sizes = dict(mesh.shape)
+    batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    micro_rows = f.rows_per_batch // (step_cfg.mini_batches * step_cfg.micro_batches)
+    meta = {"model_config": mc, "mesh": {k: int(v) for k, v in sizes.items()},
+            "batch": {"rows": f.rows_per_batch, "seq_len": f.seq_len,
+                      "mini_batches": step_cfg.mini_batches,
+                      "micro_batches": step_cfg.micro_batches,
+                      "rows_per_shard": max(1, micro_rows // batch_shards),
+                      "expert_backend": mc.expert_backend, "remat": mc.remat,
+                      "attention": f"{mc.attention}/{mc.attn_block}"}}
+    return lowered, meta
+
+
+def nnx_eval_shape(module_cls, model_cfg):
+    """The abstract model (shapes only) for its graphdef."""
+    from flax import nnx
+
+    return nnx.eval_shape(lambda: module_cls(model_cfg, rngs=nnx.Rngs(0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileResult:
+    """Figures of one compile; `error` (the compiler's message) is set when HBM ran out."""
+
+    per_device_bytes: Optional[int]
+    memory: Optional[MemoryFigures]
+    flops_per_device: Optional[float]
+    collectives: dict
+    seconds: float
+    error: str = ""
+
+
+def compile_lowered(lowered, dump_dir: str = "") -> CompileResult:
+    """Compiles a `jax.stages.Lowered`; an HBM OOM becomes a result with `error` set.
+
+    Args:
+      lowered: `jax.jit(f).lower(*abstract_args)` for TPU devices.
+      dump_dir: keep the compiler's HLO dump (and memory-usage report) here ("" = discard).
+    Returns:
+      `CompileResult`; on `CompileTimeHbmOom`, `per_device_bytes` is the compiler's figure.
+    """
+    import glob
+    import tempfile
+
+    import jax
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gagar_aot_") as tmp:
+        dump = dump_dir or tmp
+        # `compiled.as_text()` cannot re-read some TPU async ops; the compiler's own dump can.
+        try:
+            compiled = lowered.compile({"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+        except jax.errors.JaxRuntimeError as e:
+            oom = parse_hbm_oom(str(e))
+            if oom is None:
+                raise
+            return CompileResult(per_device_bytes=oom["required_bytes"], memory=None,
+                                 flops_per_device=None, collectives={op: 0 for op in COLLECTIVES},
+                                 seconds=time.perf_counter() - t0, error=str(e))
+        seconds = time.perf_counter() - t0
+        texts = sorted(glob.glob(os.path.join(dump, "*.after_optimizations.txt")))
+        hlo = "".join(open(t).read() for t in texts)
+    memory = MemoryFigures.from_compiled(compiled.memory_analysis())
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return CompileResult(per_device_bytes=memory.total, memory=memory,
+                         flops_per_device=float(cost.get("flops", 0.0)),
+                         collectives=count_collectives(hlo), seconds=seconds)
+
+
+def compile_report(cfg: ml_collections.ConfigDict, topology: str, *, name: str = "",
+                   dump_dir: str = "") -> AotReport:
+    """Lower and compile the config's train step for `topology`; never raises on HBM OOM.
+
+    Args:
+      cfg: the full config (all sections of `configs/tiny_cpu.py`).
+      topology: `"v5p:AxBxC"`.
+      name: config name for the report.
+      dump_dir: keep the compiler's HLO dump here ("" = discard).
+    Returns:
+      `AotReport` (fits False with the compiler's bytes when the layout is out of HBM).
+    """
+    generation, _ = parse_topology(topology)
+    devices = topology_devices(topology)
+    lowered, meta = lower_train_step(cfg, devices)
+    r = compile_lowered(lowered, dump_dir)
+    hbm = HBM_BYTES.get(generation, HBM_BYTES["v5p"])
+    model_cfg, b = meta["model_config"], meta["batch"]
+    counts = flops.param_counts(model_cfg)
+    tokens = b["rows"] * b["seq_len"]
+    return AotReport(
+        config=name, topology=topology, num_devices=len(devices), mesh=meta["mesh"], batch=b,
+        fits=bool(not r.error and r.per_device_bytes is not None and r.per_device_bytes <= hbm),
+        per_device_bytes=r.per_device_bytes, hbm_bytes=hbm, memory=r.memory,
+        flops_per_device=r.flops_per_device,
+        model_flops_per_step=flops.train_flops_per_token(model_cfg, b["seq_len"]) * tokens,
+        collectives=r.collectives, compile_seconds=r.seconds,
+        params_total=counts.total, params_active=counts.active,
+        paper=_paper_estimate(model_cfg, meta["mesh"], b["rows_per_shard"], b["seq_len"]),
+        error=r.error)

@@ -1,0 +1,53 @@
+"""Ahead-of-time compile of the real train step for a TPU topology, on this (CPU) machine.
+
+    JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/flash_310b.py \
+        --topology v5p:8x8x8 [--out docs/aot/flash_310b.json] [--config.KEY=VALUE ...]
+
+Prints a table (per-device memory, FLOPs, collective counts, compile time), writes the JSON
+report, and prints as its LAST line a JSON object with `per_device_bytes`, `hbm_bytes` and
+`fits`. A layout the TPU compiler finds out of HBM is reported as `fits: false` (exit code 0).
+Library: `gagar_jax/aot.py`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu must not look for a real TPU here
+
+
+def main(argv) -> int:
+    from absl import flags
+    from ml_collections import config_flags
+
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "Config file.", flag_values=fv,
+                                    lock_config=True)
+    flags.DEFINE_string("topology", "v5p:2x2x1", "TPU topology, e.g. v5p:8x8x8.", flag_values=fv)
+    flags.DEFINE_string("out", None, "JSON report path (default: aot_<config>_<topology>.json).",
+                        flag_values=fv)
+    flags.DEFINE_string("dump_dir", "", "Keep the compiler's HLO dump here.", flag_values=fv)
+    try:
+        fv(argv)
+    except (flags.Error, AttributeError, OSError) as e:
+        print(f"aot_compile: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    if fv.config is None:
+        print("aot_compile: error: --config is required", file=sys.stderr)
+        return 2
+
+    from gagar_jax import aot
+
+    name = os.path.splitext(os.path.basename(fv["config"].config_filename))[0]
+    report = aot.compile_report(fv.config, fv.topology, name=name, dump_dir=fv.dump_dir)
+    out = fv.out or f"aot_{name}_{fv.topology.replace(':', '_')}.json"
+    aot.write_report(report, out)
+    print(report.table())
+    print(f"report: {out}")
+    print(json.dumps(report.summary()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,110 @@
+"""AOT compile for a TPU topology on this CPU host: the tiny config's real train step on v5p:2x2x1.
+
+Needs libtpu (the `tpu` extra, installed by `make test`). One full compile per module.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gagar_jax import aot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A real CompileTimeHbmOom message from libtpu 0.0.52 (v5p, 128 GiB of temporaries).
+OOM_MESSAGE = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
+               "memory required for HLO temporaries (128.00G) exceeds available HBM (95.73G). "
+               "HLO module: jit__lambda.")
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory):
+    """The CLI over the library: tiny config, a mesh with every kind of axis, v5p:2x2x1."""
+    out = tmp_path_factory.mktemp("aot") / "tiny.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "aot_compile.py"),
+           "--config", os.path.join(ROOT, "configs", "tiny_cpu.py"), "--topology", "v5p:2x2x1",
+           "--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.expert=2",
+           "--out", str(out)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = json.loads(out.read_text())
+    return {"last": last, "report": report, "stdout": proc.stdout}
+
+
+def test_last_line_is_the_summary(tiny_report):
+    last, r = tiny_report["last"], tiny_report["report"]
+    assert last["fits"] is True and last["hbm_bytes"] == aot.HBM_BYTES["v5p"]
+    assert last["per_device_bytes"] == r["per_device_bytes"]
+    assert "temporaries" in tiny_report["stdout"] and "all-gather ops" in tiny_report["stdout"]
+
+
+def test_tiny_compiles_and_fits(tiny_report):
+    r = tiny_report["report"]
+    assert r["num_devices"] == 4 and r["fits"] and not r["error"]
+    assert r["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 1}
+    m = r["memory"]
+    assert m["arguments"] > 0 and m["outputs"] > 0 and m["temporaries"] > 0
+    assert r["per_device_bytes"] == (m["arguments"] + m["outputs"] - m["aliases"]
+                                     + m["temporaries"] + m["code"])
+    assert 0 < r["per_device_bytes"] < r["hbm_bytes"]
+    # The state is donated: new parameters and optimizer moments reuse the old buffers.
+    assert m["aliases"] > 0
+
+
+def test_tiny_flops(tiny_report):
+    r = tiny_report["report"]
+    assert r["flops_per_device"] > 0
+    assert r["model_flops_per_step"] > 0
+    assert r["batch"]["micro_batches"] == 2 and r["batch"]["rows"] == 16
+
+
+def test_tiny_collectives_counted(tiny_report):
+    c = tiny_report["report"]["collectives"]
+    assert set(c) == set(aot.COLLECTIVES)
+    # fsdp-sharded parameters are gathered; gradients are reduced across the batch shards.
+    assert c["all-gather"] > 0
+    assert c["all-reduce"] + c["reduce-scatter"] > 0
+
+
+def test_parse_hbm_oom():
+    got = aot.parse_hbm_oom(OOM_MESSAGE)
+    assert got == {"required_bytes": 128 * 2**30, "available_bytes": int(95.73 * 2**30)}
+    got = aot.parse_hbm_oom("RESOURCE_EXHAUSTED: Used 120.50G of 95.74G hbm. Exceeded hbm capacity by 24.76G.")
+    assert got["required_bytes"] == int(120.5 * 2**30)
+    assert aot.parse_hbm_oom("INVALID_ARGUMENT: shapes do not match") is None
+
+
+def test_oom_becomes_fits_false_not_a_crash():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    devices = aot.topology_devices("v5p:2x2x1")
+    mesh = Mesh(devices, ("data",))
+    # 32 GiB per device in, three 32 GiB outputs: 128 GiB > 95 GiB of HBM.
+    x = jax.ShapeDtypeStruct((4 * 1024, 8 * 2**20), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    r = aot.compile_lowered(jax.jit(lambda a: (a * 2, a + 1, jnp.sin(a))).lower(x))
+    assert r.error and "CompileTimeHbmOom" in r.error
+    assert r.per_device_bytes == 128 * 2**30 and r.memory is None
+
+
+def test_count_collectives_on_hlo_text():
+    hlo = """
+  %all-gather.1 = f32[8]{0} all-gather(f32[2]{0} %p), dimensions={0}
+  %ag-start = (f32[2]{0}, f32[8]{0}) all-gather-start(f32[2]{0} %q), dimensions={0}
+  %ag-done = f32[8]{0} all-gather-done((f32[2]{0}, f32[8]{0}) %ag-start)
+  %all-reduce.3 = f32[8]{0} all-reduce(f32[8]{0} %x), to_apply=%add
+  %rs = f32[2]{0} reduce-scatter(f32[8]{0} %x), dimensions={0}, to_apply=%add
+  %a2a = f32[8]{0} all-to-all(f32[8]{0} %x), dimensions={0}
+"""
+    assert aot.count_collectives(hlo) == {"all-gather": 2, "reduce-scatter": 1, "all-to-all": 1,
+                                          "all-reduce": 1, "collective-permute": 0}
+
+
+def test_topology_errors_name_the_argument():
+    with pytest.raises(ValueError, match="topology"):
+        aot.parse_topology("v5p-8")
+    assert aot.parse_topology("v5p:8x8x16") == ("v5p", (8, 8, 16))
