@@ -25,7 +25,8 @@ class AdvantageOutput:
     outcome_advantages: jax.Array        # f32[T] A = r - p (0 for invalid / non-mixed)
     redistributed_advantages: jax.Array  # f32[T] A' after cap and re-centre, no adjustments
     effective_rewards: jax.Array         # f32[T] binary outcome after hack zeroing; 0 if invalid
-    factors_used: jax.Array              # f32[T] factor after the fallback (passes); 1 elsewhere
+    factors_used: jax.Array              # f32[T] factor after the fallback (passes of mixed
+                                         #        groups); 1 elsewhere
     lam: jax.Array                       # f32[G] lambda applied (1 where not applicable)
     capped: jax.Array                    # bool[G]
     mixed: jax.Array                     # bool[G]
@@ -48,7 +49,7 @@ class GroupStats:
     mixed_G: jax.Array      # bool: 0 < k < n
     p_G: jax.Array          # f32: pass rate
     A_T: jax.Array          # f32: outcome advantage r - p in mixed groups, else 0
-    f_T: jax.Array          # f32: factor after the fallback for passes, 1 elsewhere
+    f_T: jax.Array          # f32: factor after the fallback for passes of mixed groups, else 1
     fallback_G: jax.Array   # bool
 
 
@@ -127,7 +128,8 @@ def group_stats(rewards, group_ids, factors, valid, hacked, grading_ok, *, num_g
         bad = passed & ~((f_sel > 0.0) & (f_sel <= 1.0))   # NaN fails both comparisons
         any_bad = segment_sum(bad.astype(jnp.float32), gid, G) > 0
         fallback = mixed & (~grading_ok | any_bad)
-        f = jnp.where(passed & ~fallback[gid], f_sel, 1.0)
+        # Non-mixed groups never fall back, so their factors must not be read either.
+        f = jnp.where(passed & in_mixed & ~fallback[gid], f_sel, 1.0)
     else:
         fallback = jnp.zeros((G,), jnp.bool_)
         f = jnp.ones_like(A)

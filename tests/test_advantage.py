@@ -74,11 +74,14 @@ def batches(draw):
     """Uneven groups (0-8 members, some empty), invalid members, hacks, bad and NaN factors,
     failed grading, adjustments; trajectories of different groups interleaved."""
     rows = []
+    kinds = {"any": ["pass", "pass", "pass", "fail", "fail", "hack", "invalid"],
+             "all_pass": ["pass", "pass", "pass", "invalid"], "all_fail": ["fail", "hack"]}
     for g in range(draw(st.integers(1, G))):
         shared_f = draw(st.one_of(st.none(), st.sampled_from(GRID)))   # equal factors: INV-6
+        group_kind = draw(st.sampled_from(["any", "any", "any", "all_pass", "all_fail"]))
         for _ in range(draw(st.integers(0, 8))):
-            kind = draw(st.sampled_from(["pass", "pass", "pass", "fail", "fail", "hack", "invalid"]))
-            f = shared_f if shared_f is not None else draw(st.sampled_from(GRID * 4 + BAD))
+            kind = draw(st.sampled_from(kinds[group_kind]))
+            f = shared_f if shared_f is not None else draw(st.sampled_from(GRID * 2 + BAD))
             adj = draw(st.sampled_from([0.0, 0.0, -0.1, -0.25, -1.0, 0.3]))
             rows.append((float(kind in ("pass", "hack") or (kind == "invalid" and g % 2)),
                          g, f, kind != "invalid", kind == "hack", adj))
@@ -154,10 +157,10 @@ def test_hacks_invalid_and_fallback_by_hand():
     # Group 0: a hacked pass counts as a failure -> n=4, k=1 (p=1/4); the invalid member is out.
     # Group 1: grading failed -> every pass uses f = 1 (outcome advantages kept).
     # Group 2: one pass has a NaN factor -> fallback; a failure's NaN factor is never read.
-    # Group 3: all pass -> not mixed, advantage 0.
+    # Group 3: all pass -> not mixed, advantage 0; its NaN factor is never read either.
     b = pad([1, 1, 0, 0, 1, 1, 0, 1, 1, 0, 1, 1],
             [0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 3, 3],
-            [0.9, 0.9, 1, 1, 0.3, 0.2, 1, np.nan, 0.5, np.nan, 0.5, 0.5],
+            [0.9, 0.9, 1, 1, 0.3, 0.2, 1, np.nan, 0.5, np.nan, np.nan, 0.5],
             valid=[1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1], hacked=[0, 1] + [0] * 10,
             grading_ok=[1, 0] + [1] * 10)
     out = run(b)
@@ -167,7 +170,9 @@ def test_hacks_invalid_and_fallback_by_hand():
     np.testing.assert_array_equal(out.fallback[:4], [False, True, True, False])
     np.testing.assert_array_equal(out.mixed[:4], [True, True, True, False])
     np.testing.assert_array_equal(out.effective_rewards[:12], [1, 0, 0, 0, 0, 1, 0, 1, 1, 0, 1, 1])
-    assert np.all(np.isfinite(out.advantages))
+    for mode in adv.MODES:
+        o = run(b, mode)
+        assert np.all(np.isfinite(o.advantages)) and np.all(o.advantages[10:] == 0), mode
 
 
 # ---------------------------------------------------------------- INV-1 .. INV-9 (properties)
@@ -317,12 +322,30 @@ def test_matches_numpy_loop_reference_all_modes(b):
 
 
 def random_batch(seed):
+    """A seeded batch dense in edge cases: all-pass / all-fail groups, bad and NaN factors,
+    hacks, invalid members (with out-of-range ids), failed grading, uneven and empty groups."""
     rng = np.random.default_rng(seed)
-    gid = rng.integers(0, G, T).astype(np.int32)
-    factors = rng.choice(np.array(GRID + [np.nan], np.float32), T)
-    return pad((rng.random(T) < 0.5).astype(np.float32), gid, factors, valid=rng.random(T) < 0.9,
-               hacked=rng.random(T) < 0.05, grading_ok=rng.random(G) < 0.9,
-               adjustments=rng.normal(0, 0.1, T))
+    gid = rng.integers(0, G - 2, T).astype(np.int32)   # the last two groups stay empty
+    uniform = rng.choice(3, G, p=[0.6, 0.2, 0.2])        # 0 any, 1 all pass, 2 all fail
+    rewards = np.select([uniform[gid] == 1, uniform[gid] == 2], [1.0, 0.0],
+                        (rng.random(T) < 0.5).astype(np.float32))
+    factors = rng.choice(np.array(GRID * 2 + BAD, np.float32), T)
+    valid = rng.random(T) < 0.9
+    gid = np.where(valid | (rng.random(T) < 0.5), gid, rng.choice([-1, G, 99], T)).astype(np.int32)
+    return pad(rewards, gid, factors, valid=valid, hacked=rng.random(T) < 0.05,
+               grading_ok=rng.random(G) < 0.9, adjustments=rng.normal(0, 0.1, T))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_seeded_edge_case_batches_match_reference_and_pass_checks(seed):
+    b = random_batch(100 + seed)
+    for mode in adv.MODES:
+        out, ref = run(b, mode), reference(b, mode)
+        for name in ("advantages", "redistributed_advantages", "factors_used", "lam"):
+            np.testing.assert_allclose(getattr(out, name), ref[name], atol=2e-6, err_msg=name)
+        for name in ("capped", "mixed", "fallback"):
+            np.testing.assert_array_equal(getattr(out, name), ref[name], err_msg=name)
+        checker(mode)(out, *args(b))
 
 
 def test_jit_matches_no_jit_and_does_not_retrace():
