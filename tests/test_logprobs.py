@@ -81,3 +81,24 @@ def test_token_logprobs_match_full_logits(model):
     np.testing.assert_allclose(lp, want_lp, atol=1e-5)
     np.testing.assert_allclose(ent, want_ent, atol=1e-5)
     assert float(jnp.abs(lp[0, 10])) == 0.0 and float(jnp.abs(lp[0, 20:]).max()) == 0.0
+
+
+def test_chunked_never_holds_full_logits():
+    """fwd+bwd temporaries: flat in V for the chunked path (one chunk tile at a time), at least
+    one full [N, V] float32 array for the plain path."""
+    N, D = 2048, 32
+
+    def temp(fn, V):
+        args = (jax.ShapeDtypeStruct((N, D), jnp.float32), jax.ShapeDtypeStruct((D, V), jnp.float32),
+                jax.ShapeDtypeStruct((N,), jnp.int32))
+
+        def loss(h, w, t):
+            lp, ent = fn(h, w, t)
+            return jnp.sum(lp) + jnp.sum(ent)
+        return jax.jit(jax.grad(loss, (0, 1))).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    chunked = lambda h, w, t: chunked_logprobs_entropy(h, w, t, 512)  # noqa: E731
+    small, large = temp(chunked, 8192), temp(chunked, 32768)
+    assert large < 1.5 * small, (small, large)   # 4x the vocabulary, ~ the same memory
+    assert large < N * 32768 * 4 / 8              # far below the full logits
+    assert temp(_plain, 8192) >= N * 8192 * 4     # the plain path does hold them
