@@ -134,7 +134,7 @@ def group_record(task: Task, episodes, assessments, *, group_id: str, policy_ver
         lp = [0.0] * len(ep.tokens) if logprobs is None else [float(x) for x in logprobs[i]]
         if len(lp) != len(ep.tokens):
             raise ValueError(f"logprobs[{i}] has {len(lp)} entries for {len(ep.tokens)} tokens")
-        t = dict(trajectory_id=f"{group_id}/{i}", tokens=list(ep.tokens),
+        t = dict(trajectory_id=f"{group_id}/{i}", tokens=[int(x) for x in ep.tokens],
                  loss_mask=list(ep.loss_mask), logprobs=lp, outcome=a.outcome, hacked=a.hacked)
         if a.outcome == "pass":
             t["quality"] = {"tier": a.tier, "rank": a.rank}

@@ -92,7 +92,7 @@ def sample_task(cfg: TaskConfig, rng: np.random.Generator, task_id: str) -> Task
     repo = rng.integers(0, cfg.num_symbols, cfg.num_positions)
     bug_pos = int(rng.integers(cfg.num_positions))
     fix = int(rng.integers(cfg.num_symbols - 1))
-    fix += fix >= repo[bug_pos]  # the fix differs from the buggy symbol
+    fix += int(fix >= repo[bug_pos])  # the fix differs from the buggy symbol
     others = [i for i in range(cfg.num_positions) if i != bug_pos]
     tested = sorted([bug_pos] + list(rng.choice(others, cfg.num_tested - 1, replace=False)))
     leak = KEY_BASE + int(rng.integers(MAX_KEYS)) if rng.random() < cfg.leak_prob else -1
