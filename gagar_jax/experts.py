@@ -10,8 +10,9 @@ Backends (`BACKENDS`, chosen per platform by config, all dropless except `capaci
   * `dense`    every expert on every token; the test oracle (E times the useful FLOPs).
   * `ragged`   sort by expert, `jax.lax.ragged_dot`, unsort by gather. Native on TPU/GPU; XLA:CPU
                runs ragged_dot as a masked loop over all groups, so it is slow there.
-  * `grouped`  rows sorted by expert, each expert's rows padded to a multiple of `block`, one
-               loop over experts and, inside, over that expert's active blocks with a
+  * `grouped`  rows sorted by expert, each expert's run padded to a multiple of `block`; a
+               scan over experts and, inside, loops with dynamic trip counts over that
+               expert's rows (`big_block`-row matmuls, then `block`-row ones), with a
                hand-written backward (`custom_vjp`). The fast dropless path on XLA:CPU.
   * `capacity` fixed per-expert capacity, one batched einsum; DROPS overflow tokens
                (`capacity_ffn` reports how many). The speed reference for `grouped`.
@@ -353,6 +354,8 @@ def expert_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
                          f"{down_ExFxD.shape} are not [E,D,F]/[E,D,F]/[E,F,D]")
     if gate_ExDxF.shape[1] != d:
         raise ValueError(f"x_TxD width {d} != gate_ExDxF D {gate_ExDxF.shape[1]}")
+    if not jnp.issubdtype(idx_TxK.dtype, jnp.integer):
+        raise ValueError(f"idx_TxK must hold integer expert ids, got dtype {idx_TxK.dtype}")
     if idx_TxK.shape != weights_TxK.shape or idx_TxK.shape[0] != t:
         raise ValueError(f"idx_TxK {idx_TxK.shape} / weights_TxK {weights_TxK.shape} "
                          f"do not match T={t}")

@@ -102,6 +102,8 @@ def route(logits_TxE: jax.Array, *, top_k: int, router: str = "softmax",
     """
     if router not in ROUTERS:
         raise ValueError(f"router={router!r}; expected one of {sorted(ROUTERS)}")
+    if logits_TxE.ndim != 2:
+        raise ValueError(f"logits_TxE must be [T, E], got shape {logits_TxE.shape}")
     t, e = logits_TxE.shape
     if not 0 < top_k <= e:
         raise ValueError(f"top_k={top_k} must be in [1, num_experts={e}]")

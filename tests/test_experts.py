@@ -186,3 +186,5 @@ def test_bad_arguments_raise_clear_errors(problem):
         experts.expert_ffn(x, g, u, g, idx, w)
     with pytest.raises(ValueError, match="idx_TxK"):
         experts.expert_ffn(x, g, u, d, idx[:, :1], w)
+    with pytest.raises(ValueError, match="integer expert ids"):
+        experts.expert_ffn(x, g, u, d, w, w)

@@ -185,6 +185,8 @@ def test_no_recompiles_for_same_shapes(logits, mask):
 def test_bad_arguments_raise_clear_errors(logits):
     with pytest.raises(ValueError, match="router='nope'"):
         router.route(logits, top_k=K, router="nope")
+    with pytest.raises(ValueError, match=r"logits_TxE must be \[T, E\]"):
+        router.route(logits[None], top_k=K)
     with pytest.raises(ValueError, match="top_k=9"):
         router.route(logits, top_k=9)
     with pytest.raises(ValueError, match="bias_E is only used"):
