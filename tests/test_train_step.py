@@ -1,0 +1,305 @@
+"""The jitted train step: accumulation, sharding, skipping, debug checks, learning direction.
+
+One shape everywhere (B=8, S=32, T=16, G=4) and module-scoped compiled steps keep the compile
+count low on 2 shared cores.
+"""
+import dataclasses
+import functools
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from gagar_jax import loss as L
+from gagar_jax import train_step as TS
+from gagar_jax.advantage import gagar_advantages
+from gagar_jax.batch import Batch
+from gagar_jax.optim import OptimConfig, decay_mask, make_schedule
+from gagar_jax.sharding import make_mesh
+
+B, S, T, G = 8, 32, 16, 4
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Group layout: 4 trajectories per group, 2 per row, so every group spans two rows and thus
+# straddles the two mini-batches (rows b % 2) and the micro-batches.
+REWARDS = [1, 1, 0, 0,   1, 0, 0, 0,   1, 1, 1, 0,   1, 1, 0, 0]
+FACTORS = [1.0, 0.4, 1, 1,   0.9, 1, 1, 1,   1.0, 0.85, 0.4, 1,   0.2, 0.2, 1, 1]  # group 3 capped
+
+
+def tiny_cfg(**over):
+    spec = importlib.util.spec_from_file_location("tiny_cpu", os.path.join(ROOT, "configs", "tiny_cpu.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    c = mod.get_config()
+    base = TS.StepConfig.from_config(c)
+    loss = dataclasses.replace(base.loss, router_aux_coef=0.0, router_z_coef=0.0,
+                               aggregation="seq-mean-token-sum-norm", max_response_len=S)
+    # eps=1e-5 keeps the first Adam update continuous in tiny gradients (sharded vs single).
+    optim = OptimConfig(learning_rate=1e-2, eps=1e-5, weight_decay=0.0, grad_clip_norm=1.0)
+    cfg = dataclasses.replace(base, loss=loss, optim=optim, epochs=1, mini_batches=2,
+                              micro_batches=2, debug_checks=False)
+    for k, v in over.items():
+        cfg = dataclasses.replace(cfg, **{k: v})
+    return cfg
+
+
+def make_batch(rewards=REWARDS, factors=FACTORS, seed=0, old_logprobs=None) -> Batch:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, 256, (B, S)).astype(np.int32)
+    seg = np.zeros((B, S), np.int32)
+    pos = np.zeros((B, S), np.int32)
+    traj = np.zeros((B, S), np.int32)
+    mask = np.zeros((B, S), np.float32)
+    for t in range(T):
+        b, half = divmod(t, 2)
+        n = int(rng.integers(10, 17))       # segment length, prompt of 4 tokens
+        lo = half * 16
+        seg[b, lo:lo + n] = half + 1
+        pos[b, lo:lo + n] = np.arange(n)
+        traj[b, lo:lo + n] = t
+        mask[b, lo + 4:lo + n] = 1.0
+    old = np.zeros((B, S), np.float32) if old_logprobs is None else np.asarray(old_logprobs)
+    return Batch(
+        tokens_BxS=jnp.asarray(tokens), segment_ids_BxS=jnp.asarray(seg),
+        positions_BxS=jnp.asarray(pos), traj_index_BxS=jnp.asarray(traj),
+        loss_mask_BxS=jnp.asarray(mask), old_logprobs_BxS=jnp.asarray(old * mask),
+        group_ids_T=jnp.asarray(np.arange(T) // 4, jnp.int32),
+        rewards_T=jnp.asarray(rewards, jnp.float32), valid_T=jnp.ones(T, bool),
+        hacked_T=jnp.zeros(T, bool), factors_T=jnp.asarray(factors, jnp.float32),
+        adjustments_T=jnp.zeros(T, jnp.float32), grading_ok_G=jnp.ones(G, bool))
+
+
+# ---------------------------------------------------------------- module-scoped set-up
+@pytest.fixture(scope="module")
+def cfg():
+    return tiny_cfg()
+
+
+@pytest.fixture(scope="module")
+def mesh1(devices):
+    return make_mesh(type("M", (), dict(data=1, fsdp=1, expert=1, tensor=1)), devices[:1])
+
+
+@pytest.fixture(scope="module")
+def init(cfg, mesh1):
+    state, graphdef, shardings = TS.init_train_state(cfg, mesh1, jax.random.key(0))
+    host = jax.device_get(state)
+    # Keep the key as plain data: a device key could alias into (and die with) a donated state.
+    return host.replace(rng=np.asarray(jax.random.key_data(host.rng))), graphdef, shardings
+
+
+@pytest.fixture(scope="module")
+def forward(init):
+    """Jitted per-token log-probs of the whole batch (for on-policy old_logprobs and probes)."""
+    _, graphdef, _ = init
+    return jax.jit(lambda params, bias, batch: TS._logprobs(graphdef, params, bias,
+                                                            TS._token_tree(batch))[0])
+
+
+@pytest.fixture(scope="module")
+def batch(init, forward):
+    host, _, _ = init
+    lp = forward(host.params, host.router_bias, make_batch())
+    return make_batch(old_logprobs=lp)
+
+
+@pytest.fixture(scope="module")
+def step1(cfg, mesh1, init, batch):
+    _, graphdef, shardings = init
+    return TS.make_train_step(cfg, mesh1, shardings, TS.batch_shardings(batch, mesh1), graphdef)
+
+
+def fresh(host_state, shardings):
+    """A new device copy of the host state (the step donates its state)."""
+    state = host_state.replace(rng=jax.random.wrap_key_data(host_state.rng))
+    return jax.device_put(state, shardings, may_alias=False)
+
+
+@pytest.fixture(scope="module")
+def ref_out(step1, init, batch):
+    host, _, shardings = init
+    new, metrics = step1(fresh(host, shardings), batch)
+    return jax.device_get(new), jax.device_get(metrics)
+
+
+# ---------------------------------------------------------------- optimizer
+def test_schedule_and_decay_mask(init):
+    cfg = OptimConfig(learning_rate=1.0, warmup_steps=4, schedule="cosine", decay_steps=14,
+                      min_lr_ratio=0.1)
+    sched = make_schedule(cfg)
+    np.testing.assert_allclose([sched(i) for i in (0, 2, 4)], [0.0, 0.5, 1.0], atol=1e-6)
+    # halfway through the cosine: 0.1 + 0.9 * (1 + cos(pi / 2)) / 2 = 0.55; the end: 0.1
+    np.testing.assert_allclose([sched(9), sched(14), sched(100)], [0.55, 0.1, 0.1], atol=1e-6)
+    const = make_schedule(OptimConfig(learning_rate=2.0, warmup_steps=2, schedule="constant"))
+    np.testing.assert_allclose([const(1), const(2), const(50)], [1.0, 2.0, 2.0], atol=1e-6)
+    with pytest.raises(ValueError, match="decay_steps"):
+        OptimConfig(schedule="cosine", warmup_steps=10, decay_steps=5)
+    host, _, _ = init
+    flat = {"/".join(str(getattr(k, "key", k)) for k in p): m
+            for p, m in jax.tree_util.tree_leaves_with_path(decay_mask(host.params))}
+    assert any(m for n, m in flat.items() if "expert" in n or "wq" in n)
+    norms = [m for n, m in flat.items() if "norm" in n or "scale" in n]
+    assert norms and not any(norms)
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(host.params))
+
+
+# ---------------------------------------------------------------- the single-device step
+def test_step_metrics_and_state(cfg, ref_out, batch, init):
+    host, _, _ = init
+    new, m = ref_out
+    assert int(new.step) == 1 and int(new.updates) == 2 and int(new.skipped) == 0
+    assert float(m.updates) == 2 and float(m.skipped) == 0
+    adv = gagar_advantages(batch.rewards_T, batch.group_ids_T, batch.factors_T, batch.valid_T,
+                           batch.hacked_T, batch.grading_ok_G, num_groups=G)
+    np.testing.assert_allclose(m.audit.advantages_T, adv.advantages, rtol=1e-6)
+    np.testing.assert_array_equal(m.audit.capped_G, [False, False, False, True])
+    assert float(m.capped_groups) == 1 and float(m.mixed_groups) == 4 and float(m.groups) == 4
+    assert float(m.lam_max) == pytest.approx(1.5)
+    np.testing.assert_allclose(m.lam_mean, np.mean(np.asarray(adv.lam)), rtol=1e-6)
+    assert float(m.tokens) == float(np.asarray(batch.loss_mask_BxS).sum())
+    assert float(m.trajectories) == T
+    np.testing.assert_allclose(m.mean_response_len, float(m.tokens) / T, rtol=1e-6)
+    # On-policy old log-probs: the first update starts at ratio 1, so nothing is clipped there.
+    assert 0.0 <= float(m.clip_frac_high) < 0.5 and float(m.entropy) > 0.0
+    assert np.isfinite(m.loss) and float(m.grad_norm) > 0
+    np.testing.assert_allclose(m.learning_rate, 1e-2)
+    np.testing.assert_allclose(m.pos_credit_before, np.asarray(adv.pos_credit_before).sum(), rtol=1e-6)
+    np.testing.assert_allclose(m.expert_load_LxE.sum(-1), 1.0, rtol=1e-5)
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), new.params, host.params)
+    assert all(jax.tree.leaves(changed)[:3])
+
+
+def test_no_recompile_across_steps(step1, init, batch, ref_out):
+    host, _, shardings = init
+    state = fresh(host, shardings)
+    for seed in (1, 2):
+        b = make_batch(seed=seed, old_logprobs=batch.old_logprobs_BxS)
+        state, _ = step1(state, b)
+    assert int(state.step) == 2
+    assert step1.jitted._cache_size() == 1
+
+
+def test_nonfinite_skips_update(step1, init, batch):
+    host, _, shardings = init
+    # A NaN in row 1 poisons mini-batch 1 only (rows b % 2): that update is skipped.
+    bad1 = batch.replace(old_logprobs_BxS=batch.old_logprobs_BxS.at[1, 5].set(jnp.nan))
+    new, m = jax.device_get(step1(fresh(host, shardings), bad1))
+    assert (int(new.step), int(new.updates), int(new.skipped)) == (1, 1, 1)
+    assert float(m.skipped) == 1 and float(m.updates) == 1
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(new.params))
+    # NaNs in both mini-batches: nothing is applied, state unchanged but the counters.
+    bad2 = bad1.replace(old_logprobs_BxS=bad1.old_logprobs_BxS.at[0, 5].set(jnp.nan))
+    new, m = jax.device_get(step1(fresh(host, shardings), bad2))
+    assert (int(new.step), int(new.updates), int(new.skipped)) == (1, 0, 2)
+    assert float(m.skipped) == 2 and not np.isfinite(m.loss)
+    jax.tree.map(np.testing.assert_array_equal, new.params, host.params)
+    jax.tree.map(np.testing.assert_array_equal, new.opt_state, host.opt_state)
+
+
+def test_uniform_batch_gives_zero_policy_gradient(step1, init, batch):
+    host, _, shardings = init
+    uniform = batch.replace(rewards_T=jnp.asarray([1] * 4 + [0] * 4 + [1] * 4 + [0] * 4, jnp.float32))
+    new, m = step1(fresh(host, shardings), uniform)
+    assert float(m.mixed_groups) == 0 and float(m.grad_norm) == 0.0 and float(m.pg_loss) == 0.0
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(new).params, host.params)
+
+
+def test_bad_batch_split_is_a_clear_error(cfg, init):
+    _, graphdef, _ = init
+    small = jax.tree.map(lambda x: x[:6] if x.ndim == 2 and x.shape[0] == B else x, make_batch())
+    with pytest.raises(ValueError, match="mini_batches \\* train.micro_batches"):
+        jax.eval_shape(functools.partial(TS.train_step, graphdef=graphdef,
+                                         cfg=dataclasses.replace(cfg, micro_batches=4)),
+                       init[0], small)
+
+
+# ---------------------------------------------------------------- sharding and accumulation
+# Each mesh also uses a different number of micro-batches than the single-device reference
+# (J=2): the accumulated gradient must equal it whatever J is (J=1 is the single-shot gradient).
+@pytest.mark.parametrize("shape,micro", [((8, 1, 1, 1), 1), ((2, 1, 4, 1), 4), ((1, 2, 2, 2), 2)])
+def test_sharded_accumulated_step_matches_single_device(shape, micro, cfg, init, batch, ref_out,
+                                                        devices):
+    host, graphdef, _ = init
+    c = dataclasses.replace(cfg, micro_batches=micro)
+    mesh = make_mesh(type("M", (), dict(zip(("data", "fsdp", "expert", "tensor"), shape))), devices)
+    if shape == (1, 2, 2, 2):  # born sharded: eval_shape -> shardings -> jit(init)
+        state, _, shardings = TS.init_train_state(c, mesh, jax.random.key(0))
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), host.params)
+    else:
+        shardings = TS.state_shardings(fresh(host, None), mesh, c)
+        state = fresh(host, shardings)
+    bsh = TS.batch_shardings(batch, mesh)
+    step = TS.make_train_step(c, mesh, shardings, bsh, graphdef)
+    new, m = step(state, jax.device_put(batch, bsh))
+    gate = [x for p, x in jax.tree_util.tree_leaves_with_path(new.params) if "expert_gate" in str(p)][0]
+    if shape[2] > 1:  # experts really are split over the expert axis
+        assert "expert" in str(gate.sharding.spec) and not gate.sharding.is_fully_replicated
+    ref_state, ref_m = ref_out
+    new, m = jax.device_get((new, m))
+    for name in ("loss", "pg_loss", "grad_norm", "entropy", "approx_kl", "clip_frac_high"):
+        np.testing.assert_allclose(getattr(m, name), getattr(ref_m, name), rtol=2e-4, atol=1e-6,
+                                   err_msg=name)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=2e-4), new.params,
+                 ref_state.params)
+
+
+# ---------------------------------------------------------------- debug checks
+def test_debug_checks_catch_a_broken_advantage(cfg, init, batch, mesh1, monkeypatch):
+    host, graphdef, shardings = init
+    real = L.gagar_advantages
+
+    def broken(rewards, group_ids, factors, *args, **kwargs):
+        # Trajectory 2 fails, so its factor is never read by the real function: use it to
+        # perturb trajectory 0's advantage at run time (0 while the factor is 1; one compile).
+        out = real(rewards, group_ids, factors, *args, **kwargs)
+        eps = factors[2] - 1.0
+        return out.replace(advantages=out.advantages.at[0].add(eps),
+                           redistributed_advantages=out.redistributed_advantages.at[0].add(eps))
+
+    monkeypatch.setattr(L, "gagar_advantages", broken)
+    step = TS.make_train_step(dataclasses.replace(cfg, debug_checks=True), mesh1, shardings,
+                              TS.batch_shardings(batch, mesh1), graphdef)
+    new, m = step(fresh(host, shardings), batch)          # intact advantages pass the checks
+    assert int(new.step) == 1 and float(m.skipped) == 0
+    with pytest.raises(Exception, match="INV-1"):       # +0.1 on one pass breaks the zero mean
+        step(fresh(host, shardings), batch.replace(factors_T=batch.factors_T.at[2].set(1.1)))
+    with pytest.raises(Exception, match="input contract"):
+        step(fresh(host, shardings), batch.replace(rewards_T=batch.rewards_T.at[0].set(0.5)))
+
+
+# ---------------------------------------------------------------- learning direction
+def _train_gaps(step, init, forward, steps=4):
+    host, graphdef, shardings = init
+    b0 = make_batch()
+    traj = np.asarray(b0.traj_index_BxS)
+    mask = np.asarray(b0.loss_mask_BxS)
+
+    def mean_lp(state):
+        lp = np.asarray(forward(state.params, state.router_bias, b0))
+        return np.array([lp[(traj == t) & (mask > 0)].mean() for t in range(T)])
+
+    state = fresh(host, shardings)
+    before = mean_lp(state)
+    for _ in range(steps):  # on-policy: the behavior log-probs are the current policy's
+        b = make_batch(old_logprobs=forward(state.params, state.router_bias, b0))
+        state, m = step(state, b)
+        adv = np.asarray(m.audit.advantages_T)
+    return mean_lp(state) - before, adv
+
+
+def test_training_moves_logprobs_by_advantage(cfg, init, forward, mesh1, step1, batch):
+    host, graphdef, shardings = init
+    assert cfg.loss.mode == "sum_preserving"
+    binary = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, mode="binary"))
+    step_bin = TS.make_train_step(binary, mesh1, shardings, TS.batch_shardings(batch, mesh1), graphdef)
+    d_sp, adv_sp = _train_gaps(step1, init, forward)
+    d_bin, adv_bin = _train_gaps(step_bin, init, forward)
+    for d, adv in ((d_sp, adv_sp), (d_bin, adv_bin)):
+        assert d[adv > 0].mean() > d[adv < 0].mean() + 0.05
+    # Group 0: passes t0 (f=1.0) and t1 (f=0.4). Binary gives both 0.5; sum-preserving gives
+    # 0.71 and 0.29, so t0 gains clearly more than t1 only under sum_preserving.
+    assert adv_bin[0] == adv_bin[1] and adv_sp[0] > 2 * adv_sp[1]
+    assert (d_sp[0] - d_sp[1]) > (d_bin[0] - d_bin[1]) + 0.02
