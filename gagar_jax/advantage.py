@@ -61,7 +61,7 @@ def segment_sum(x_T: jax.Array, gid_T: jax.Array, num_groups: int) -> jax.Array:
 def _check_array(name, x, kind, shape):
     x = jnp.asarray(x)
     if x.ndim != len(shape):
-        raise ValueError(f"{name} must have rank {len(shape)} with shape {shape}, got shape {x.shape}")
+        raise ValueError(f"{name} must have rank {len(shape)} (shape {shape}), got {x.shape}")
     if x.shape != shape:
         raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
     ok = {"float": jnp.issubdtype(x.dtype, jnp.floating),
@@ -79,7 +79,8 @@ def validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok, *, n
     Raises:
       ValueError / TypeError naming the offending argument.
     """
-    if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral) or num_groups < 1:
+    if (isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral)
+            or num_groups < 1):
         raise ValueError(f"num_groups must be a static Python int >= 1, got {num_groups!r}")
     if isinstance(lam_cap, bool) or not isinstance(lam_cap, numbers.Real):
         raise TypeError(f"lam_cap must be a static Python float, got {type(lam_cap).__name__}")
@@ -214,6 +215,9 @@ def equivalent_rewards(rewards, group_ids, factors, valid, hacked, grading_ok, *
                        mode: str = "sum_preserving") -> jax.Array:
     """The shaped reward r' whose per-group mean-centring reproduces A' (INV-8).
 
+    The centring identity needs A' to have zero group mean: it holds in sum_preserving and
+    binary modes, not in downweight_only (whose credit is net negative by design).
+
     Valid members of mixed groups get `p_g + A'_i`; members of other groups keep their effective
     (hack-zeroed) reward; invalid trajectories get 0. Same arguments as `gagar_advantages`.
 
@@ -247,7 +251,8 @@ def broadcast_to_tokens(adv_T: jax.Array, traj_index_BxS: jax.Array,
         raise TypeError(f"adv_T must have a float dtype, got {adv_T.dtype}")
     traj_index_BxS = jnp.asarray(traj_index_BxS)
     if traj_index_BxS.ndim != 2:
-        raise ValueError(f"traj_index_BxS must have rank 2 (shape [B, S]), got {traj_index_BxS.shape}")
+        raise ValueError(f"traj_index_BxS must have rank 2 (shape [B, S]), "
+                         f"got {traj_index_BxS.shape}")
     if not jnp.issubdtype(traj_index_BxS.dtype, jnp.integer):
         raise TypeError(f"traj_index_BxS must have an int dtype, got {traj_index_BxS.dtype}")
     loss_mask_BxS = jnp.asarray(loss_mask_BxS)
@@ -317,8 +322,9 @@ def check_invariants(out: AdvantageOutput, rewards, group_ids, factors, valid, h
         fmin = jax.ops.segment_min(jnp.where(passed, f, jnp.inf), gid, num_segments=G)
         base = jnp.where(passed, lam_cap * f * A, A)   # capped groups before re-centring
         shift = jnp.where(member & capped_T, A1 - base, 0.0)
-        smax = jax.ops.segment_max(jnp.where(member & capped_T, shift, -jnp.inf), gid, num_segments=G)
-        smin = jax.ops.segment_min(jnp.where(member & capped_T, shift, jnp.inf), gid, num_segments=G)
+        in_capped = member & capped_T
+        smax = jax.ops.segment_max(jnp.where(in_capped, shift, -jnp.inf), gid, num_segments=G)
+        smin = jax.ops.segment_min(jnp.where(in_capped, shift, jnp.inf), gid, num_segments=G)
         checks.update({
             "the cap fires iff the mean pass factor < 1 / lambda_max": ~st.mixed_G | jnp.where(
                 out.capped, F * lam_cap <= k * (1 + 1e-6), F * lam_cap >= k * (1 - 1e-6)),
@@ -331,7 +337,8 @@ def check_invariants(out: AdvantageOutput, rewards, group_ids, factors, valid, h
             "INV-3 failures untouched": ~(unc_T & fail) | close(A1, A, atol),
             "INV-4 pass advantages proportional to factors":
                 ~(unc_T & passed) | close(A1, f * c_G[gid], atol),
-            "INV-5 zero-sum shift": ~(unc_T & passed) | close(A1 - A, A * (f - fbar_T) / fbar_T, atol),
+            "INV-5 zero-sum shift":
+                ~(unc_T & passed) | close(A1 - A, A * (f - fbar_T) / fbar_T, atol),
             "INV-6 equal factors reduce to A": ~(unc_T & (fmax == fmin)[gid]) | close(A1, A, atol),
         })
     checks["adjustments are centred per group"] = close(

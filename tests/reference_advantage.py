@@ -70,5 +70,5 @@ def reference_advantages(rewards, group_ids, factors, valid, hacked, grading_ok,
             for i in members:
                 adv[i] += float(adjustments[i]) - c_mean
     return dict(advantages=adv, outcome_advantages=outcome, redistributed_advantages=shaped,
-                effective_rewards=eff, equivalent_rewards=equiv, factors_used=f_used, lam=lam, capped=capped,
-                mixed=mixed, fallback=fallback)
+                effective_rewards=eff, equivalent_rewards=equiv, factors_used=f_used,
+                lam=lam, capped=capped, mixed=mixed, fallback=fallback)
