@@ -114,7 +114,8 @@ def _forward(model, tokens_BxN, positions_BxN, caches, write_B, routed_LxBxNxK):
         if layers is None:
             continue
         routed = routed_LxBxNxK if name == "moe_layers" else None
-        x, new_caches[name], got = _run_stack(layers, x, positions_BxN, caches[name], write_B, routed)
+        x, new_caches[name], got = _run_stack(layers, x, positions_BxN, caches[name], write_B,
+                                              routed)
         ids = got if name == "moe_layers" else ids
     return model.final_norm(x), new_caches, ids
 
@@ -185,7 +186,8 @@ def _generate(graphdef, state, context_BxC, lengths_B, routed_BxCxLxK, key, temp
     # Tokens up to and including the first stop (or all max_new).
     is_stop = jnp.isin(out_tok, stops)
     first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1) + 1, max_new)
-    return Generation(tokens_BxM=out_tok, logprobs_BxM=out_lp, num_new_B=first_stop.astype(jnp.int32),
+    return Generation(tokens_BxM=out_tok, logprobs_BxM=out_lp,
+                      num_new_B=first_stop.astype(jnp.int32),
                       prefill_experts_BxCxLxK=prefill_experts, new_experts_BxMxLxK=out_ids)
 
 

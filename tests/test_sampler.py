@@ -128,7 +128,8 @@ class EchoEnv:
     """Always continues: appends a 3-token tool span after each turn, ends after 3 turns."""
 
     def __init__(self, prompt):
-        self.tokens, self.loss_mask, self.turns, self.done = list(prompt), [0] * len(prompt), 0, False
+        self.tokens, self.loss_mask = list(prompt), [0] * len(prompt)
+        self.turns, self.done = 0, False
 
     def step(self, turn):
         self.tokens += list(turn)

@@ -226,7 +226,8 @@ def test_warm_start_raises_demo_likelihood(warm):
 
 
 def test_producer_round_writes_graded_shard(warm, tmp_path):
-    from gagar_jax.feed import sources
+    from gagar_jax.feed import sources, validate
+    from gagar_jax.feed.config import FeedConfig
     from gagar_jax.sim import producer as P
 
     cfg, model, *_ = warm
@@ -240,8 +241,12 @@ def test_producer_round_writes_graded_shard(warm, tmp_path):
     assert [g.task_id for g in groups] == [t.task_id for t in tasks]
     assert stats.groups == 2 and stats.rollouts == 8
     L, K = model.cfg.num_moe_layers, model.cfg.top_k
+    shape = validate.ModelShape(model.cfg.vocab_size, L, K, model.cfg.num_experts)
     n_pass = 0
     for t, g in zip(tasks, groups):
+        parsed = validate.validate_group(g, FeedConfig(seq_len=64, max_traj_tokens=64), shape)
+        assert ([p.routed.shape[0] for p in parsed.trajectories]
+                == [len(x.tokens) for x in g.trajectories])
         assert g.policy_version == 3 and len(g.trajectories) == 4
         for tr in g.trajectories:
             # The record replays to the same tokens and outcome through the environment: its

@@ -142,7 +142,8 @@ def group_record(task: Task, episodes, assessments, *, group_id: str, policy_ver
             t["routed_experts"] = routed_experts[i]
         trajs.append(t)
     return schema.from_builtins(dict(
-        schema_version=schema.SCHEMA_VERSION, group_id=group_id, task_id=task.task_id, policy_version=policy_version,
+        schema_version=schema.SCHEMA_VERSION, group_id=group_id, task_id=task.task_id,
+        policy_version=policy_version,
         grading=dict(status="ok", grader=GRADER_NAME,
                      evidence=[a.evidence() for a in assessments]),
         trajectories=trajs,

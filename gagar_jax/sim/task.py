@@ -46,7 +46,8 @@ class TaskConfig:
 
     def __post_init__(self):
         if not 2 <= self.num_positions <= MAX_POSITIONS:
-            raise ValueError(f"num_positions must be in [2, {MAX_POSITIONS}], got {self.num_positions}")
+            raise ValueError(f"num_positions must be in [2, {MAX_POSITIONS}], "
+                             f"got {self.num_positions}")
         if not 2 <= self.num_symbols <= MAX_SYMBOLS:
             raise ValueError(f"num_symbols must be in [2, {MAX_SYMBOLS}], got {self.num_symbols}")
         if not 1 <= self.num_tested <= self.num_positions:
@@ -64,7 +65,8 @@ class TaskConfig:
     def max_episode_tokens(self) -> int:
         """Longest possible episode: the prompt, every turn, a tool span between turns."""
         tool = 3 + self.num_tested
-        return self.prompt_len_max + self.max_turns * self.max_turn_tokens + (self.max_turns - 1) * tool
+        turns = self.max_turns * self.max_turn_tokens
+        return self.prompt_len_max + turns + (self.max_turns - 1) * tool
 
 
 @dataclasses.dataclass(frozen=True)
