@@ -268,3 +268,33 @@ def test_producer_round_writes_graded_shard(warm, tmp_path):
     again, _ = P.sample_groups(model, tasks, cfg, P.producer_key(0, 0), group_size=4,
                                policy_version=3, group_prefix="r0")
     assert [schema.to_builtins(g) for g in again] == [schema.to_builtins(g) for g in groups]
+
+
+def test_run_producer_follows_published_policy(warm, tmp_path):
+    from gagar_jax import hf, publish
+    from gagar_jax.feed import sources
+    from gagar_jax.sim import producer as P
+
+    cfg, model, *_ = warm
+    work, spool = tmp_path / "work", tmp_path / "spool"
+    publish.publish_weights(model, 0, work, hf.save_pretrained)
+    lines = []
+    kw = dict(groups_per_round=2, group_size=4, seed=3, model_cfg=model.cfg, wait_s=0.05,
+              poll_s=0.01, log=lines.append)
+    # max_ahead=1: the second round at version 0 comes only after waiting wait_s.
+    stats = P.run_producer(str(work), str(spool), cfg, rounds=2, max_ahead=1, **kw)
+    assert len(stats) == 2 and any("no new policy" in x for x in lines)
+    publish.publish_weights(model, 1, work, hf.save_pretrained)
+    P.run_producer(str(work), str(spool), cfg, rounds=1, start_index=2, **kw)
+    names = sorted(p.name for p in spool.iterdir())
+    assert names == ["_DONE", "shard-00000000-000000.jsonl", "shard-00000000-000001.jsonl",
+                     "shard-00000001-000002.jsonl"]
+    src = sources.SpoolSource(str(spool), poll_s=0.01, log=lines.append)
+    recs = [schema.decode(r.payload, r.encoding) for r in iter(src.next_record, None)]
+    assert [g.policy_version for g in recs] == [0, 0, 0, 0, 1, 1]
+    assert len({g.group_id for g in recs}) == 6
+    # The reloaded weights sample exactly what the in-memory policy samples.
+    tasks = next(P.task_batches(cfg, 3, 2))
+    ref, _ = P.sample_groups(model, tasks, cfg, P.producer_key(3, 0), group_size=4,
+                             policy_version=0, group_prefix="r0")
+    assert [schema.to_builtins(g) for g in ref] == [schema.to_builtins(g) for g in recs[:2]]

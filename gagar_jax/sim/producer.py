@@ -113,16 +113,21 @@ def write_spool_shard(spool_dir: str, records, *, policy_version: int, index: in
     return path
 
 
-def load_latest_policy(workdir: str, **overrides) -> Optional[tuple]:
+def load_latest_policy(workdir: str, model_cfg=None) -> Optional[tuple]:
     """The newest weights the trainer published under `workdir`, or None if none yet.
 
+    Args:
+      workdir: the trainer's work directory (its `published/latest` pointer).
+      model_cfg: the run's `ModelConfig`; its runtime-only fields (expert backend, attention,
+        dtypes, ...) are not in the HF config.json and are applied on load. None: HF defaults.
     Returns:
-      (model, policy_version). `overrides` go to `hf.from_pretrained` (e.g. expert_backend).
+      (model, policy_version).
     """
     from gagar_jax import hf, publish
     latest = publish.read_latest(workdir)
     if latest is None:
         return None
+    overrides = {} if model_cfg is None else dataclasses.asdict(model_cfg)
     model, _ = hf.from_pretrained(latest["path"], **overrides)
     return model, int(latest["policy_version"])
 
@@ -135,6 +140,66 @@ def producer_step(model, policy_version: int, tasks, task_cfg: T.TaskConfig, spo
                                    group_prefix=f"r{index}")
     write_spool_shard(spool_dir, records, policy_version=policy_version, index=index)
     return stats
+
+
+def run_producer(workdir: str, spool_dir: str, task_cfg: T.TaskConfig, *, rounds: int,
+                 groups_per_round: int, group_size: int, seed: int, model_cfg=None,
+                 max_ahead: int = 2, wait_s: float = 30.0, poll_s: float = 0.5,
+                 start_index: int = 0, temperature: float = 1.0, log=print) -> list:
+    """The producer process's loop: newest published policy -> sample -> grade -> spool shard.
+
+    Weights are reloaded whenever the trainer publishes a newer policy version. At most
+    `max_ahead` rounds are produced per version; then the producer waits for the next version,
+    but never longer than `wait_s` (the trainer may need more mixed groups before it can take a
+    step), so the two processes cannot deadlock; the feed's `max_staleness` is the hard bound.
+    After the last round it writes the spool's `_DONE` marker, which ends the trainer's feed.
+
+    Args:
+      workdir: the trainer's work directory (published weights).
+      spool_dir: the trainer's `feed.spool_dir`.
+      task_cfg: task family. rounds: shards to write. groups_per_round: tasks (groups) per
+        shard. group_size: rollouts per group. seed: task and sampling seed.
+      model_cfg: the run's `ModelConfig` (see `load_latest_policy`).
+      max_ahead, wait_s, poll_s: back-pressure (see above). start_index: first round index.
+      temperature: sampling temperature. log: progress lines.
+    Returns:
+      The `RolloutStats` of every round.
+    """
+    import time
+
+    from gagar_jax import publish
+    from gagar_jax.feed.sources import DONE_MARKER
+    tasks = task_batches(task_cfg, seed, groups_per_round)
+    for _ in range(start_index):
+        next(tasks)
+    model, version, at_version, waited_since, out = None, None, 0, None, []
+    for index in range(start_index, start_index + rounds):
+        while True:
+            latest = publish.read_latest(workdir)
+            newer = latest is not None and latest["policy_version"] != version
+            if newer:
+                model, version = load_latest_policy(workdir, model_cfg)
+                at_version, waited_since = 0, None
+                break
+            if model is not None and at_version < max_ahead:
+                break
+            if waited_since is None and model is None:
+                log(f"producer: waiting for published weights under {workdir}")
+            waited_since = waited_since or time.monotonic()
+            if model is not None and time.monotonic() - waited_since >= wait_s:
+                log(f"producer: no new policy after {wait_s:.0f} s; one more round at v{version}")
+                waited_since = None
+                break
+            time.sleep(poll_s)
+        stats = producer_step(model, version, next(tasks), task_cfg, spool_dir,
+                              producer_key(seed, index), group_size=group_size, index=index,
+                              temperature=temperature)
+        at_version += 1
+        out.append(stats)
+        log(f"producer: round {index} v{version} pass_rate={stats.pass_rate:.3f} "
+            f"strong_share={stats.strong_share:.3f} mixed={stats.mixed_groups}")
+    open(os.path.join(spool_dir, DONE_MARKER), "w").close()
+    return out
 
 
 def task_batches(task_cfg: T.TaskConfig, seed: int, groups_per_round: int):
