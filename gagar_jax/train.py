@@ -158,6 +158,13 @@ def run(cfg, workdir: str, *, source: Any = None) -> Optional[dict]:
     Returns:
       The summary dict (also written to `workdir/summary.json` by process 0).
     """
+    # SIGTERM at any point of the run becomes a checkpoint and a clean exit.
+    with _Preemption() as preemption:
+        return _run(cfg, workdir, source, preemption)
+
+
+def _run(cfg, workdir: str, source: Any, preemption: "_Preemption") -> Optional[dict]:
+    """`run` with the SIGTERM flag installed."""
     rc = RunConfig.from_config(cfg)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.makedirs(workdir, exist_ok=True)
@@ -213,34 +220,33 @@ def run(cfg, workdir: str, *, source: Any = None) -> Optional[dict]:
             steplog.finish_step(*pending)
             pending = None
 
-    with _Preemption() as preemption:
-        while step < rc.train.steps:
-            item = feed.next_batch(step)
-            if item is None:
-                log.info("feed exhausted after step %d", step)
-                break
-            batch_np, info = item
-            if step_fn is None:
-                batch_sh = batch_shardings(batch_np, mesh)
-                step_fn = make_train_step(rc.step, mesh, shardings, batch_sh, graphdef)
-            batch = make_global_batch(batch_np, batch_sh, rc.feed.rows_per_batch)
-            state, device_metrics = step_fn(state, batch)
-            step += 1
-            drain()                       # step - 1's metrics, read while step runs
-            pending = (step, info, batch_np, device_metrics)
-            preempted = preemption.agreed()
-            publish_now = rc.train.publish_every and step % rc.train.publish_every == 0
-            if preempted or ckpt.should_save(step) or publish_now:
-                drain()                   # the ledger must include this step before saving
-            if preempted or (rc.train.checkpoint_every and ckpt.should_save(step)):
-                ckpt.save(step, state, feed.state(), cfg_json, force=preempted)
-            if publish_now:
-                publish.publish_weights(nnx.merge(graphdef, state.params, state.router_bias),
-                                        step, workdir, hf.save_pretrained,
-                                        keep=rc.train.keep_published)
-            if preempted:
-                log.info("SIGTERM: checkpoint written at step %d; exiting", step)
-                break
+    while step < rc.train.steps:
+        item = feed.next_batch(step)
+        if item is None:
+            log.info("feed exhausted after step %d", step)
+            break
+        batch_np, info = item
+        if step_fn is None:
+            batch_sh = batch_shardings(batch_np, mesh)
+            step_fn = make_train_step(rc.step, mesh, shardings, batch_sh, graphdef)
+        batch = make_global_batch(batch_np, batch_sh, rc.feed.rows_per_batch)
+        state, device_metrics = step_fn(state, batch)
+        step += 1
+        drain()                       # step - 1's metrics, read while step runs
+        pending = (step, info, batch_np, device_metrics)
+        preempted = preemption.agreed()
+        publish_now = rc.train.publish_every and step % rc.train.publish_every == 0
+        if preempted or ckpt.should_save(step) or publish_now:
+            drain()                   # the ledger must include this step before saving
+        if preempted or (rc.train.checkpoint_every and ckpt.should_save(step)):
+            ckpt.save(step, state, feed.state(), cfg_json, force=preempted)
+        if publish_now:
+            publish.publish_weights(nnx.merge(graphdef, state.params, state.router_bias),
+                                    step, workdir, hf.save_pretrained,
+                                    keep=rc.train.keep_published)
+        if preempted:
+            log.info("SIGTERM: checkpoint written at step %d; exiting", step)
+            break
     drain()
     if not preempted and step > start_step:
         ckpt.save(step, state, feed.state(), cfg_json, force=True)
