@@ -23,10 +23,10 @@ def model():
     return Transformer(cfg, rngs=nnx.Rngs(0))
 
 
-def _pad(seqs, experts=None):
+def _pad(seqs, experts=None, LK=(2, 2)):
     """Right-pads sequences to C (segment id 0 on padding): one jitted shape for every check."""
     tok, seg = np.zeros((len(seqs), C), np.int32), np.zeros((len(seqs), C), np.int32)
-    ex = np.full((len(seqs), C) + (experts[0].shape[1:] if experts else (2, 2)), -1, np.int32)
+    ex = np.full((len(seqs), C) + tuple(LK), -1, np.int32)
     for i, s in enumerate(seqs):
         tok[i, :len(s)], seg[i, :len(s)] = s, 1
         if experts:
@@ -49,7 +49,7 @@ def _routing(model, tok, seg, pos):
 
 def learner_logprobs(model, seqs, experts=None):
     """Learner log-probs of each sequence (routing replayed from `experts` where given)."""
-    tok, seg, pos, ex = _pad(seqs, experts)
+    tok, seg, pos, ex = _pad(seqs, experts, (model.cfg.num_moe_layers, model.cfg.top_k))
     lp = np.asarray(_learner(model, tok, seg, pos, ex))
     return [lp[i, :len(s)] for i, s in enumerate(seqs)]
 
@@ -170,3 +170,20 @@ def test_bad_arguments(model):
     with pytest.raises(ValueError, match="lengths_B"):
         sampler.generate(model, ctx, np.zeros((B,), np.int32), jax.random.key(0), max_new=M,
                          stop_tokens=STOP)
+
+
+def test_dense_then_moe_layers():
+    """A model whose first layer is dense: both cached stacks, routing from the MoE stack only."""
+    c = tiny_cpu.get_config().model
+    c.num_dense_layers = 1
+    model = Transformer(ModelConfig.from_config(c), rngs=nnx.Rngs(1))
+    ctx = np.random.default_rng(4).integers(13, 200, (B, C)).astype(np.int32)
+    lengths = np.arange(2, 2 + 6 * B, 6).astype(np.int32)
+    gen = jax.device_get(sampler.generate(model, ctx, lengths, jax.random.key(2), max_new=M,
+                                          stop_tokens=STOP))
+    assert gen.new_experts_BxMxLxK.shape == (B, M, 1, model.cfg.top_k)
+    nm = [(lengths[b], int(gen.num_new_B[b])) for b in range(B)]
+    seqs = [np.concatenate([ctx[b, :n], gen.tokens_BxM[b, :m]]) for b, (n, m) in enumerate(nm)]
+    for b, lp in enumerate(learner_logprobs(model, seqs)):
+        n, m = nm[b]
+        np.testing.assert_allclose(gen.logprobs_BxM[b, :m], lp[n:], atol=1e-5, rtol=0)
