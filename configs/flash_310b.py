@@ -50,16 +50,20 @@ def get_config() -> ml_collections.ConfigDict:
     m.remat = "full"                  # keep only each layer's input for the backward pass
     m.attention = "blockwise"         # flash-style; [S, S] scores are ruled out at 32k
     m.attn_block = 512
-    m.expert_backend = "ragged"       # ragged_dot: the TPU grouped-matmul kernel
+    m.expert_backend = "ep"           # shard_map dispatch: tokens stay on their chip (see mesh)
     m.logprob_vocab_chunk = 152_576 // 8
     m.router_aux_loss_coef = 0.0      # balancing comes from the router bias instead
     m.router_bias_update_rate = 1e-3
 
-    # 512 chips = fsdp 16 x expert 8 x tensor 4. Rows split over fsdp x expert = 128 ways;
-    # experts over expert x fsdp (embed) x tensor (F): every expert weight is split 512 ways.
+    # 512 chips = fsdp 128 x tensor 4. Rows split 128 ways (one 32k row per chip and micro-batch,
+    # shared by the 4 tensor chips); every weight is split over fsdp (on D) x tensor (heads, F,
+    # vocab). The `ep` backend runs each chip's tokens through its experts locally (shard_map),
+    # with the layer's expert weights gathered over fsdp: with expert > 1 it would also gather
+    # the tokens of the expert group, 8 x 32k tokens x top-8 rows per chip at expert = 8, which
+    # does not fit (docs/scaling.md has the measurements).
     c.mesh.data = 1
-    c.mesh.fsdp = 16
-    c.mesh.expert = 8
+    c.mesh.fsdp = 128
+    c.mesh.expert = 1
     c.mesh.tensor = 4
 
     c.train.steps = 100

@@ -32,8 +32,9 @@ def get_config() -> ml_collections.ConfigDict:
     m.intermediate_size = 24_576      # the dense first layer's MLP width
     m.num_experts = 384               # E
 
-    # 1024 chips = fsdp 16 x expert 8 x tensor 8: rows over 128 ways, experts over all 1024.
-    c.mesh.fsdp = 16
-    c.mesh.expert = 8
+    # 1024 chips = fsdp 128 x tensor 8: rows split 128 ways (one 32k row per chip and
+    # micro-batch), every weight over fsdp (on D) x tensor (heads, F, vocab); experts as Flash.
+    c.mesh.fsdp = 128
+    c.mesh.expert = 1
     c.mesh.tensor = 8
     return c
