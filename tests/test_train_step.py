@@ -247,7 +247,9 @@ def test_sharded_accumulated_step_matches_single_device(shape, micro, cfg, init,
 
 
 # ---------------------------------------------------------------- debug checks
-def test_debug_checks_catch_a_broken_advantage(cfg, init, batch, mesh1, monkeypatch):
+def test_debug_checks_and_optional_paths(cfg, init, batch, mesh1, monkeypatch):
+    """One compiled step with debug checks on, and the optional paths: recomputed old log-probs
+    with a truncated IS weight, a KL reference, and the sigmoid_bias router's bias update."""
     host, graphdef, shardings = init
     real = L.gagar_advantages
 
@@ -260,14 +262,31 @@ def test_debug_checks_catch_a_broken_advantage(cfg, init, batch, mesh1, monkeypa
                            redistributed_advantages=out.redistributed_advantages.at[0].add(eps))
 
     monkeypatch.setattr(L, "gagar_advantages", broken)
-    step = TS.make_train_step(dataclasses.replace(cfg, debug_checks=True), mesh1, shardings,
-                              TS.batch_shardings(batch, mesh1), graphdef)
-    new, m = step(fresh(host, shardings), batch)          # intact advantages pass the checks
-    assert int(new.step) == 1 and float(m.skipped) == 0
+    loss = dataclasses.replace(cfg.loss, recompute_old_logprobs=True, tis_cap=2.0, kl_coef=0.1)
+    dcfg = dataclasses.replace(cfg, debug_checks=True, loss=loss, mini_batches=1,
+                               model=dataclasses.replace(cfg.model, router="sigmoid_bias"))
+    host = host.replace(ref_params=host.params)
+    shardings = shardings.replace(ref_params=shardings.params)
+    step = TS.make_train_step(dcfg, mesh1, shardings, TS.batch_shardings(batch, mesh1), graphdef)
+    # Behavior log-probs 0.5 above the learner's: the TIS weight is exp(-0.5) on every token.
+    off = batch.replace(old_logprobs_BxS=batch.old_logprobs_BxS + 0.5 * batch.loss_mask_BxS)
+    new, m = jax.device_get(step(fresh(host, shardings), off))   # intact advantages pass
+    assert int(new.step) == 1 and float(m.skipped) == 0 and np.isfinite(m.loss)
+    # One update: its ratio is exactly 1 against the learner's own log-probs (against the shifted
+    # behavior ones it would be exp(-0.5) < 1 - clip_low and clip), and the reference is the
+    # current policy, so the KL term and the approx KL are 0 (up to float reassociation).
+    assert float(m.clip_frac_low) == 0.0 and float(m.clip_frac_high) == 0.0
+    assert abs(float(m.kl_loss)) < 1e-6 and abs(float(m.approx_kl)) < 1e-6 and float(m.updates) == 1
+    # Aux-loss-free balancing from the step's load: bias = rate * sign(mean load - load).
+    (bias_LxE,) = jax.tree.leaves(new.router_bias)
+    load = np.asarray(m.expert_load_LxE)
+    rate = dcfg.model.router_bias_update_rate
+    np.testing.assert_allclose(bias_LxE, rate * np.sign(load.mean(-1, keepdims=True) - load))
+    assert np.any(bias_LxE != 0)
     with pytest.raises(Exception, match="INV-1"):       # +0.1 on one pass breaks the zero mean
-        step(fresh(host, shardings), batch.replace(factors_T=batch.factors_T.at[2].set(1.1)))
+        step(fresh(host, shardings), off.replace(factors_T=off.factors_T.at[2].set(1.1)))
     with pytest.raises(Exception, match="input contract"):
-        step(fresh(host, shardings), batch.replace(rewards_T=batch.rewards_T.at[0].set(0.5)))
+        step(fresh(host, shardings), off.replace(rewards_T=off.rewards_T.at[0].set(0.5)))
 
 
 # ---------------------------------------------------------------- learning direction

@@ -1,0 +1,186 @@
+"""Throughput and MFU of the whole jitted train step, and the share of it spent on advantages.
+
+Run:  JAX_PLATFORMS=cpu .venv/bin/python scripts/bench_train_step.py     (CPU; writes the section
+      "## Train step (scripts/bench_train_step.py)" of docs/performance.md; --no-docs to skip)
+      On a GPU/TPU host: JAX_PLATFORMS= .venv/bin/python scripts/bench_train_step.py --no-docs
+
+For each config (tiny_cpu, and small = the ~100M-parameter configs/small.py) it builds a synthetic
+packed batch, compiles `train_step` once, and times steps. MFU = model FLOPs per second
+(`flops.train_flops_per_token` x row tokens x epochs, remat not counted) / the matmul peak
+measured in the same run with a large `jnp.dot`. The advantage share times the jitted
+`gagar_advantages` + `broadcast_to_tokens` at the batch's T and G against the step (goal < 1%).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gagar_jax import flops  # noqa: E402
+from gagar_jax import train_step as TS  # noqa: E402
+from gagar_jax.advantage import broadcast_to_tokens, gagar_advantages  # noqa: E402
+from gagar_jax.batch import Batch  # noqa: E402
+from gagar_jax.config import load_config_file  # noqa: E402
+from gagar_jax.sharding import make_mesh  # noqa: E402
+
+HEADING = "## Train step (scripts/bench_train_step.py)"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
+def matmul_peak(n: int = 2048, reps: int = 5) -> float:
+    """FLOP/s of a large float32 matmul on the default device (best of `reps`)."""
+    a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    f(a).block_until_ready()
+    return 2 * n ** 3 / min(_timed(lambda: f(a)) for _ in range(reps))
+
+
+def synthetic_batch(B: int, S: int, vocab: int, group_size: int = 4, seed: int = 0) -> Batch:
+    """Rows packed with trajectories of 3/4 row length or less (prompt 1/4), groups of 4, every
+    group mixed with graded passes: the shape of a real feed batch, with random tokens."""
+    rng = np.random.default_rng(seed)
+    per_row = 2
+    T = B * per_row
+    G = T // group_size
+    span = S // per_row
+    tokens = rng.integers(1, vocab, (B, S)).astype(np.int32)
+    seg, pos, traj = (np.zeros((B, S), np.int32) for _ in range(3))
+    mask = np.zeros((B, S), np.float32)
+    for t in range(T):
+        b, h = divmod(t, per_row)
+        n = int(rng.integers(span * 3 // 4, span + 1))
+        lo = h * span
+        seg[b, lo:lo + n], pos[b, lo:lo + n], traj[b, lo:lo + n] = h + 1, np.arange(n), t
+        mask[b, lo + span // 4:lo + n] = 1.0
+    rewards = np.tile([1, 1, 0, 0], G).astype(np.float32)
+    factors = rng.choice([1.0, 0.9, 0.85, 0.4, 0.2], T).astype(np.float32)
+    return Batch(
+        tokens_BxS=jnp.asarray(tokens), segment_ids_BxS=jnp.asarray(seg),
+        positions_BxS=jnp.asarray(pos), traj_index_BxS=jnp.asarray(traj),
+        loss_mask_BxS=jnp.asarray(mask),
+        old_logprobs_BxS=jnp.asarray(-np.log(vocab) * mask, jnp.float32),
+        group_ids_T=jnp.asarray(np.arange(T) // group_size, jnp.int32),
+        rewards_T=jnp.asarray(rewards), valid_T=jnp.ones(T, bool), hacked_T=jnp.zeros(T, bool),
+        factors_T=jnp.asarray(factors), adjustments_T=jnp.zeros(T, jnp.float32),
+        grading_ok_G=jnp.ones(G, bool))
+
+
+def advantage_seconds(batch: Batch, reps: int = 50) -> float:
+    """Median time of the jitted advantage computation + token broadcast for this batch."""
+    @jax.jit
+    def adv(b):
+        out = gagar_advantages(b.rewards_T, b.group_ids_T, b.factors_T, b.valid_T, b.hacked_T,
+                               b.grading_ok_G, num_groups=b.num_groups,
+                               adjustments=b.adjustments_T)
+        return broadcast_to_tokens(out.advantages, b.traj_index_BxS, b.loss_mask_BxS)
+    adv(batch).block_until_ready()
+    return float(np.median([_timed(lambda: adv(batch)) for _ in range(reps)]))
+
+
+def bench(name: str, B: int, S: int, steps: int, peak: float) -> dict:
+    cfg = load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
+    step_cfg = TS.StepConfig.from_config(cfg)
+    step_cfg = dataclasses.replace(step_cfg, micro_batches=min(step_cfg.micro_batches, B),
+                                   mini_batches=1, epochs=1)
+    mesh = make_mesh(type("M", (), dict(data=-1, fsdp=1, expert=1, tensor=1)))
+    state, graphdef, shardings = TS.init_train_state(step_cfg, mesh, jax.random.key(0))
+    batch = synthetic_batch(B, S, step_cfg.model.vocab_size)
+    bsh = TS.batch_shardings(batch, mesh)
+    batch = jax.device_put(batch, bsh)
+    step = TS.make_train_step(step_cfg, mesh, shardings, bsh, graphdef)
+    t0 = time.perf_counter()
+    state, m = step(state, batch)
+    jax.block_until_ready(m)
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+    step_s = float(np.median(times))
+    tokens = B * S * step_cfg.epochs
+    model_flops = flops.train_flops_per_token(step_cfg.model, S) * tokens
+    adv_s = advantage_seconds(batch)
+    return dict(name=name, B=B, S=S, T=batch.num_trajectories, G=batch.num_groups,
+                params=flops.param_counts(step_cfg.model).total,
+                active=flops.param_counts(step_cfg.model).active,
+                micro=step_cfg.micro_batches, compile_s=compile_s, step_s=step_s,
+                tok_s=tokens / step_s, mfu=model_flops / step_s / peak, adv_s=adv_s,
+                adv_share=adv_s / step_s, loss=float(m.loss))
+
+
+def render(rows, peak) -> str:
+    dev = jax.devices()[0]
+    out = [HEADING, "",
+           f"`{' '.join(sys.argv)}` on {len(jax.devices())} x {dev.platform} "
+           f"({dev.device_kind}); matmul peak measured in the same run: {peak / 1e9:.1f} GFLOP/s "
+           "(float32 2048^3 `jnp.dot`). One train step = one feed batch, 1 epoch x 1 mini-batch, "
+           "gradient accumulation over `micro` micro-batches; tokens/s counts all B x S row "
+           "tokens; MFU = model FLOPs (6 x active matmul params + causal attention, per token) / "
+           "step time / peak. Advantage share = jitted `gagar_advantages` + `broadcast_to_tokens` "
+           "at the batch's T and G, over the step time (goal < 1%).", "",
+           "| config | params (active) | batch [B, S] | T / G | micro | compile s | step s "
+           "| tokens/s | MFU | advantage ms | advantage share |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['name']} | {r['params'] / 1e6:.1f}M ({r['active'] / 1e6:.1f}M) "
+                   f"| [{r['B']}, {r['S']}] | {r['T']} / {r['G']} | {r['micro']} "
+                   f"| {r['compile_s']:.0f} | {r['step_s']:.3f} | {r['tok_s']:,.0f} "
+                   f"| {100 * r['mfu']:.1f}% | {1e3 * r['adv_s']:.3f} | {100 * r['adv_share']:.3f}% |")
+    return "\n".join(out) + "\n"
+
+
+def write_docs(path: str, section: str) -> None:
+    text = open(path).read() if os.path.exists(path) else "# Performance\n"
+    pattern = re.compile(re.escape(HEADING) + r".*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    with open(path, "w") as fh:
+        fh.write(text)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=3, help="timed steps per config (after compile)")
+    p.add_argument("--tiny", default="16x128", help="tiny_cpu batch BxS")
+    p.add_argument("--small", default="4x256", help="small (~100M) batch BxS; '' to skip")
+    p.add_argument("--no-docs", action="store_true", help="do not write docs/performance.md")
+    args = p.parse_args()
+    peak = matmul_peak()
+    rows = []
+    for name, shape in (("tiny_cpu", args.tiny), ("small", args.small)):
+        if not shape:
+            continue
+        B, S = (int(x) for x in shape.split("x"))
+        r = bench(name, B, S, args.steps, peak)
+        print(f"{name}: {r['tok_s']:,.0f} tokens/s, MFU {100 * r['mfu']:.2f}%, step "
+              f"{r['step_s']:.3f}s, advantages {1e3 * r['adv_s']:.3f} ms = "
+              f"{100 * r['adv_share']:.3f}% of the step", flush=True)
+        rows.append(r)
+    section = render(rows, peak)
+    print(section)
+    if not args.no_docs:
+        write_docs(os.path.join(ROOT, "docs", "performance.md"), section)
+
+
+if __name__ == "__main__":
+    main()
