@@ -12,7 +12,8 @@ replace the top-k selection, and the gate weights are still the (differentiable)
 probabilities of those experts, so the router keeps learning.
 
 Statistics (load, auxiliary loss, z-loss) are means over the non-padding tokens of the whole
-array: under `jit` with a sharded token axis this is the global-batch statistic.
+array: under `jit` with a sharded token axis this is the global-batch statistic. Load and the
+auxiliary loss's f_e count the experts actually used (the replayed ones where recorded).
 """
 from __future__ import annotations
 

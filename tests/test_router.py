@@ -46,6 +46,9 @@ def test_softmax_topk_matches_numpy(logits, norm):
     np.testing.assert_array_equal(out.idx_TxK, idx)
     np.testing.assert_allclose(out.weights_TxK, w, rtol=1e-6, atol=1e-7)
     assert out.idx_TxK.dtype == jnp.int32 and out.weights_TxK.dtype == jnp.float32
+    eager = router.route(logits, top_k=K, norm_topk_prob=norm)  # jit and no-jit agree
+    np.testing.assert_array_equal(eager.idx_TxK, out.idx_TxK)
+    np.testing.assert_allclose(eager.weights_TxK, out.weights_TxK, rtol=1e-6)
 
 
 def test_sigmoid_bias_changes_selection_not_weights(logits):
