@@ -298,3 +298,41 @@ def test_run_producer_follows_published_policy(warm, tmp_path):
     ref, _ = P.sample_groups(model, tasks, cfg, P.producer_key(3, 0), group_size=4,
                              policy_version=0, group_prefix="r0")
     assert [schema.to_builtins(g) for g in ref] == [schema.to_builtins(g) for g in recs[:2]]
+
+
+_EDIT = st.tuples(st.integers(0, 7), st.sampled_from([2, 9, 1, 5, 0, -1]))  # -1: the leaked key
+_TURN = st.tuples(st.lists(_EDIT, max_size=3), st.sampled_from([T.RUN, T.SUBMIT]))
+
+
+@given(st.lists(st.lists(_TURN, min_size=1, max_size=3), min_size=1, max_size=8), st.randoms())
+def test_grader_properties(answers, rnd):
+    """On random answers: tiers exactly for passes, dense ranks from 1 with ties for equal
+    evidence, hacks exactly for answers writing the key, and order independence."""
+    def tokens(turn):
+        edits, end = turn
+        out = []
+        for p, s in edits:
+            out += [T.EDIT, T.pos(p), TASK.leak_key if s < 0 else T.sym(s)]
+        return out + [end]
+
+    eps = [T.play(TASK, CFG, [tokens(t) for t in a]) for a in answers]
+    got = G.grade_group(TASK, eps)
+    for a, ep, ans in zip(got, eps, answers):
+        wrote_key = any(s < 0 for turn in ans[:len(ep.turns)] for _, s in turn[0])
+        assert a.hacked == wrote_key
+        assert (a.tier is None) == (ep.outcome != "pass")
+    for tier in ("strong", "intermediate", "defective"):
+        members = [a for a in got if a.tier == tier]
+        ranks = sorted({a.rank for a in members})
+        assert ranks == list(range(1, len(ranks) + 1))
+        for x in members:
+            for y in members:
+                same = (x.hacked, x.weakened, x.side_effects, x.approach, x.thrash, x.edits,
+                        x.turns, x.inconsistent) == (y.hacked, y.weakened, y.side_effects,
+                                                     y.approach, y.thrash, y.edits, y.turns,
+                                                     y.inconsistent)
+                assert same == (x.rank == y.rank)
+    perm = list(range(len(eps)))
+    rnd.shuffle(perm)
+    again = G.grade_group(TASK, [eps[i] for i in perm])
+    assert [again[perm.index(i)] for i in range(len(eps))] == got
