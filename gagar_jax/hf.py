@@ -25,6 +25,7 @@ from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from gagar_jax import sharding
 from gagar_jax.model import ModelConfig, Transformer
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -170,12 +171,14 @@ def _path(key_path) -> str:
     return "/".join(n for n in names if n != "value")
 
 
-def from_pretrained(path: str, dtype: str = "float32", **overrides):
+def from_pretrained(path: str, dtype: str = "float32", *, mesh=None, **overrides):
     """Loads a Hugging Face Qwen3-MoE directory.
 
     Args:
       path: directory with config.json and model.safetensors (or a sharded index).
       dtype: parameter and compute dtype, "float32" or "bfloat16".
+      mesh: optional `Mesh`: each parameter is placed straight into its shards (the logical-axis
+        rules of `sharding.py`) instead of onto one device.
       **overrides: further ModelConfig fields (e.g. expert_backend, attention, remat).
     Returns:
       (Transformer, ModelConfig).
@@ -186,17 +189,22 @@ def from_pretrained(path: str, dtype: str = "float32", **overrides):
     cfg = config_from_hf(hf, **overrides)
     flat = _state_from_hf(_reader(path), cfg)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    shardings = None if mesh is None else sharding.state_shardings(abstract, mesh)
 
-    def fill(key_path, leaf):
+    def fill(key_path, leaf, where=None):
         name = _path(key_path)
         if name not in flat:
             raise KeyError(f"no checkpoint tensor for parameter {name}")
         arr = np.asarray(flat.pop(name))
         if arr.shape != leaf.shape:
             raise ValueError(f"parameter {name}: checkpoint shape {arr.shape}, model {leaf.shape}")
-        return jnp.asarray(arr.astype(np.float32), leaf.dtype)
+        arr = arr.astype(np.float32).astype(leaf.dtype)
+        return jnp.asarray(arr) if where is None else jax.device_put(arr, where)
 
-    state = jax.tree_util.tree_map_with_path(fill, abstract)
+    if shardings is None:
+        state = jax.tree_util.tree_map_with_path(fill, abstract)
+    else:
+        state = jax.tree_util.tree_map_with_path(fill, abstract, shardings)
     if flat:
         raise ValueError(f"checkpoint tensors not used by the model: {sorted(flat)}")
     return nnx.merge(graphdef, state), cfg

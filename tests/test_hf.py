@@ -2,16 +2,18 @@
 fused and per-expert weight layouts, sharded index files."""
 import json
 import os
+import types
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors.torch import save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from gagar_jax import hf
+from gagar_jax import hf, sharding
 
 FAST = dict(expert_backend="dense", attention="plain")  # cheapest compile; math is the same
 TOKENS = np.random.default_rng(0).integers(0, 64, size=(2, 12))
@@ -68,6 +70,15 @@ def test_export_reloads_in_transformers(torch_model, hf_dir, tmp_path):
     np.testing.assert_allclose(_torch_logits(reloaded), _torch_logits(torch_model), atol=1e-5)
     again, _ = hf.from_pretrained(str(tmp_path), **FAST)  # and our own sharded files load back
     np.testing.assert_allclose(_our_logits(again), _our_logits(model), atol=1e-6)
+
+
+def test_load_onto_a_mesh_places_shards(hf_dir, devices):
+    mesh = sharding.make_mesh(types.SimpleNamespace(data=1, fsdp=2, expert=2, tensor=2))
+    model, _ = hf.from_pretrained(hf_dir, mesh=mesh, **FAST)
+    gate = model.moe_layers.mlp.expert_gate[...]
+    assert gate.sharding == NamedSharding(mesh, P(None, "expert", "fsdp", "tensor"))
+    ref, _ = hf.from_pretrained(hf_dir, **FAST)
+    np.testing.assert_array_equal(np.asarray(gate), np.asarray(ref.moe_layers.mlp.expert_gate[...]))
 
 
 def test_fused_expert_layout_and_hub_style_config(torch_model, hf_dir, tmp_path):
