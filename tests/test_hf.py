@@ -113,3 +113,18 @@ def test_config_errors_are_clear():
     del n["num_local_experts"], n["num_experts"]
     with pytest.raises(ValueError, match="num_experts"):
         hf.config_from_hf(n)
+
+
+def test_tied_all_moe_model_exports_to_transformers(tmp_path):
+    from gagar_jax.model import ModelConfig, Transformer
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, moe_intermediate_size=16, intermediate_size=48, num_experts=4,
+                      top_k=2, norm_topk_prob=False, tie_embeddings=True, rope_theta=500.0, **FAST)
+    ours = Transformer(cfg, rngs=nnx.Rngs(3))
+    ours.embedding[...] = 10 * ours.embedding[...]  # logits of order 1, not 0.1
+    hf.save_pretrained(ours, str(tmp_path))
+    theirs = Qwen3MoeForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert theirs.config.tie_word_embeddings and theirs.config.mlp_only_layers == []
+    want = _our_logits(ours)
+    assert np.abs(want).max() > 0.5
+    np.testing.assert_allclose(_torch_logits(theirs), want, atol=1e-4)
