@@ -10,7 +10,6 @@ time does not grow with depth; the scan body is rematerialized per `remat`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import flax.struct
 import jax
@@ -92,7 +91,8 @@ class ModelConfig:
         if self.top_k > self.num_experts:
             raise ValueError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}")
         if not 0 <= self.num_dense_layers <= self.num_layers:
-            raise ValueError(f"model.num_dense_layers must be in [0, num_layers], got {self.num_dense_layers}")
+            raise ValueError(f"model.num_dense_layers must be in [0, num_layers], "
+                             f"got {self.num_dense_layers}")
         checks = {"router": ("softmax", "sigmoid_bias"), "param_dtype": DTYPES, "compute_dtype": DTYPES,
                   "remat": tuple(REMAT_POLICIES), "attention": ("blockwise", "plain")}
         for name, allowed in checks.items():
