@@ -144,7 +144,7 @@ def init_train_state(cfg: StepConfig, mesh, rng):
 def batch_shardings(batch: Batch, mesh) -> Batch:
     """Token arrays split along B by the logical "batch" rule; per-trajectory/group replicated."""
     def one(path, x):
-        name = shd._key_name(path[-1])
+        name = str(getattr(path[-1], "name", path[-1]))
         if name.endswith("_BxS") or name.endswith("_BxSxLxK"):
             axes = ("batch",) + (None,) * (len(x.shape) - 1)
             return shd.named_sharding(mesh, axes, x.shape)
