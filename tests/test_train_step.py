@@ -249,7 +249,8 @@ def test_sharded_accumulated_step_matches_single_device(shape, micro, cfg, init,
 # ---------------------------------------------------------------- debug checks
 def test_debug_checks_and_optional_paths(cfg, init, batch, mesh1, monkeypatch):
     """One compiled step with debug checks on, and the optional paths: recomputed old log-probs
-    with a truncated IS weight, a KL reference, and the sigmoid_bias router's bias update."""
+    with a truncated IS weight, a KL reference, routing replay, and the sigmoid_bias router's
+    bias update."""
     host, graphdef, shardings = init
     real = L.gagar_advantages
 
@@ -267,9 +268,13 @@ def test_debug_checks_and_optional_paths(cfg, init, batch, mesh1, monkeypatch):
                                model=dataclasses.replace(cfg.model, router="sigmoid_bias"))
     host = host.replace(ref_params=host.params)
     shardings = shardings.replace(ref_params=shardings.params)
-    step = TS.make_train_step(dcfg, mesh1, shardings, TS.batch_shardings(batch, mesh1), graphdef)
     # Behavior log-probs 0.5 above the learner's: the TIS weight is exp(-0.5) on every token.
-    off = batch.replace(old_logprobs_BxS=batch.old_logprobs_BxS + 0.5 * batch.loss_mask_BxS)
+    # Routing replay: every token was routed to experts (0, 1) on every MoE layer.
+    L_moe, K = dcfg.model.num_moe_layers, dcfg.model.top_k
+    routed = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, S, L_moe, K))
+    off = batch.replace(old_logprobs_BxS=batch.old_logprobs_BxS + 0.5 * batch.loss_mask_BxS,
+                        routed_experts_BxSxLxK=routed)
+    step = TS.make_train_step(dcfg, mesh1, shardings, TS.batch_shardings(off, mesh1), graphdef)
     new, m = jax.device_get(step(fresh(host, shardings), off))   # intact advantages pass
     assert int(new.step) == 1 and float(m.skipped) == 0 and np.isfinite(m.loss)
     # One update: its ratio is exactly 1 against the learner's own log-probs (against the shifted
@@ -282,7 +287,11 @@ def test_debug_checks_and_optional_paths(cfg, init, batch, mesh1, monkeypatch):
     load = np.asarray(m.expert_load_LxE)
     rate = dcfg.model.router_bias_update_rate
     np.testing.assert_allclose(bias_LxE, rate * np.sign(load.mean(-1, keepdims=True) - load))
-    assert np.any(bias_LxE != 0)
+    # The replayed routing reached the model: experts 0 and 1 took all the load.
+    E = dcfg.model.num_experts
+    np.testing.assert_allclose(load, np.tile([0.5, 0.5] + [0.0] * (E - 2), (L_moe, 1)), atol=1e-6)
+    np.testing.assert_allclose(bias_LxE[:, :2], -rate)
+    np.testing.assert_allclose(bias_LxE[:, 2:], rate)
     with pytest.raises(Exception, match="INV-1"):       # +0.1 on one pass breaks the zero mean
         step(fresh(host, shardings), off.replace(factors_T=off.factors_T.at[2].set(1.1)))
     with pytest.raises(Exception, match="input contract"):
