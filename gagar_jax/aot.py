@@ -62,11 +62,14 @@ def topology_devices(topology: str) -> list:
 def count_collectives(hlo_text: str) -> dict[str, int]:
     """Static count of each collective op in compiled HLO text (async `-start` forms included).
 
-    A collective inside a loop body (the scan over layers, the micro-batch loop) counts once.
+    The TPU compiler emits most reduce-scatters as fusions calling an `%all-reduce-scatter`
+    computation; those calls count as reduce-scatters. A collective inside a loop body (the scan
+    over layers, the micro-batch loop) counts once.
     """
     counts = {}
     for op in COLLECTIVES:
         counts[op] = len(re.findall(rf"\s{op}(?:-start)?\(", hlo_text))
+    counts["reduce-scatter"] += len(re.findall(r"calls=%all-reduce-scatter", hlo_text))
     return counts
 
 
@@ -149,6 +152,7 @@ class AotReport:
     params_active: int
     paper: dict                  # state / activation bytes per device worked out on paper
     error: str = ""
+    overrides: tuple = ()        # command-line config overrides applied to the config file
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -161,7 +165,8 @@ class AotReport:
     def table(self) -> str:
         """Human-readable table of the figures (GiB per device)."""
         g = _fmt_bytes
-        rows = [("config", self.config), ("topology", f"{self.topology} ({self.num_devices} chips)"),
+        rows = [("config", " ".join((self.config,) + tuple(self.overrides))),
+                ("topology", f"{self.topology} ({self.num_devices} chips)"),
                 ("mesh", " ".join(f"{k}={v}" for k, v in self.mesh.items())),
                 ("batch", " ".join(f"{k}={v}" for k, v in self.batch.items())),
                 ("params total / active", f"{self.params_total / 1e9:.2f}B / {self.params_active / 1e9:.2f}B")]
@@ -308,7 +313,7 @@ def compile_lowered(lowered, dump_dir: str = "") -> CompileResult:
 
 
 def compile_report(cfg: ml_collections.ConfigDict, topology: str, *, name: str = "",
-                   dump_dir: str = "") -> AotReport:
+                   dump_dir: str = "", overrides: tuple = ()) -> AotReport:
     """Lower and compile the config's train step for `topology`; never raises on HBM OOM.
 
     Args:
@@ -316,6 +321,7 @@ def compile_report(cfg: ml_collections.ConfigDict, topology: str, *, name: str =
       topology: `"v5p:AxBxC"`.
       name: config name for the report.
       dump_dir: keep the compiler's HLO dump here ("" = discard).
+      overrides: the `--config.KEY=VALUE` flags applied (recorded in the report).
     Returns:
       `AotReport` (fits False with the compiler's bytes when the layout is out of HBM).
     """
@@ -336,4 +342,4 @@ def compile_report(cfg: ml_collections.ConfigDict, topology: str, *, name: str =
         collectives=r.collectives, compile_seconds=r.seconds,
         params_total=counts.total, params_active=counts.active,
         paper=_paper_estimate(model_cfg, meta["mesh"], b["rows_per_shard"], b["seq_len"]),
-        error=r.error)
+        error=r.error, overrides=tuple(overrides))

@@ -40,7 +40,9 @@ def main(argv) -> int:
     from gagar_jax import aot
 
     name = os.path.splitext(os.path.basename(fv["config"].config_filename))[0]
-    report = aot.compile_report(fv.config, fv.topology, name=name, dump_dir=fv.dump_dir)
+    overrides = tuple(a for a in argv[1:] if a.startswith("--config."))
+    report = aot.compile_report(fv.config, fv.topology, name=name, dump_dir=fv.dump_dir,
+                                overrides=overrides)
     out = fv.out or f"aot_{name}_{fv.topology.replace(':', '_')}.json"
     aot.write_report(report, out)
     print(report.table())
