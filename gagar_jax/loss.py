@@ -182,7 +182,8 @@ def aggregation_weights(mask_BxS, traj_index_BxS, num_trajectories: int, cfg: Lo
 
 
 def prepare(batch: Batch, cfg: LossConfig, *, mini_batches: int = 1,
-            learner_old_logprobs_BxS=None, ref_logprobs_BxS=None):
+            learner_old_logprobs_BxS=None,
+            ref_logprobs_BxS=None) -> tuple[LossInputs, AdvantageOutput]:
     """Once-per-batch loss inputs: advantages, denominators, ratio denominator, IS weight.
 
     Args:

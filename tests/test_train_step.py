@@ -11,7 +11,6 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from gagar_jax import loss as L
