@@ -16,7 +16,9 @@ Backends (`BACKENDS`, chosen per platform by config, all dropless except `capaci
                hand-written backward (`custom_vjp`). The fast dropless path on XLA:CPU.
   * `capacity` fixed per-expert capacity, one batched einsum; DROPS overflow tokens
                (`capacity_ffn` reports how many). The speed reference for `grouped`.
-  * `ep`       expert parallelism with `shard_map` (see `experts_ep.py`).
+  * `ep`       expert parallelism with `shard_map`: tokens all-gathered over the expert axis,
+               local experts, outputs reduce-scattered back (see `experts_ep.py`).
+  * `ep_a2a`   expert parallelism with `ragged_all_to_all` dispatch (TPU/GPU only).
 
 Row permutations (tokens -> sorted rows -> tokens) use `_take_rows`, whose backward is again a
 gather through the inverse map, never a scatter-add (slow on XLA:CPU).
@@ -321,12 +323,19 @@ def _ep(*args, **kw) -> jax.Array:
     return experts_ep.ep_ffn(*args, **kw)
 
 
+def _ep_a2a(*args, **kw) -> jax.Array:
+    from gagar_jax import experts_ep
+
+    return experts_ep.ep_a2a_ffn(*args, **kw)
+
+
 BACKENDS: Mapping[str, ExpertFn] = {
     "dense": dense_ffn,
     "ragged": ragged_ffn,
     "grouped": grouped_ffn,
     "capacity": _capacity_y,
     "ep": _ep,
+    "ep_a2a": _ep_a2a,   # TPU/GPU: ragged_all_to_all has no XLA:CPU lowering
 }
 
 

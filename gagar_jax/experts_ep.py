@@ -17,22 +17,25 @@ whole group's tokens, T_local * n_expert rows of x (and a worst-case grouped buf
 T_local * n_expert * K rows), so activation memory grows with the expert-axis size times the
 tokens, and every token crosses the expert axis whether or not its experts live elsewhere. At
 pod scale (an expert axis of 64+ devices, long packed rows) that may not fit. The alternative
-is an all-to-all dispatch with `jax.lax.ragged_all_to_all`: sort each device's assignments by
+is an all-to-all dispatch, `ep_a2a_ffn` (backend `ep_a2a`): sort each device's assignments by
 destination device, exchange the per-device counts, send every row only to the device owning
-its expert, run the local grouped matmul on the received rows, and send the results back with
-a second ragged all-to-all. It moves K/n_expert of the gathered traffic; a dropless version
-still needs a worst-case receive buffer, so in practice it is paired with a capacity bound or
-chunking. `ragged_all_to_all` has no XLA:CPU lowering (it cannot run in these CPU tests) but
-compiles ahead of time for TPU; it is not implemented here and would sit behind the same
-`expert_ffn` interface as another entry of `experts.BACKENDS`.
+its expert with `jax.lax.ragged_all_to_all`, run the local grouped matmul on the received rows,
+and send the results back with a second ragged all-to-all. It moves about K / n_expert of the
+gathered traffic; being dropless it still sizes its receive buffer for the worst case
+(n_expert * T_local * K rows), so it saves bandwidth, not worst-case memory (a capacity bound
+or chunking would). `ragged_all_to_all` has no XLA:CPU lowering: `ep_a2a` runs on TPU/GPU and
+compiles ahead of time for TPU (tested); the CPU tests check its bookkeeping with an
+all_gather-based emulation of the collective (`emulated_ragged_all_to_all`).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gagar_jax import experts, sharding
 
@@ -47,9 +50,55 @@ def _spec(axes: tuple) -> Optional[object]:
     return None if not axes else (axes[0] if len(axes) == 1 else axes)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    mesh: object
+    expert_axis: str
+    tokens: object          # PartitionSpec entry of the token dimension
+    mlp: object             # PartitionSpec entry of F
+    tensor_axes: tuple      # mesh axes F is split over (partial sums to add)
+
+    def run(self, local, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK):
+        tok, ex, mlp = self.tokens, self.expert_axis, self.mlp
+        specs = (P(tok, None), P(ex, None, mlp), P(ex, None, mlp), P(ex, mlp, None),
+                 P(tok, None), P(tok, None))
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=P(tok, None))
+        args = (x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK.astype(jnp.int32), weights_TxK)
+        if any(t == jax.sharding.AxisType.Explicit for t in self.mesh.axis_types):
+            # Explicit-sharding meshes make layout changes visible: move inputs to the specs.
+            args = tuple(jax.reshard(a, NamedSharding(self.mesh, s)) for a, s in zip(args, specs))
+        return fn(*args)
+
+
+def _layout(mesh, num_tokens: int, gate_ExDxF, backend: str) -> _Layout:
+    """Validated mesh axes for expert parallelism (token, expert and F dimensions)."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if mesh is None or mesh.empty:
+        raise ValueError(f"backend {backend!r} needs a mesh: pass mesh= or set one with "
+                         f"jax.set_mesh")
+    (expert_axis,) = _mesh_axes("expert", mesh) or (None,)
+    if expert_axis is None:
+        raise ValueError(f"mesh axes {mesh.axis_names} lack the expert axis "
+                         f"{sharding.LOGICAL_RULES['expert']!r}")
+    e, n_exp = gate_ExDxF.shape[0], mesh.shape[expert_axis]
+    if e % n_exp:
+        raise ValueError(f"num_experts={e} is not divisible by mesh axis {expert_axis!r}={n_exp}")
+    tok_axes = _mesh_axes("batch", mesh)
+    if expert_axis not in tok_axes:
+        raise ValueError(f"token axes {tok_axes} must include the expert axis {expert_axis!r}")
+    n_tok = int(np.prod([mesh.shape[a] for a in tok_axes]))
+    if num_tokens % n_tok:
+        raise ValueError(f"tokens T={num_tokens} not divisible by the batch mesh axes "
+                         f"{tok_axes} ({n_tok})")
+    # F over 'tensor' only where it divides (as sharding.logical_to_spec does).
+    tensor_axes = tuple(a for a in _mesh_axes("mlp", mesh)
+                        if mesh.shape[a] > 1 and gate_ExDxF.shape[-1] % mesh.shape[a] == 0)
+    return _Layout(mesh, expert_axis, _spec(tok_axes), _spec(tensor_axes), tensor_axes)
+
+
 def ep_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
            mesh=None, block: int = 32, big_block: int = 256) -> jax.Array:
-    """Expert-parallel routed SwiGLU (same math as `experts.dense_ffn`).
+    """Expert-parallel routed SwiGLU, gather design (same math as `experts.dense_ffn`).
 
     Args:
       x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK: as `experts.expert_ffn`.
@@ -58,45 +107,89 @@ def ep_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
     Returns:
       y_TxD, sharded like the tokens.
     """
-    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    if mesh is None or mesh.empty:
-        raise ValueError("backend 'ep' needs a mesh: pass mesh= or set one with jax.set_mesh")
-    (expert_axis,) = _mesh_axes("expert", mesh) or (None,)
-    if expert_axis is None:
-        raise ValueError(f"mesh axes {mesh.axis_names} lack the expert axis "
-                         f"{sharding.LOGICAL_RULES['expert']!r}")
-    t, e = x_TxD.shape[0], gate_ExDxF.shape[0]
-    n_exp = mesh.shape[expert_axis]
-    if e % n_exp:
-        raise ValueError(f"num_experts={e} is not divisible by mesh axis {expert_axis!r}={n_exp}")
-    tok_axes = _mesh_axes("batch", mesh)
-    if expert_axis not in tok_axes:
-        raise ValueError(f"token axes {tok_axes} must include the expert axis {expert_axis!r}")
-    n_tok = 1
-    for a in tok_axes:
-        n_tok *= mesh.shape[a]
-    if t % n_tok:
-        raise ValueError(f"tokens T={t} not divisible by the batch mesh axes {tok_axes} ({n_tok})")
-    # F over 'tensor' only where it divides (as sharding.logical_to_spec does).
-    tensor_axes = tuple(a for a in _mesh_axes("mlp", mesh)
-                        if mesh.shape[a] > 1 and gate_ExDxF.shape[-1] % mesh.shape[a] == 0)
-    tok, mlp = _spec(tok_axes), _spec(tensor_axes)
+    lay = _layout(mesh, x_TxD.shape[0], gate_ExDxF, "ep")
+    ax = lay.expert_axis
 
     def local(x, wg, wu, wd, idx, w):
-        gather = lambda a: jax.lax.all_gather(a, expert_axis, axis=0, tiled=True)  # noqa: E731
-        e_local = wg.shape[0]
-        first = jax.lax.axis_index(expert_axis) * e_local
+        gather = lambda a: jax.lax.all_gather(a, ax, axis=0, tiled=True)  # noqa: E731
+        first = jax.lax.axis_index(ax) * wg.shape[0]
         y = experts.grouped_ffn(gather(x), wg, wu, wd, gather(idx) - first, gather(w),
                                 block=block, big_block=big_block)
-        if tensor_axes:
-            y = jax.lax.psum(y, tensor_axes)
-        return jax.lax.psum_scatter(y, expert_axis, scatter_dimension=0, tiled=True)
+        if lay.tensor_axes:
+            y = jax.lax.psum(y, lay.tensor_axes)
+        return jax.lax.psum_scatter(y, ax, scatter_dimension=0, tiled=True)
 
-    fn_specs = (P(tok, None), P(expert_axis, None, mlp), P(expert_axis, None, mlp),
-                P(expert_axis, mlp, None), P(tok, None), P(tok, None))
-    fn = jax.shard_map(local, mesh=mesh, in_specs=fn_specs, out_specs=P(tok, None))
-    args = (x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK.astype(jnp.int32), weights_TxK)
-    if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
-        # Explicit-sharding meshes make layout changes visible: move inputs to the specs.
-        args = tuple(jax.reshard(a, jax.sharding.NamedSharding(mesh, s)) for a, s in zip(args, fn_specs))
-    return fn(*args)
+    return lay.run(local, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK)
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name):
+    """`jax.lax.ragged_all_to_all` built from all_gather (runs on CPU; n times the traffic).
+
+    Same semantics: sender i's rows [input_offsets[j], + send_sizes[j]) land on device j at
+    rows [output_offsets[j], + send_sizes[j]) of `output`. For tests of `ep_a2a_ffn`.
+    """
+    del recv_sizes  # implied by the senders' send_sizes
+    me = jax.lax.axis_index(axis_name)
+    gather = lambda a: jax.lax.all_gather(a, axis_name)  # noqa: E731
+    ops, io, ss, oo = gather(operand), gather(input_offsets), gather(send_sizes), gather(output_offsets)
+    r = jnp.arange(output.shape[0])
+    out = output
+    for i in range(ops.shape[0]):
+        start, size, src0 = oo[i, me], ss[i, me], io[i, me]
+        hit = ((r >= start) & (r < start + size)).reshape((-1,) + (1,) * (output.ndim - 1))
+        rows = jnp.take(ops[i], jnp.clip(src0 + r - start, 0, operand.shape[0] - 1), axis=0)
+        out = jnp.where(hit, rows, out)
+    return out
+
+
+def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
+               mesh=None, block: int = 32, big_block: int = 256,
+               exchange=jax.lax.ragged_all_to_all) -> jax.Array:
+    """Expert-parallel routed SwiGLU, all-to-all design (TPU/GPU; see the module docstring).
+
+    Args:
+      as `ep_ffn`, plus exchange: the ragged all-to-all collective (tests pass
+        `emulated_ragged_all_to_all` to run on CPU).
+    Returns:
+      y_TxD, sharded like the tokens.
+    """
+    lay = _layout(mesh, x_TxD.shape[0], gate_ExDxF, "ep_a2a")
+    ax = lay.expert_axis
+
+    def local(x, wg, wu, wd, idx, w):
+        t, k = idx.shape
+        n_rows, d, e_local = t * k, x.shape[1], wg.shape[0]
+        n_dev, me = jax.lax.axis_size(ax), jax.lax.axis_index(ax)
+        e_all = e_local * n_dev
+        # Sort assignments by global expert id = by destination device, then local expert.
+        e_N = idx.reshape(n_rows)
+        key_N = jnp.where((e_N >= 0) & (e_N < e_all), e_N, e_all)
+        order_N = jnp.argsort(key_N, stable=True)
+        pos_N = jnp.zeros_like(order_N).at[order_N].set(
+            jnp.arange(n_rows, dtype=order_N.dtype), unique_indices=True)
+        key_s = key_N[order_N]
+        dest_s = key_s // e_local                          # n_dev = not sent (invalid id)
+        send = jnp.bincount(dest_s, length=n_dev + 1)[:n_dev].astype(jnp.int32)
+        counts = jax.lax.all_gather(send, ax)              # [sender, receiver]
+        recv = counts[:, me]
+        excl = lambda c, axis: jnp.cumsum(c, axis) - c     # noqa: E731
+        fwd = dict(input_offsets=excl(send, 0), send_sizes=send,
+                   output_offsets=excl(counts, 0)[me], recv_sizes=recv)
+        back = dict(input_offsets=excl(recv, 0), send_sizes=recv,
+                    output_offsets=excl(counts, 1)[:, me], recv_sizes=send)
+        plan = experts._Plan(slot_N=pos_N, row_assign_S=order_N, row_token_S=order_N // k,
+                             sizes_E=send)
+        rows_R = n_dev * n_rows                             # worst case: all rows to one device
+        x_recv = exchange(experts._gather_tokens(x, plan, k), jnp.zeros((rows_R, d), x.dtype),
+                          axis_name=ax, **fwd)
+        e_recv = exchange((key_s - dest_s * e_local)[:, None].astype(jnp.int32),
+                          jnp.full((rows_R, 1), -1, jnp.int32), axis_name=ax, **fwd)
+        y_recv = experts.grouped_ffn(x_recv, wg, wu, wd, e_recv, jnp.ones((rows_R, 1), x.dtype),
+                                     block=block, big_block=big_block)
+        if lay.tensor_axes:
+            y_recv = jax.lax.psum(y_recv, lay.tensor_axes)
+        y_sorted = exchange(y_recv, jnp.zeros((n_rows, d), y_recv.dtype), axis_name=ax, **back)
+        return experts._combine(y_sorted, plan, w)
+
+    return lay.run(local, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK)
