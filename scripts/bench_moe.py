@@ -172,7 +172,8 @@ def main() -> None:
                     "step on a shared machine). `ragged` runs only at K=2, E<=32: XLA:CPU lowers "
                     "`ragged_dot` to a masked loop over every group, so it is far slower here; "
                     "it is the TPU/GPU path. `ep` runs on a one-device mesh here (its "
-                    "collectives are then no-ops), to show its overhead over `grouped`.\n")
+                    "collectives are then no-ops), to show its overhead over `grouped`; "
+                    "`ep_a2a` needs `ragged_all_to_all` (TPU/GPU) and is not run on CPU.\n")
     print(section)
     if not a.no_docs:
         write_docs(a.docs, section)
