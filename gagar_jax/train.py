@@ -55,17 +55,25 @@ class RunConfig:
 
 
 class _Preemption:
-    """Turns SIGTERM into a flag the loop checks after every step (all processes agree)."""
+    """SIGTERM (preemption notice) -> a checkpoint at a step every process agrees on.
+
+    One process: a Python SIGTERM handler sets a flag the loop reads after every step. Several
+    processes: JAX's preemption sync manager (coordination service, no device collective that
+    could interleave with the in-flight train step) picks the step; it owns SIGTERM itself.
+    """
 
     def __init__(self):
         self.requested = False
         self._old = None
+        self._multi = False
 
     def __enter__(self):
-        try:
-            self._old = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread (e.g. some test runners): no handler
-            self._old = None
+        self._multi = jax.process_count() > 1
+        if not self._multi:
+            try:
+                self._old = signal.signal(signal.SIGTERM, self._handle)
+            except ValueError:  # not the main thread: no handler
+                self._old = None
         return self
 
     def _handle(self, signum, frame):
@@ -75,12 +83,11 @@ class _Preemption:
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)
 
-    def agreed(self) -> bool:
-        if jax.process_count() == 1:
+    def agreed(self, step: int) -> bool:
+        if not self._multi:
             return self.requested
         from jax.experimental import multihost_utils
-        flags = multihost_utils.process_allgather(np.array(self.requested, np.int32))
-        return bool(np.any(flags))
+        return multihost_utils.reached_preemption_sync_point(step)
 
 
 def _load_hf_params(path: str, step_cfg: StepConfig, like: Any, shardings: Any) -> Any:
@@ -234,13 +241,15 @@ def _run(cfg, workdir: str, source: Any, preemption: "_Preemption") -> Optional[
         step += 1
         drain()                       # step - 1's metrics, read while step runs
         pending = (step, info, batch_np, device_metrics)
-        preempted = preemption.agreed()
+        preempted = preemption.agreed(step)
         publish_now = rc.train.publish_every and step % rc.train.publish_every == 0
         if preempted or ckpt.should_save(step) or publish_now:
             drain()                   # the ledger must include this step before saving
         if preempted or (rc.train.checkpoint_every and ckpt.should_save(step)):
             ckpt.save(step, state, feed.state(), cfg_json, force=preempted)
         if publish_now:
+            # Publishing gathers shards with collectives: let the in-flight step finish first.
+            jax.block_until_ready(state)
             publish.publish_weights(nnx.merge(graphdef, state.params, state.router_bias),
                                     step, workdir, hf.save_pretrained,
                                     keep=rc.train.keep_published)
@@ -248,6 +257,7 @@ def _run(cfg, workdir: str, source: Any, preemption: "_Preemption") -> Optional[
             log.info("SIGTERM: checkpoint written at step %d; exiting", step)
             break
     drain()
+    jax.block_until_ready(state)  # before the collectives of the final save and hashes
     if not preempted and step > start_step:
         ckpt.save(step, state, feed.state(), cfg_json, force=True)
     ckpt.close()
