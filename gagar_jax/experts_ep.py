@@ -132,7 +132,8 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     del recv_sizes  # implied by the senders' send_sizes
     me = jax.lax.axis_index(axis_name)
     gather = lambda a: jax.lax.all_gather(a, axis_name)  # noqa: E731
-    ops, io, ss, oo = gather(operand), gather(input_offsets), gather(send_sizes), gather(output_offsets)
+    ops, io = gather(operand), gather(input_offsets)
+    ss, oo = gather(send_sizes), gather(output_offsets)
     r = jnp.arange(output.shape[0])
     out = output
     for i in range(ops.shape[0]):

@@ -104,11 +104,13 @@ def render(rows, peak, t, d, f, load) -> str:
            f"measured just before it, which is fairer when the machine is shared. Load average "
            f"at the end: {load:.1f} on {os.cpu_count()} cores (other jobs were running, so "
            f"absolute numbers are noisy; ratios come from one run).", "",
-           "| E | K | backend | ms / step | useful GFLOP/s | peak GFLOP/s | % of peak | compile s |",
+           "| E | K | backend | ms / step | useful GFLOP/s | peak GFLOP/s | % of peak "
+           "| compile s |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['E']} | {r['K']} | {r['backend']} | {r['sec'] * 1e3:.0f} | "
-                   f"{r['flops'] / 1e9:.1f} | {r['peak'] / 1e9:.0f} | {100 * r['flops'] / r['peak']:.0f}% | "
+                   f"{r['flops'] / 1e9:.1f} | {r['peak'] / 1e9:.0f} | "
+                   f"{100 * r['flops'] / r['peak']:.0f}% | "
                    f"{r['compile_s']:.1f} |")
     return "\n".join(out) + "\n"
 
@@ -158,8 +160,8 @@ def main() -> None:
         lines.append(f"- {DEFAULT} vs dense: **{at['dense']['sec'] / at[DEFAULT]['sec']:.1f}x** "
                      f"faster (goal >= 3x)")
     lines.append(f"- {DEFAULT} throughput / capacity einsum throughput: "
-                 f"**{at['capacity']['sec'] / at[DEFAULT]['sec']:.2f}** (goal >= 0.6); the capacity "
-                 f"einsum (factor 1.25) dropped {drops_at(32, 2, a.tokens, a.d)} of "
+                 f"**{at['capacity']['sec'] / at[DEFAULT]['sec']:.2f}** (goal >= 0.6); the "
+                 f"capacity einsum (factor 1.25) dropped {drops_at(32, 2, a.tokens, a.d)} of "
                  f"{a.tokens * 2} assignments")
     lines.append(f"- {DEFAULT}: {100 * at[DEFAULT]['flops'] / at[DEFAULT]['peak']:.0f}% of "
                  f"the matmul peak measured next to it")
