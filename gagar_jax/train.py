@@ -24,7 +24,7 @@ from flax import nnx
 from gagar_jax import hf, metrics as metrics_lib, publish
 from gagar_jax.checkpoint import Checkpointer
 from gagar_jax.config import ConfigError, TrainConfig
-from gagar_jax.feed.batcher import Feed
+from gagar_jax.feed.batcher import Feed, make_source
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.packing import make_global_batch
 from gagar_jax.sharding import make_mesh
@@ -200,6 +200,8 @@ def _run(cfg, workdir: str, source: Any, preemption: "_Preemption") -> Optional[
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"),
                         save_interval_steps=max(rc.train.checkpoint_every, 1),
                         max_to_keep=rc.train.keep_checkpoints)
+    if source is None:  # SIGTERM must also end an idle wait on a live spool
+        source = make_source(rc.feed, process_count=pcount, stop=lambda: preemption.requested)
     feed = Feed(rc.feed, workdir, vocab_size=model_cfg.vocab_size,
                 num_moe_layers=model_cfg.num_moe_layers, top_k=model_cfg.top_k,
                 num_experts=model_cfg.num_experts, source=source, process_index=pidx,
@@ -257,6 +259,7 @@ def _run(cfg, workdir: str, source: Any, preemption: "_Preemption") -> Optional[
             log.info("SIGTERM: checkpoint written at step %d; exiting", step)
             break
     drain()
+    preempted = preempted or preemption.requested   # also while idle on a spool
     jax.block_until_ready(state)  # before the collectives of the final save and hashes
     if not preempted and step > start_step:
         ckpt.save(step, state, feed.state(), cfg_json, force=True)

@@ -62,12 +62,17 @@ class BatchInfo:
     counts: dict                # ledger deltas during this call (received, filtered, quarantined)
 
 
-def make_source(cfg: FeedConfig, *, process_count: int = 1, log: Callable[[str], None] = print):
-    """The source `cfg` names: the spool directory if set, else the file/glob `path`."""
+def make_source(cfg: FeedConfig, *, process_count: int = 1, log: Callable[[str], None] = print,
+                stop: Optional[Callable[[], bool]] = None):
+    """The source `cfg` names: the spool directory if set, else the file/glob `path`.
+
+    `stop` (spool only, one process) ends an idle wait, e.g. on preemption.
+    """
     if cfg.spool_dir:
         return SpoolSource(cfg.spool_dir, poll_s=cfg.spool_poll_s, timeout_s=cfg.spool_timeout_s,
                            log_every_s=cfg.spool_log_every_s, log=log,
-                           agree=broadcast_from_process0 if process_count > 1 else None)
+                           agree=broadcast_from_process0 if process_count > 1 else None,
+                           stop=stop if process_count == 1 else None)
     if cfg.path:
         return FileSource(cfg.path)
     raise ValueError("feed: set feed.path (file or glob) or feed.spool_dir, or pass a source")

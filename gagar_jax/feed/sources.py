@@ -139,12 +139,16 @@ class SpoolSource:
       log: where those lines go.
       agree: maps this process's view {"names", "done", "timed_out"} to the view all processes
         act on (multi-process: `broadcast_from_process0`); identity by default.
+      stop: optional callable; when it returns True while the spool is idle, the feed ends
+        (the trainer passes its preemption flag, so SIGTERM is honored while waiting).
     """
 
     def __init__(self, directory: str, *, poll_s: float = 1.0, timeout_s: float = 0.0,
                  log_every_s: float = 30.0, log: Callable[[str], None] = print,
-                 agree: Optional[Callable[[dict], dict]] = None):
+                 agree: Optional[Callable[[dict], dict]] = None,
+                 stop: Optional[Callable[[], bool]] = None):
         self.dir = epath.Path(directory)
+        self.stop = stop or (lambda: False)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.poll_s, self.timeout_s, self.log_every_s = poll_s, timeout_s, log_every_s
         self.log = log
@@ -184,6 +188,9 @@ class SpoolSource:
                 return None
             if view["timed_out"]:
                 self.log(f"feed: spool {self.dir} idle for {self.timeout_s:.0f} s; ending the feed")
+                return None
+            if self.stop():
+                self.log(f"feed: stop requested while waiting on spool {self.dir}")
                 return None
             if now - last_log >= self.log_every_s:
                 self.log(f"feed: waiting for the feed (spool {self.dir}, idle "
