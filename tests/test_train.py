@@ -222,3 +222,36 @@ def test_cli_overrides_reach_the_run(tmp_path, monkeypatch):
                      "--config.feed.path=data/other.jsonl"])
     assert code == 0
     assert seen == {"steps": 7, "path": "data/other.jsonl", "seed": 3, "workdir": str(tmp_path)}
+
+
+def test_init_from_hf_checkpoint(tmp_path):
+    """`train.init_from`: a Qwen3-MoE directory becomes the (sharded) initial parameters."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from gagar_jax import hf, train
+    from gagar_jax.config import ConfigError, load_config_file
+    from gagar_jax.model import Transformer
+    from gagar_jax.sharding import make_mesh
+    from gagar_jax.train_step import StepConfig, _split_model, init_train_state
+
+    cfg = load_config_file(os.path.join(REPO, "configs", "tiny_cpu.py"))
+    step_cfg = StepConfig.from_config(cfg)
+    source = Transformer(step_cfg.model, rngs=nnx.Rngs(123))
+    hf.save_pretrained(source, str(tmp_path / "hf"))
+    mesh = make_mesh(cfg.mesh)
+    state, _, shardings = init_train_state(step_cfg, mesh, jax.random.PRNGKey(0))
+    params = train._load_hf_params(str(tmp_path / "hf"), step_cfg, state.params, shardings.params)
+    want = _split_model(source)[1]
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 params, want)
+    assert jax.tree.leaves(params)[0].sharding == jax.tree.leaves(shardings.params)[0]
+    # A checkpoint of another shape is refused with a clear message.
+    with cfg.unlocked():
+        cfg.model.hidden_size = 32
+        cfg.model.intermediate_size = 64
+    other = StepConfig.from_config(cfg)
+    hf.save_pretrained(Transformer(other.model, rngs=nnx.Rngs(1)), str(tmp_path / "other"))
+    with pytest.raises(ConfigError, match="does not match"):
+        train._load_hf_params(str(tmp_path / "other"), step_cfg, state.params, shardings.params)
