@@ -134,7 +134,13 @@ class _StepLog:
             a["audit/advantages_T"], a["audit/lam_G"], a["audit/capped_G"],
             a["audit/fallback_G"], valid_T=batch_np.valid_T, rewards_T=batch_np.rewards_T,
             outcome_advantages_T=a["audit/outcome_advantages_T"], mixed_G=a["audit/mixed_G"]))
-        s = m.scalars
+        s = dict(m.scalars)
+        load_LxE = a.get("expert_load_LxE")
+        if load_LxE is not None and load_LxE.size:
+            # Balance per MoE layer: max and min expert load over the mean (1 = balanced).
+            ratio = load_LxE / np.maximum(load_LxE.mean(axis=-1, keepdims=True), 1e-12)
+            s["expert_load/max_over_mean"] = float(ratio.max())
+            s["expert_load/min_over_mean"] = float(ratio.min())
         now = time.perf_counter()
         tok_s = info.num_tokens / max(now - self.t_last, 1e-9)
         self.t_last = now
