@@ -12,8 +12,8 @@ Run:  gagar-train --config configs/pro_1t.py --workdir gs://BUCKET/runs/pro \
         --config.feed.spool_dir=gs://BUCKET/spool
 AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/pro_1t.py --topology v5p:8x8x16
 Numbers (gagar_jax/flops.py, checked by tests/test_configs.py): 1021.2B total, 41.8B active
-params. Global batch: 512 rows x 16384 tokens = 8.4M tokens, four micro-batches of 128 rows
-(32k rows need 132 GiB per chip on this mesh; see docs/scaling.md).
+params. Global batch (Flash's): 256 rows x 32768 tokens = 8.4M tokens, two micro-batches of 128
+rows. Compiled for v5p:8x8x16: 73.9 GiB per chip (docs/aot/pro_1t_v5p_8x8x16.json).
 """
 import pathlib
 
@@ -38,15 +38,4 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh.fsdp = 128
     c.mesh.expert = 1
     c.mesh.tensor = 8
-
-    # Same 8.4M tokens per step as Flash, in 16k rows: at 32k rows one row per chip needs
-    # 132 GiB (70 saved layer inputs of 32768 x 6144 and 3 GiB routed-row buffers).
-    c.train.micro_batches = 4         # 128 rows per micro-batch: one 16k row per fsdp shard
-    c.loss.max_response_len = 16_384
-    f = c.feed
-    f.rows_per_batch = 512            # B
-    f.seq_len = 16_384                # S
-    f.max_trajectories = 2_048        # T
-    f.groups_per_batch = 128          # G
-    f.max_traj_tokens = 16_384
     return c
