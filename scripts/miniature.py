@@ -42,6 +42,8 @@ def _args(argv=None):
     p.add_argument("--eval-tasks", type=int, default=32, help="held-out tasks (x group size)")
     p.add_argument("--sft-steps", type=int, default=300)
     p.add_argument("--sft-lr", type=float, default=3e-3)
+    p.add_argument("--demo-mix", default="",
+                   help="demonstration styles, e.g. clean=0.1,thrash=0.3 (default: sim.demos mix)")
     p.add_argument("--warm-seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=8, help="producer rounds (two-process run)")
     p.add_argument("--train-steps", type=int, default=5, help="trainer steps (two-process run)")
@@ -72,6 +74,12 @@ def _config(overrides):
     return cfg
 
 
+def _mix(a):
+    if not a.demo_mix:
+        return None
+    return {k: float(v) for k, v in (item.split("=") for item in a.demo_mix.split(","))}
+
+
 def _feed_overrides(a) -> list:
     """Feed shapes for `groups` groups of `group_size` rollouts of <= 64 tokens."""
     n = a.groups * a.group_size
@@ -88,7 +96,7 @@ def sweep(a) -> None:
     cfg = _config(_feed_overrides(a) + a.set)
     task_cfg = T.TaskConfig()
     warm = X.warm_start(cfg, task_cfg, seed=a.warm_seed, sft_steps=a.sft_steps,
-                        lr=a.sft_lr, eval_tasks=a.eval_tasks, group_size=a.group_size)
+                        lr=a.sft_lr, mix=_mix(a), eval_tasks=a.eval_tasks, group_size=a.group_size)
     print(f"warm start: {a.sft_steps} SFT steps in {warm.seconds:.0f} s; step-0 tier mix "
           f"{warm.stats}", flush=True)
     learner = X.Learner(cfg)
@@ -104,10 +112,11 @@ def sweep(a) -> None:
     command = "python scripts/miniature.py " + " ".join(sys.argv[1:])
     os.makedirs(a.out, exist_ok=True)
     meta = {"command": command.strip(), "seconds": seconds, "sft_steps": a.sft_steps,
+            "demo_mix": _mix(a),
             "warm_stats": warm.stats.__dict__, "sft_final_loss": (warm.sft_losses or [None])[-1],
             "groups": a.groups, "group_size": a.group_size, "eval_tasks": a.eval_tasks}
     with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump({"meta": meta, "runs": runs}, f, indent=1, default=float)
+        json.dump({"meta": meta, "runs": runs}, f, default=float)
     table = report.markdown_table(runs)
     with open(os.path.join(a.out, "table.md"), "w") as f:
         f.write(table)
@@ -139,7 +148,7 @@ def publish_warm_start(a) -> dict:
     from gagar_jax.sim import task as T
     cfg = _config(_feed_overrides(a) + a.set)
     warm = X.warm_start(cfg, T.TaskConfig(), seed=a.warm_seed, sft_steps=a.sft_steps,
-                        lr=a.sft_lr, eval_tasks=a.groups, group_size=a.group_size)
+                        lr=a.sft_lr, mix=_mix(a), eval_tasks=a.groups, group_size=a.group_size)
     model = Transformer(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(0))
     nnx.update(model, jax.device_put(warm.params), jax.device_put(warm.router_bias))
     path = publish.publish_weights(model, 0, a.workdir, hf.save_pretrained)

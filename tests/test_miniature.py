@@ -100,3 +100,17 @@ def test_report_table_and_plots(tmp_path):
     for p in paths:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_strong_credit_share_by_hand():
+    from types import SimpleNamespace as NS
+
+    from gagar_jax.sim.experiment import strong_credit_share
+    traj = lambda tid, tier: NS(trajectory_id=tid, quality=NS(tier=tier) if tier else None)  # noqa: E731
+    records = [NS(trajectories=[traj("a", "strong"), traj("b", "intermediate"), traj("c", None)]),
+               NS(trajectories=[traj("d", "strong"), traj("e", None)])]
+    # Slots are not in record order: the batch maps trajectory ids to slots.
+    info = NS(trajectory_ids=(("a", "b", "c"), ("d", "e")), traj_slots=((3, 0, 1), (2, 4)))
+    adv_T = np.array([0.3, -0.9, 0.5, 0.6, -0.5])   # b=0.3, c=-0.9, d=0.5, a=0.6, e=-0.5
+    assert math.isclose(strong_credit_share(records, info, adv_T), (0.6 + 0.5) / (0.6 + 0.3 + 0.5))
+    assert math.isnan(strong_credit_share(records, info, -np.abs(adv_T)))

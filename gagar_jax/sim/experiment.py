@@ -127,6 +127,27 @@ class Learner:
                     source=IteratorSource(records), log=lambda s: None)
 
 
+def strong_credit_share(records, info, advantages_T) -> float:
+    """Share of the step's positive credit that lands on passes graded strong.
+
+    Args:
+      records: the step's `feed.schema.Group`s. info: the batch's `BatchInfo`.
+      advantages_T: the train step's final advantages (audit output), by trajectory slot.
+    Returns:
+      sum of positive advantages of strong passes / sum of positive advantages (nan if none).
+    """
+    tier = {t.trajectory_id: (t.quality.tier if t.quality else None)
+            for g in records for t in g.trajectories}
+    strong = total = 0.0
+    for ids, slots in zip(info.trajectory_ids, info.traj_slots):
+        for tid, slot in zip(ids, slots):
+            a = float(advantages_T[slot])
+            if a > 0:
+                total += a
+                strong += a * (tier[tid] == "strong")
+    return strong / total if total > 0 else math.nan
+
+
 def _eval_row(stats: producer.RolloutStats) -> dict:
     return {"heldout_pass_rate": stats.pass_rate, "heldout_strong_share": stats.strong_share,
             "heldout_len": stats.mean_generated, "heldout_hacked": stats.hacked,
@@ -168,7 +189,7 @@ def run_loop(learner: Learner, mode: str, warm: WarmStart, task_cfg: T.TaskConfi
         for k in totals:
             totals[k] += ledger[k]
         if item is None:            # no mixed group: nothing to train on this step
-            row.update({k: math.nan for k in STEP_KEYS})
+            row.update({k: math.nan for k in STEP_KEYS + ("strong_credit_share",)})
         else:
             batch_np, info = item
             fn, batch_sh = learner.step_fn(mode, batch_np, graphdef, shardings)
@@ -176,6 +197,8 @@ def run_loop(learner: Learner, mode: str, warm: WarmStart, task_cfg: T.TaskConfi
             state, metrics = fn(state, batch)
             m = jax.device_get(metrics)
             row.update({k: float(getattr(m, k)) for k in STEP_KEYS})
+            row["strong_credit_share"] = strong_credit_share(records, info,
+                                                             m.audit.advantages_T)
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         log(f"{mode} seed={seed} step={t} pass={row['heldout_pass_rate']:.3f} "

@@ -17,6 +17,7 @@ METRICS = (
     ("heldout_strong_share", "strong share of passes", "{:.3f}"),
     ("heldout_len", "response length (tokens)", "{:.2f}"),
     ("entropy", "policy entropy (nats/token)", "{:.3f}"),
+    ("strong_credit_share", "strong passes' share of + credit", "{:.3f}"),
     ("pos_credit_after", "positive credit", "{:.2f}"),
     ("neg_credit", "negative credit", "{:.2f}"),
     ("net_credit", "net credit", "{:.2f}"),
@@ -86,7 +87,7 @@ def plot(runs: dict, out_dir: str) -> list:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = {"outcomes.png": METRICS[:4], "credit.png": METRICS[4:]}
+    panels = {"outcomes.png": METRICS[:4], "credit.png": METRICS[4:]}  # 4 + 6 panels
     paths = []
     for name, metrics in panels.items():
         fig, axes = plt.subplots(1, len(metrics), figsize=(3.6 * len(metrics), 3.0), dpi=80)
