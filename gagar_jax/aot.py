@@ -16,7 +16,6 @@ sets the variables that keep libtpu from probing cloud metadata on a CPU machine
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import re
@@ -221,14 +220,11 @@ def lower_train_step(cfg: ml_collections.ConfigDict, devices: list):
     from gagar_jax import batch as batch_lib
     from gagar_jax import sharding
     from gagar_jax import train_step as ts
-    from gagar_jax.model import Transformer
 
     step_cfg = ts.StepConfig.from_config(cfg)
     mesh = sharding.make_mesh(cfg.mesh, devices=devices)
     f = cfg.feed
-    graphdef = ts._split_model(nnx_eval_shape(Transformer, step_cfg.model))[0]
-    abstract_state = jax.eval_shape(functools.partial(ts._init_state, cfg=step_cfg),
-                                    jax.random.key(0))
+    abstract_state, graphdef = ts.abstract_train_state(step_cfg)
     mc = step_cfg.model
     abstract_batch = jax.eval_shape(lambda: batch_lib.dummy_batch(
         f.rows_per_batch, f.seq_len, f.max_trajectories, f.groups_per_batch,
@@ -253,13 +249,6 @@ def lower_train_step(cfg: ml_collections.ConfigDict, devices: list):
                       "expert_backend": mc.expert_backend, "remat": mc.remat,
                       "attention": f"{mc.attention}/{mc.attn_block}"}}
     return lowered, meta
-
-
-def nnx_eval_shape(module_cls, model_cfg):
-    """The abstract model (shapes only) for its graphdef."""
-    from flax import nnx
-
-    return nnx.eval_shape(lambda: module_cls(model_cfg, rngs=nnx.Rngs(0)))
 
 
 @dataclasses.dataclass(frozen=True)

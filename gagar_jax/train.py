@@ -94,8 +94,8 @@ def _load_hf_params(path: str, step_cfg: StepConfig, like: Any, shardings: Any) 
     """Parameters of a HF Qwen3-MoE directory, checked against the configured model, sharded."""
     model_cfg = step_cfg.model
     model, _ = hf.from_pretrained(path, dtype=model_cfg.param_dtype)
-    from gagar_jax.train_step import _split_model
-    _, params, _ = _split_model(model)
+    from gagar_jax.train_step import split_model
+    _, params, _ = split_model(model)
     want = jax.tree.map(lambda x: (x.shape, x.dtype), like)
     got = jax.tree.map(lambda x: (x.shape, x.dtype), params)
     if jax.tree.structure(want) != jax.tree.structure(got) or want != got:

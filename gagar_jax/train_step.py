@@ -98,14 +98,15 @@ class TrainState:
     ref_params: Optional[Any] = None
 
 
-def _split_model(model):
+def split_model(model):
+    """(graphdef, params, router bias): the trainable and non-trainable parts of a model."""
     graphdef, params, bias = nnx.split(model, nnx.Param, RouterBias)
     return graphdef, params, bias
 
 
 def _init_state(rng, cfg: StepConfig):
     init_rng, state_rng = jax.random.split(rng)
-    _, params, bias = _split_model(Transformer(cfg.model, rngs=nnx.Rngs(init_rng)))
+    _, params, bias = split_model(Transformer(cfg.model, rngs=nnx.Rngs(init_rng)))
     z = jnp.zeros((), jnp.int32)
     return TrainState(step=z, updates=z, skipped=z, params=params,
                       opt_state=make_optimizer(cfg.optim).init(params), rng=state_rng,
@@ -126,15 +127,24 @@ def state_shardings(abstract: TrainState, mesh, cfg: StepConfig) -> TrainState:
                       ref_params=None if abstract.ref_params is None else params)
 
 
+def abstract_train_state(cfg: StepConfig):
+    """The TrainState as shapes and dtypes, and the model graphdef; allocates nothing.
+
+    Returns:
+      (abstract TrainState of jax.ShapeDtypeStruct, graphdef).
+    """
+    graphdef = split_model(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))[0]
+    abstract = jax.eval_shape(functools.partial(_init_state, cfg=cfg), jax.random.PRNGKey(0))
+    return abstract, graphdef
+
+
 def init_train_state(cfg: StepConfig, mesh, rng):
     """Creates a TrainState born sharded: eval_shape -> shardings -> jit(init, out_shardings).
 
     Returns:
       (state, graphdef, shardings) with `shardings` a TrainState of NamedShardings.
     """
-    graphdef = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
-    graphdef = _split_model(graphdef)[0]
-    abstract = jax.eval_shape(functools.partial(_init_state, cfg=cfg), rng)
+    abstract, graphdef = abstract_train_state(cfg)
     shardings = state_shardings(abstract, mesh, cfg)
     with jax.set_mesh(mesh):
         state = jax.jit(functools.partial(_init_state, cfg=cfg), out_shardings=shardings)(rng)

@@ -234,7 +234,7 @@ def test_init_from_hf_checkpoint(tmp_path):
     from gagar_jax.config import ConfigError, load_config_file
     from gagar_jax.model import Transformer
     from gagar_jax.sharding import make_mesh
-    from gagar_jax.train_step import StepConfig, _split_model, init_train_state
+    from gagar_jax.train_step import StepConfig, split_model, init_train_state
 
     cfg = load_config_file(os.path.join(REPO, "configs", "tiny_cpu.py"))
     step_cfg = StepConfig.from_config(cfg)
@@ -243,7 +243,7 @@ def test_init_from_hf_checkpoint(tmp_path):
     mesh = make_mesh(cfg.mesh)
     state, _, shardings = init_train_state(step_cfg, mesh, jax.random.PRNGKey(0))
     params = train._load_hf_params(str(tmp_path / "hf"), step_cfg, state.params, shardings.params)
-    want = _split_model(source)[1]
+    want = split_model(source)[1]
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  params, want)
     assert jax.tree.leaves(params)[0].sharding == jax.tree.leaves(shardings.params)[0]

@@ -8,7 +8,6 @@ gradings, optional routing records and a share of uniform-outcome groups.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import msgspec
 import numpy as np
