@@ -116,6 +116,7 @@ class _StepLog:
         self.feed, self.writer, self.progress, self.log_every = feed, writer, progress, log_every
         self.losses, self.lam_means, self.lam_max = [], [], 0.0
         self.tokens = 0
+        self.rates = []           # per-step tokens/s (the first one includes compilation)
         self.skipped = 0
         self.t_last = time.perf_counter()
 
@@ -145,6 +146,7 @@ class _StepLog:
         tok_s = info.num_tokens / max(now - self.t_last, 1e-9)
         self.t_last = now
         self.tokens += info.num_tokens
+        self.rates.append(tok_s)
         self.losses.append(s["loss"])
         self.lam_means.append(s["lam_mean"])
         self.lam_max = max(self.lam_max, s["lam_max"])
@@ -278,7 +280,8 @@ def _run(cfg, workdir: str, source: Any, preemption: "_Preemption") -> Optional[
         "steps_this_run": step - start_step,
         "preempted": preempted,
         "tokens": steplog.tokens,
-        "tokens_per_s": steplog.tokens / max(elapsed, 1e-9),
+        "tokens_per_s": steplog.tokens / max(elapsed, 1e-9),          # compilation included
+        "tokens_per_s_steady": float(np.median(steplog.rates[1:])) if len(steplog.rates) > 1 else None,
         "wall_s": elapsed,
         "final_loss": steplog.losses[-1] if steplog.losses else None,
         "lam_mean": float(np.mean(steplog.lam_means)) if steplog.lam_means else None,
