@@ -21,9 +21,12 @@ is an all-to-all dispatch, `ep_a2a_ffn` (backend `ep_a2a`): sort each device's a
 destination device, exchange the per-device counts, send every row only to the device owning
 its expert with `jax.lax.ragged_all_to_all`, run the local grouped matmul on the received rows,
 and send the results back with a second ragged all-to-all. It moves about K / n_expert of the
-gathered traffic; being dropless it still sizes its receive buffer for the worst case
-(n_expert * T_local * K rows), so it saves bandwidth, not worst-case memory (a capacity bound
-or chunking would). `ragged_all_to_all` has no XLA:CPU lowering: `ep_a2a` runs on TPU/GPU and
+gathered traffic. Being dropless it sizes its receive buffer for the worst case (every row
+sent to one device: n_expert * T_local * K rows), so it exchanges the local tokens in n_expert
+chunks, one after another, each chunk's buffers rematerialized in the backward pass: the
+buffer is then T_local * K rows, as without expert parallelism (at pod scale the unchunked
+buffers alone, 16 GiB each for Flash at expert = 8, do not fit; docs/scaling.md).
+`ragged_all_to_all` has no XLA:CPU lowering: `ep_a2a` runs on TPU/GPU and
 compiles ahead of time for TPU (tested); the CPU tests check its bookkeeping with an
 all_gather-based emulation of the collective (`emulated_ragged_all_to_all`).
 """
@@ -144,21 +147,35 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     return out
 
 
+def _chunks(num_tokens: int, requested: Optional[int], n_dev: int) -> int:
+    """Largest divisor of the local token count that is at most `requested` (default n_dev)."""
+    want = n_dev if requested is None else requested
+    if want < 1:
+        raise ValueError(f"chunks={requested} must be >= 1")
+    return max(c for c in range(1, min(want, num_tokens) + 1) if num_tokens % c == 0)
+
+
 def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
-               mesh=None, block: int = 32, big_block: int = 256,
+               mesh=None, block: int = 32, big_block: int = 256, chunks: Optional[int] = None,
                exchange=jax.lax.ragged_all_to_all) -> jax.Array:
     """Expert-parallel routed SwiGLU, all-to-all design (TPU/GPU; see the module docstring).
 
+    Each device's tokens go through the exchange in `chunks` slices, one after another (a
+    `scan` whose body is rematerialized), so the dropless worst-case receive buffer is
+    n_expert * (T_local / chunks) * K rows: with the default chunks = n_expert it is T_local * K
+    rows, the size of the local grouped buffer, whatever the expert-axis size.
+
     Args:
-      as `ep_ffn`, plus exchange: the ragged all-to-all collective (tests pass
-        `emulated_ragged_all_to_all` to run on CPU).
+      as `ep_ffn`, plus chunks: slices of the local tokens (default: the expert-axis size,
+        lowered to a divisor of the local token count); exchange: the ragged all-to-all
+        collective (tests pass `emulated_ragged_all_to_all` to run on CPU).
     Returns:
       y_TxD, sharded like the tokens.
     """
     lay = _layout(mesh, x_TxD.shape[0], gate_ExDxF, "ep_a2a")
     ax = lay.expert_axis
 
-    def local(x, wg, wu, wd, idx, w):
+    def dispatch(x, wg, wu, wd, idx, w):
         t, k = idx.shape
         n_rows, d, e_local = t * k, x.shape[1], wg.shape[0]
         n_dev, me = jax.lax.axis_size(ax), jax.lax.axis_index(ax)
@@ -192,5 +209,15 @@ def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
             y_recv = jax.lax.psum(y_recv, lay.tensor_axes)
         y_sorted = exchange(y_recv, jnp.zeros((n_rows, d), y_recv.dtype), axis_name=ax, **back)
         return experts._combine(y_sorted, plan, w)
+
+    def local(x, wg, wu, wd, idx, w):
+        c = _chunks(x.shape[0], chunks, jax.lax.axis_size(ax))
+        if c == 1:
+            return dispatch(x, wg, wu, wd, idx, w)
+        # Keep only each chunk's inputs for the backward pass, not its worst-case buffers.
+        body = jax.checkpoint(lambda _, xs: (None, dispatch(xs[0], wg, wu, wd, xs[1], xs[2])))
+        split = lambda a: a.reshape((c, a.shape[0] // c) + a.shape[1:])  # noqa: E731
+        _, y = jax.lax.scan(body, None, (split(x), split(idx), split(w)))
+        return y.reshape(x.shape[0], -1)
 
     return lay.run(local, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK)
