@@ -17,7 +17,9 @@ Run:  gagar-train --config configs/flash_310b.py --workdir gs://BUCKET/runs/flas
 AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/flash_310b.py --topology v5p:8x8x8
 Numbers (gagar_jax/flops.py, checked by tests/test_configs.py): 308.5B total, 15.2B active
 params. Global batch: 256 rows x 32768 tokens = 8.4M tokens, two micro-batches of 128 rows.
-Compiled for v5p:8x8x8: 44.5 GiB per chip (docs/aot/flash_310b_v5p_8x8x8.json).
+Compiled for v5p:8x8x8 (fsdp 16 x expert 8 x tensor 4, `ep_a2a`): 42.2 GiB per chip
+(docs/aot/flash_310b_ep_a2a_v5p_8x8x8.json; the former fsdp 128 x tensor 4 `ep` layout: 44.5 GiB,
+docs/aot/flash_310b_v5p_8x8x8.json).
 """
 import pathlib
 
@@ -51,20 +53,20 @@ def get_config() -> ml_collections.ConfigDict:
     m.remat = "full"                  # keep only each layer's input for the backward pass
     m.attention = "blockwise"         # flash-style; [S, S] scores are ruled out at 32k
     m.attn_block = 512
-    m.expert_backend = "ep"           # shard_map dispatch: tokens stay on their chip (see mesh)
+    m.expert_backend = "ep_a2a"       # ragged all-to-all dispatch to the expert owners (TPU)
     m.logprob_vocab_chunk = 152_576 // 8
     m.router_aux_loss_coef = 0.0      # balancing comes from the router bias instead
     m.router_bias_update_rate = 1e-3
 
-    # 512 chips = fsdp 128 x tensor 4. Rows split 128 ways (one 32k row per chip and micro-batch,
-    # shared by the 4 tensor chips); every weight is split over fsdp (on D) x tensor (heads, F,
-    # vocab). The `ep` backend runs each chip's tokens through its experts locally (shard_map),
-    # with the layer's expert weights gathered over fsdp: with expert > 1 it would also gather
-    # the tokens of the expert group, 8 x 32k tokens x top-8 rows per chip at expert = 8, which
-    # does not fit (docs/scaling.md has the measurements).
+    # 512 chips = fsdp 16 x expert 8 x tensor 4. Rows split 128 ways over fsdp x expert (one 32k
+    # row per chip and micro-batch, shared by the 4 tensor chips). Expert weights: E over expert
+    # (32 experts per chip), D over fsdp, F over tensor; other weights over fsdp x tensor. The
+    # `ep_a2a` backend sends each routed row only to the chip owning its expert
+    # (ragged_all_to_all), in 8 chunks so the dropless buffers stay at 32k x top-8 rows; the
+    # all_gather `ep` backend or `ragged` at expert = 8 do not fit (docs/scaling.md).
     c.mesh.data = 1
-    c.mesh.fsdp = 128
-    c.mesh.expert = 1
+    c.mesh.fsdp = 16
+    c.mesh.expert = 8
     c.mesh.tensor = 4
 
     c.train.steps = 100

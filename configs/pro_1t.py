@@ -13,7 +13,9 @@ Run:  gagar-train --config configs/pro_1t.py --workdir gs://BUCKET/runs/pro \
 AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/pro_1t.py --topology v5p:8x8x16
 Numbers (gagar_jax/flops.py, checked by tests/test_configs.py): 1021.2B total, 41.8B active
 params. Global batch (Flash's): 256 rows x 32768 tokens = 8.4M tokens, two micro-batches of 128
-rows. Compiled for v5p:8x8x16: 73.9 GiB per chip (docs/aot/pro_1t_v5p_8x8x16.json).
+rows. Compiled for v5p:8x8x16 (fsdp 16 x expert 8 x tensor 8, `ep_a2a`): 68.5 GiB per chip
+(docs/aot/pro_1t_ep_a2a_v5p_8x8x16.json; the former fsdp 128 x tensor 8 `ep` layout: 73.9 GiB,
+docs/aot/pro_1t_v5p_8x8x16.json).
 """
 import pathlib
 
@@ -33,9 +35,9 @@ def get_config() -> ml_collections.ConfigDict:
     m.intermediate_size = 24_576      # the dense first layer's MLP width
     m.num_experts = 384               # E
 
-    # 1024 chips = fsdp 128 x tensor 8: rows split 128 ways (one 32k row per chip and
-    # micro-batch), every weight over fsdp (on D) x tensor (heads, F, vocab); experts as Flash.
-    c.mesh.fsdp = 128
-    c.mesh.expert = 1
+    # 1024 chips = fsdp 16 x expert 8 x tensor 8: rows split 128 ways over fsdp x expert (one
+    # 32k row per chip and micro-batch); experts as Flash (`ep_a2a`, E over expert: 48 per chip).
+    c.mesh.fsdp = 16
+    c.mesh.expert = 8
     c.mesh.tensor = 8
     return c
