@@ -10,9 +10,9 @@ Experiment (three advantage modes x seeds, one process, plots and table):
 Two processes, the real path (a producer writing spool shards, `gagar-train` consuming them and
 publishing weights every step):
   JAX_PLATFORMS=cpu python scripts/miniature.py --closed-loop --workdir runs/miniature_loop
-which runs, next to the producer,
+which warm-starts, publishes policy version 0, and runs next to the producer process
   gagar-train --config configs/miniature.py --workdir W --config.feed.spool_dir=W/spool \
-      --config.train.init_from=W/published/step_00000000
+      --config.train.init_from=W/published/step_00000000 --config.train.steps=5
 """
 import pathlib
 

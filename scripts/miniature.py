@@ -32,6 +32,8 @@ def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--closed-loop", action="store_true", help="two-process run (see docstring)")
     p.add_argument("--producer", action="store_true", help="run only the producer process")
+    p.add_argument("--replot", action="store_true",
+                   help="rewrite table.md and the PNGs from OUT/results.json (no runs)")
     p.add_argument("--workdir", default=os.path.join(REPO, "runs", "miniature"))
     p.add_argument("--out", default=os.path.join(REPO, "docs", "miniature"), help="sweep output")
     p.add_argument("--modes", default="binary,downweight_only,sum_preserving")
@@ -45,7 +47,7 @@ def _args(argv=None):
     p.add_argument("--demo-mix", default="",
                    help="demonstration styles, e.g. clean=0.1,thrash=0.3 (default: sim.demos mix)")
     p.add_argument("--warm-seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=8, help="producer rounds (two-process run)")
+    p.add_argument("--rounds", type=int, default=12, help="producer rounds (two-process run)")
     p.add_argument("--train-steps", type=int, default=5, help="trainer steps (two-process run)")
     p.add_argument("--max-ahead", type=int, default=1)
     p.add_argument("--wait-s", type=float, default=30.0)
@@ -90,7 +92,6 @@ def _feed_overrides(a) -> list:
 
 def sweep(a) -> None:
     from gagar_jax.sim import experiment as X
-    from gagar_jax.sim import report
     from gagar_jax.sim import task as T
     t_start = time.perf_counter()
     cfg = _config(_feed_overrides(a) + a.set)
@@ -116,13 +117,39 @@ def sweep(a) -> None:
             "warm_stats": warm.stats.__dict__, "sft_final_loss": (warm.sft_losses or [None])[-1],
             "groups": a.groups, "group_size": a.group_size, "eval_tasks": a.eval_tasks}
     with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump({"meta": meta, "runs": runs}, f, default=float)
-    table = report.markdown_table(runs)
-    with open(os.path.join(a.out, "table.md"), "w") as f:
-        f.write(table)
-    report.plot(runs, a.out)
-    print(table)
+        json.dump(_rounded({"meta": meta, "runs": runs}), f)
+    print(write_report(runs, a.out, a.steps))
     print(f"total {seconds / 60:.1f} min", flush=True)
+
+
+def _rounded(obj):
+    """JSON-ready copy with floats to 5 significant digits (a small results.json)."""
+    if isinstance(obj, dict):
+        return {k: _rounded(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_rounded(v) for v in obj]
+    if isinstance(obj, (int, str, bool)) or obj is None:
+        return obj
+    return float(f"{float(obj):.5g}")
+
+
+def write_report(runs: dict, out: str, steps: int) -> str:
+    """table.md (table at step 0 / final, paired differences to binary early and late), PNGs."""
+    from gagar_jax.sim import report
+    table = "\n".join([report.markdown_table(runs),
+                       report.paired_table(runs, first=1, last=min(10, steps)),
+                       report.paired_table(runs, first=max(steps - 9, 1), last=steps)])
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(table)
+    report.plot(runs, out)
+    return table
+
+
+def replot(a) -> None:
+    with open(os.path.join(a.out, "results.json")) as f:
+        runs = json.load(f)["runs"]
+    steps = len(next(iter(runs.values()))) - 1
+    print(write_report(runs, a.out, steps))
 
 
 def produce(a) -> None:
@@ -188,6 +215,9 @@ def main(argv=None) -> int:
         return 0
     if a.closed_loop:
         return closed_loop(a)
+    if a.replot:
+        replot(a)
+        return 0
     sweep(a)
     return 0
 

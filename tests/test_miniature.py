@@ -106,7 +106,8 @@ def test_strong_credit_share_by_hand():
     from types import SimpleNamespace as NS
 
     from gagar_jax.sim.experiment import strong_credit_share
-    traj = lambda tid, tier: NS(trajectory_id=tid, quality=NS(tier=tier) if tier else None)  # noqa: E731
+    def traj(tid, tier):
+        return NS(trajectory_id=tid, quality=NS(tier=tier) if tier else None)
     records = [NS(trajectories=[traj("a", "strong"), traj("b", "intermediate"), traj("c", None)]),
                NS(trajectories=[traj("d", "strong"), traj("e", None)])]
     # Slots are not in record order: the batch maps trajectory ids to slots.

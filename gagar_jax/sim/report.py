@@ -74,6 +74,27 @@ def markdown_table(runs: dict, width: int = 5) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paired_table(runs: dict, *, baseline: str = "binary", first: int = 1, last: int = 10,
+                 keys=("heldout_strong_share", "strong_credit_share", "heldout_pass_rate",
+                       "entropy", "heldout_len")) -> str:
+    """Per-seed differences to `baseline` (same seed: same tasks and sampling keys at step 0),
+    averaged over steps first..last, as mean ± sample std across seeds."""
+    modes = by_mode(runs)
+    labels = {k: (label, fmt) for k, label, fmt in METRICS}
+    lines = [f"| metric | mode − {baseline}, steps {first}–{last} |", "|---|---|"]
+    base = modes[baseline]
+    for key in keys:
+        label, fmt = labels[key]
+        for mode, seeds in modes.items():
+            if mode == baseline:
+                continue
+            diffs = np.array([np.nanmean(series(r, key)[first:last + 1])
+                              - np.nanmean(series(b, key)[first:last + 1])
+                              for r, b in zip(seeds, base)])
+            lines.append(f"| {label} | {mode}: {_pm(diffs, '{:+' + fmt[2:])} |")
+    return "\n".join(lines) + "\n"
+
+
 def _pm(v: np.ndarray, fmt: str) -> str:
     v = v[np.isfinite(v)]
     if v.size == 0:
