@@ -118,9 +118,9 @@ def ep_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
         first = jax.lax.axis_index(ax) * wg.shape[0]
         y = experts.grouped_ffn(gather(x), wg, wu, wd, gather(idx) - first, gather(w),
                                 block=block, big_block=big_block)
-        if lay.tensor_axes:
-            y = jax.lax.psum(y, lay.tensor_axes)
-        return jax.lax.psum_scatter(y, ax, scatter_dimension=0, tiled=True)
+        y = jax.lax.psum_scatter(y, ax, scatter_dimension=0, tiled=True)
+        # F's 'tensor' partial sums, added after the scatter: on T_local rows, not T_local * n.
+        return jax.lax.psum(y, lay.tensor_axes) if lay.tensor_axes else y
 
     return lay.run(local, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK)
 
@@ -205,10 +205,12 @@ def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
                           jnp.full((rows_R, 1), -1, jnp.int32), axis_name=ax, **fwd)
         y_recv = experts.grouped_ffn(x_recv, wg, wu, wd, e_recv, jnp.ones((rows_R, 1), x.dtype),
                                      block=block, big_block=big_block)
-        if lay.tensor_axes:
-            y_recv = jax.lax.psum(y_recv, lay.tensor_axes)
         y_sorted = exchange(y_recv, jnp.zeros((n_rows, d), y_recv.dtype), axis_name=ax, **back)
-        return experts._combine(y_sorted, plan, w)
+        y = experts._combine(y_sorted, plan, w)
+        # Partial sums over F's 'tensor' shards: add them on the t tokens, not on the
+        # n_dev * t * K worst-case rows (return exchange and combine are linear, and every
+        # 'tensor' shard routes the same tokens the same way).
+        return jax.lax.psum(y, lay.tensor_axes) if lay.tensor_axes else y
 
     def local(x, wg, wu, wd, idx, w):
         c = _chunks(x.shape[0], chunks, jax.lax.axis_size(ax))
