@@ -17,7 +17,7 @@ Run:  gagar-train --config configs/flash_310b.py --workdir gs://BUCKET/runs/flas
 AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/flash_310b.py --topology v5p:8x8x8
 Numbers (gagar_jax/flops.py, checked by tests/test_configs.py): 308.5B total, 15.2B active
 params. Global batch: 256 rows x 32768 tokens = 8.4M tokens, two micro-batches of 128 rows.
-Compiled for v5p:8x8x8 (fsdp 16 x expert 8 x tensor 4, `ep_a2a`): 42.2 GiB per chip
+Compiled for v5p:8x8x8 (fsdp 16 x expert 8 x tensor 4, `ep_a2a`): 38.9 GiB per chip
 (docs/aot/flash_310b_ep_a2a_v5p_8x8x8.json; the former fsdp 128 x tensor 4 `ep` layout: 44.5 GiB,
 docs/aot/flash_310b_v5p_8x8x8.json).
 """
