@@ -28,7 +28,8 @@ from gagar_jax import flops
 
 # HBM per chip as the TPU compiler counts it (the CompileTimeHbmOom message says 95.73G on v5p).
 HBM_BYTES = {"v5p": int(95.74 * 2**30), "v5e": 16 * 2**30, "v4": 32 * 2**30, "v6e": 32 * 2**30}
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-to-all", "all-reduce", "collective-permute")
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "all-reduce",
+               "collective-permute")
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 

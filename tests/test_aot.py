@@ -99,10 +99,11 @@ def test_count_collectives_on_hlo_text():
   %all-reduce.3 = f32[8]{0} all-reduce(f32[8]{0} %x), to_apply=%add
   %rs = f32[2]{0} reduce-scatter(f32[8]{0} %x), dimensions={0}, to_apply=%add
   %a2a = f32[8]{0} all-to-all(f32[8]{0} %x), dimensions={0}
+  %ra2a = f32[8]{0} ragged-all-to-all(f32[8]{0} %x, f32[8]{0} %o, s64[2] %a, s64[2] %b, s64[2] %c, s64[2] %d)
   %fusion.9 = bf16[20,32]{1,0} fusion(bf16[20,128]{1,0} %y), kind=kOutput, calls=%all-reduce-scatter.1.clone
 """
     assert aot.count_collectives(hlo) == {"all-gather": 2, "reduce-scatter": 2, "all-to-all": 1,
-                                          "all-reduce": 1, "collective-permute": 0}
+                                          "ragged-all-to-all": 1, "all-reduce": 1, "collective-permute": 0}
 
 
 def test_topology_errors_name_the_argument():
