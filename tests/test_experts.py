@@ -101,10 +101,13 @@ def test_ep_on_meshes_matches_single_device_dense(problem, reference, shape):
     _assert_close(got, reference)
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 4, 1), (1, 2, 2, 2)])
-def test_ep_a2a_bookkeeping_matches_dense_with_emulated_collective(problem, reference, shape):
+@pytest.mark.parametrize("shape,chunks", [((2, 1, 4, 1), None), ((1, 2, 2, 2), None),
+                                          ((2, 1, 4, 1), 1)])   # chunks=1: the unchunked path
+def test_ep_a2a_bookkeeping_matches_dense_with_emulated_collective(problem, reference, shape,
+                                                                   chunks):
     with jax.set_mesh(_mesh(shape)):
-        got = _loss_and_grads("ep_a2a", exchange=experts_ep.emulated_ragged_all_to_all)(*problem)
+        got = _loss_and_grads("ep_a2a", exchange=experts_ep.emulated_ragged_all_to_all,
+                              chunks=chunks)(*problem)
     _assert_close(got, reference)
 
 
