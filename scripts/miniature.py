@@ -49,7 +49,7 @@ def _args(argv=None):
     p.add_argument("--warm-seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=12, help="producer rounds (two-process run)")
     p.add_argument("--train-steps", type=int, default=5, help="trainer steps (two-process run)")
-    p.add_argument("--max-ahead", type=int, default=1)
+    p.add_argument("--max-ahead", type=int, default=2)
     p.add_argument("--wait-s", type=float, default=30.0)
     p.add_argument("--devices", type=int, default=8, help="fake CPU devices of the trainer")
     p.add_argument("--set", action="append", default=[],
