@@ -28,6 +28,7 @@ from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.packing import make_global_batch
 from gagar_jax.feed.sources import IteratorSource
 from gagar_jax.model import ModelConfig, Transformer
+from gagar_jax.moe import RouterBias
 from gagar_jax.sharding import make_mesh
 from gagar_jax.sim import demos, producer
 from gagar_jax.sim import task as T
@@ -79,7 +80,6 @@ def warm_start(cfg, task_cfg: T.TaskConfig, *, seed: int, sft_steps: int, num_de
             task_cfg, T.make_tasks(task_cfg, seed, num_demos, prefix="demo"), seed, mix=mix)
         losses = demos.warm_start(model, demo_eps, steps=sft_steps, batch_size=batch_size,
                                   seq_len=producer.cache_len(task_cfg), lr=lr, seed=seed)
-    from gagar_jax.moe import RouterBias
     _, params, bias = nnx.split(model, nnx.Param, RouterBias)
     stats = producer.tier_mix(model, heldout_tasks(task_cfg, eval_tasks), task_cfg,
                               jax.random.key(seed), group_size=group_size)
@@ -163,6 +163,17 @@ def run_loop(learner: Learner, mode: str, warm: WarmStart, task_cfg: T.TaskConfi
     batch sampled with it and the metrics of the train step on that batch (entropy is the
     policy's per-token entropy on its own samples, credits sum over the step's groups). Tasks
     and sampling keys depend only on (seed, t), so modes see common random numbers.
+
+    Args:
+      learner: the `Learner` (its compiled step for `mode` is reused across seeds).
+      mode: advantage mode (`MODES`). warm: the shared `WarmStart`. task_cfg: task family.
+      seed: task, sampling and train-state seed. rl_steps: train steps.
+      workdir: where each step's `Feed` writes ledger.json / dead_letter.jsonl.
+      groups, group_size: tasks per step, rollouts per task. eval_tasks: held-out tasks.
+      log: progress lines.
+    Returns:
+      rows: list of dicts (`STEP_KEYS`, held-out and train-batch stats, `strong_credit_share`,
+      seconds); the last row also holds the summed feed ledger counts ("ledger_totals").
     """
     state, graphdef, shardings = learner.init_state(mode, warm, seed)
     held = heldout_tasks(task_cfg, eval_tasks)
