@@ -211,7 +211,7 @@ def from_pretrained(path: str, dtype: str = "float32", *, mesh=None, **overrides
 
 
 def _to_host(x) -> np.ndarray:
-    if not x.is_fully_addressable:  # multi-host: every process joins the gather
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:  # multi-host: all join the gather
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(jax.device_get(x))
 

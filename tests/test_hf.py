@@ -4,6 +4,7 @@ import json
 import os
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,6 +71,16 @@ def test_export_reloads_in_transformers(torch_model, hf_dir, tmp_path):
     np.testing.assert_allclose(_torch_logits(reloaded), _torch_logits(torch_model), atol=1e-5)
     again, _ = hf.from_pretrained(str(tmp_path), **FAST)  # and our own sharded files load back
     np.testing.assert_allclose(_our_logits(again), _our_logits(model), atol=1e-6)
+
+
+def test_export_of_host_numpy_weights(hf_dir, tmp_path):
+    """A model whose state holds host numpy arrays (e.g. after nnx.update) exports too."""
+    model, _ = hf.from_pretrained(hf_dir, **FAST)
+    want = _our_logits(model)
+    nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))
+    hf.save_pretrained(model, str(tmp_path))
+    again, _ = hf.from_pretrained(str(tmp_path), **FAST)
+    np.testing.assert_allclose(_our_logits(again), want, atol=1e-6)
 
 
 def test_load_onto_a_mesh_places_shards(hf_dir, devices):
