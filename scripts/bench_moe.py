@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -21,25 +20,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from gagar_jax.benchutil import matmul_peak, timed, write_docs_section  # noqa: E402
 from gagar_jax import experts, router, sharding  # noqa: E402
 
 DEFAULT = "grouped"  # the dropless CPU default (configs/tiny_cpu.py: expert_backend)
 HEADING = "## MoE layer (scripts/bench_moe.py)"
 SLOW_S = 3.0  # a backend slower than this per step is timed once
-
-
-def matmul_peak(n: int = 2048, reps: int = 3) -> float:
-    a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
-    f = jax.jit(lambda a: a @ a)
-    f(a).block_until_ready()
-    best = min(_timed(lambda: f(a)) for _ in range(reps))
-    return 2 * n ** 3 / best
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t0
 
 
 def make_step(backend: str, top_k: int, mesh=None):
@@ -64,9 +50,9 @@ def bench_case(backend, e, k, t, d, f, reps, mesh=None):
     t0 = time.perf_counter()
     jax.block_until_ready(step(*args))
     compile_s = time.perf_counter() - t0
-    times = [_timed(lambda: step(*args))]
+    times = [timed(lambda: step(*args))]
     while len(times) < reps and times[0] < SLOW_S:
-        times.append(_timed(lambda: step(*args)))
+        times.append(timed(lambda: step(*args)))
     useful = 3 * (3 * 2 * t * k * d * f + 2 * t * d * e)  # fwd + 2x bwd, experts + router
     return {"backend": backend, "E": e, "K": k, "sec": min(times), "flops": useful / min(times),
             "compile_s": compile_s}
@@ -113,17 +99,6 @@ def render(rows, peak, t, d, f, load) -> str:
                    f"{100 * r['flops'] / r['peak']:.0f}% | "
                    f"{r['compile_s']:.1f} |")
     return "\n".join(out) + "\n"
-
-
-def write_docs(path: str, section: str) -> None:
-    text = open(path).read() if os.path.exists(path) else "# Performance\n"
-    pattern = re.compile(re.escape(HEADING) + r".*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    with open(path, "w") as fh:
-        fh.write(text)
 
 
 def main() -> None:
@@ -178,7 +153,7 @@ def main() -> None:
                     "`ep_a2a` needs `ragged_all_to_all` (TPU/GPU) and is not run on CPU.\n")
     print(section)
     if not a.no_docs:
-        write_docs(a.docs, section)
+        write_docs_section(a.docs, HEADING, section)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import sys
 import time
 
@@ -26,6 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gagar_jax.benchutil import matmul_peak, timed, write_docs_section  # noqa: E402
 from gagar_jax import flops  # noqa: E402
 from gagar_jax import train_step as TS  # noqa: E402
 from gagar_jax.advantage import broadcast_to_tokens, gagar_advantages  # noqa: E402
@@ -39,20 +39,6 @@ NOTE = ("CPU numbers come from a 2-core machine shared with other jobs: read the
         "against the peak measured beside it, the advantage share), not the absolute times. "
         "The advantage computation is a few segment sums over T and G, independent of the "
         "model, so its share only shrinks as models and batches grow.")
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t0
-
-
-def matmul_peak(n: int = 2048, reps: int = 5) -> float:
-    """FLOP/s of a large float32 matmul on the default device (best of `reps`)."""
-    a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
-    f = jax.jit(lambda a: a @ a)
-    f(a).block_until_ready()
-    return 2 * n ** 3 / min(_timed(lambda: f(a)) for _ in range(reps))
 
 
 def synthetic_batch(B: int, S: int, vocab: int, group_size: int = 4, seed: int = 0) -> Batch:
@@ -94,7 +80,7 @@ def advantage_seconds(batch: Batch, reps: int = 50) -> float:
                                adjustments=b.adjustments_T)
         return broadcast_to_tokens(out.advantages, b.traj_index_BxS, b.loss_mask_BxS)
     adv(batch).block_until_ready()
-    return float(np.median([_timed(lambda: adv(batch)) for _ in range(reps)]))
+    return float(np.median([timed(lambda: adv(batch)) for _ in range(reps)]))
 
 
 def bench(name: str, B: int, S: int, steps: int) -> dict:
@@ -120,7 +106,7 @@ def bench(name: str, B: int, S: int, steps: int) -> dict:
         times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))
     # The machine may be shared: measure the peak right after the timed steps.
-    peak = matmul_peak()
+    peak = matmul_peak(reps=5)
     tokens = B * S * step_cfg.epochs
     model_flops = flops.train_flops_per_token(step_cfg.model, S) * tokens
     adv_s = advantage_seconds(batch)
@@ -154,17 +140,6 @@ def render(rows) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_docs(path: str, section: str) -> None:
-    text = open(path).read() if os.path.exists(path) else "# Performance\n"
-    pattern = re.compile(re.escape(HEADING) + r".*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    with open(path, "w") as fh:
-        fh.write(text)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3, help="timed steps per config (after compile)")
@@ -185,7 +160,7 @@ def main() -> None:
     section = render(rows)
     print(section)
     if not args.no_docs:
-        write_docs(os.path.join(ROOT, "docs", "performance.md"), section)
+        write_docs_section(os.path.join(ROOT, "docs", "performance.md"), HEADING, section)
 
 
 if __name__ == "__main__":
