@@ -269,7 +269,7 @@ def _run(cfg, workdir: str, source: Any, preemption: "_Preemption") -> Optional[
     drain()
     preempted = preempted or preemption.requested   # also while idle on a spool
     jax.block_until_ready(state)  # before the collectives of the final save and hashes
-    if not preempted and step > start_step:
+    if step > start_step:  # end of run, or SIGTERM while idle (a step saved already is kept)
         ckpt.save(step, state, feed.state(), cfg_json, force=True)
     ckpt.close()
     progress.close()
