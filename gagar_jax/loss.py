@@ -21,12 +21,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from gagar_jax.advantage import AdvantageOutput, broadcast_to_tokens, gagar_advantages
+from gagar_jax.advantage import MODES, AdvantageOutput, broadcast_to_tokens, gagar_advantages
 from gagar_jax.batch import Batch
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-MODES = ("sum_preserving", "downweight_only", "binary")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from gagar_jax.benchutil import matmul_peak, timed, write_docs_section  # noqa: E402
+from benchutil import matmul_peak, timed, write_docs_section  # noqa: E402
 from gagar_jax import experts, router, sharding  # noqa: E402
 
 DEFAULT = "grouped"  # the dropless CPU default (configs/tiny_cpu.py: expert_backend)

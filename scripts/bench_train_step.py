@@ -25,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gagar_jax.benchutil import matmul_peak, timed, write_docs_section  # noqa: E402
+from benchutil import matmul_peak, timed, write_docs_section  # noqa: E402
 from gagar_jax import flops  # noqa: E402
 from gagar_jax import train_step as TS  # noqa: E402
 from gagar_jax.advantage import broadcast_to_tokens, gagar_advantages  # noqa: E402

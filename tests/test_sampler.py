@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from configs import tiny_cpu
-from gagar_jax import sampler
+from gagar_jax.sim import sampler
 from gagar_jax.logprobs import token_logprobs
 from gagar_jax.model import ModelConfig, Transformer
 

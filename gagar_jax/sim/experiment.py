@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from gagar_jax.advantage import MODES
 from gagar_jax.feed.batcher import Feed
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.packing import make_global_batch
@@ -35,7 +36,6 @@ from gagar_jax.sim import task as T
 from gagar_jax.train_step import (StepConfig, batch_shardings, init_train_state,
                                   make_train_step)
 
-MODES = ("binary", "downweight_only", "sum_preserving")
 # Train-step metrics kept per step (see `train_step.StepMetrics`).
 STEP_KEYS = ("entropy", "mean_response_len", "pos_credit_before", "pos_credit_after",
              "neg_credit", "lam_mean", "lam_max", "capped_groups", "fallback_groups",

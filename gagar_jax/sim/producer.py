@@ -15,7 +15,7 @@ from typing import Optional
 
 import jax
 
-from gagar_jax import sampler
+from gagar_jax.sim import sampler
 from gagar_jax.sim import grader
 from gagar_jax.sim import task as T
 
