@@ -2,8 +2,8 @@
 
 Everything is element-wise over trajectories [T] plus segment reductions over groups [G]; there
 is no Python loop over groups or trajectories, so one compiled function serves every batch of
-the same padded shape. The rules (SPEC section 2) and the identities INV-1..INV-9 are explained
-in docs/advantage.md; `check_invariants` (advantage_checks.py) asserts them inside jit.
+the same padded shape. The rules and the identities INV-1..INV-9 are explained in
+docs/advantage.md; `check_invariants` (below) asserts them inside jit.
 """
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ def _advantages(x, *, num_groups: int, lam_cap: float, mode: str):
 def gagar_advantages(rewards, group_ids, factors, valid, hacked, grading_ok, *,
                      num_groups: int, lam_cap: float = 1.5, mode: str = "sum_preserving",
                      adjustments: Optional[jax.Array] = None) -> AdvantageOutput:
-    """Gagar advantages of one batch of groups (SPEC section 2).
+    """Gagar advantages of one batch of groups (docs/advantage.md section 1).
 
     Args:
       rewards: f32[T] binary test outcome 0/1.

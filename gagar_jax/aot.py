@@ -225,14 +225,14 @@ def lower_train_step(cfg: ml_collections.ConfigDict, devices: list):
     step_cfg = ts.StepConfig.from_config(cfg)
     mesh = sharding.make_mesh(cfg.mesh, devices=devices)
     f = cfg.feed
-    abstract_state, graphdef = ts.abstract_train_state(step_cfg)
+    abstract_state, graphdef = ts.abstract_train_state(step_cfg, mesh)
     mc = step_cfg.model
     abstract_batch = jax.eval_shape(lambda: batch_lib.dummy_batch(
         f.rows_per_batch, f.seq_len, f.max_trajectories, f.groups_per_batch,
         num_moe_layers=mc.num_moe_layers if f.routing_replay else 0,
         top_k=mc.top_k if f.routing_replay else 0))
     state_sh = ts.state_shardings(abstract_state, mesh, step_cfg)
-    batch_sh = ts.batch_shardings(abstract_batch, mesh)
+    batch_sh = sharding.batch_shardings(abstract_batch, mesh)
     with_sharding = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
     state_in = jax.tree.map(with_sharding, abstract_state, state_sh)
     batch_in = jax.tree.map(with_sharding, abstract_batch, batch_sh)

@@ -1,7 +1,8 @@
 """The packed batch the learner consumes: one feed batch, fixed shapes.
 
 Shape letters (used across the package): B batch rows, S sequence length, T trajectories,
-G groups, L MoE layers, K top-k, E experts, D model width, F expert width, V vocabulary, H heads.
+G groups, L MoE layers, K top-k, E experts, D model width, F expert width, V vocabulary, H heads;
+M mini-batches (optimizer updates per epoch), U micro-batches (gradient-accumulation chunks).
 
 Token arrays are packed: a row holds several trajectories (segments) back to back.
 Conventions every module relies on:

@@ -42,11 +42,45 @@ def _error(msg: str) -> int:
 
 
 def _unknown_key(argv, exc) -> str:
-    key = str(exc).strip("'\"")
+    """One plain line: the override that names a missing key, and ConfigDict's suggestion."""
+    inner = exc.args[0] if exc.args else exc   # ConfigDict wraps a KeyError in the AttributeError
+    while isinstance(inner, BaseException) and inner.args:
+        inner = inner.args[0]
+    msg = inner if isinstance(inner, str) else str(exc)
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+    key = lines[0].strip("'\"") if lines else ""
+    hint = next((ln for ln in lines[1:] if ln.lower().startswith("did you mean")), "")
     for arg in argv:
-        if arg.startswith("--config.") and key in arg:
-            return f"unknown config key: {arg.split('=', 1)[0][len('--config.'):]}"
-    return f"unknown config key: {key}"
+        name = arg.split("=", 1)[0][len("--config."):]
+        if arg.startswith("--config.") and key and name.split(".")[-1] == key:
+            key = name
+            break
+    return f"unknown config key: {key}" + (f" ({hint[0].lower()}{hint[1:]})" if hint else "")
+
+
+def _usage(argv, path) -> str:
+    """`gagar-train --help`: usage, flags, every config key with its default, docs pointer."""
+    from gagar_jax.config import load_config_file
+
+    lines = [(__doc__ or "").strip(), "", "Flags:",
+             "  --config FILE            config file (default: configs/tiny_cpu.py)",
+             "  --config.KEY=VALUE       override any config key (listed below)",
+             "  --workdir DIR            run directory; an existing one resumes",
+             "  --coordinator_address HOST:PORT, --num_processes N, --process_id I",
+             "                           join a multi-process run (jax.distributed)",
+             "  --distributed            jax.distributed.initialize() with auto-detection",
+             "  -h, --help               this text", ""]
+    if path is not None and os.path.isfile(path):
+        def walk(prefix, node):
+            for key, value in sorted(node.items()):
+                if hasattr(value, "items"):
+                    yield from walk(f"{prefix}{key}.", value)
+                else:
+                    yield f"  {prefix}{key} = {value!r}"
+        lines += [f"Config keys of {path}:", *walk("", load_config_file(path).to_dict()), ""]
+    lines.append("Docs: README.md, docs/ (feed.md for graders, loss.md, scaling.md, "
+                 "checkpoints.md).")
+    return "\n".join(lines)
 
 
 def _init_distributed(fv) -> None:
@@ -84,6 +118,13 @@ def main(argv=None) -> int:
         argv[1:1] = ["--config", path]
     if path is not None and not os.path.isfile(path):
         return _error(f"config file not found: {path}")
+    if any(a in ("-h", "--help", "--helpfull", "-help") for a in argv[1:]):
+        from gagar_jax.config import ConfigError
+        try:
+            print(_usage(argv, path))
+        except ConfigError as e:
+            return _error(str(e))
+        return 0
 
     fv = _define_flags(argv)
     try:

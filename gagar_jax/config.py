@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 
 import ml_collections
@@ -61,6 +60,15 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     return cfg
 
 
-def to_json(cfg: ml_collections.ConfigDict) -> str:
-    """The config as JSON (saved beside every checkpoint)."""
-    return json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+def section_dict(section, cls, name: str) -> dict:
+    """A config section (ConfigDict or dict) as a dict of `cls`'s fields.
+
+    Raises:
+      ConfigError naming the unknown keys (and the known ones) of section `name`.
+    """
+    d = dict(section.to_dict() if hasattr(section, "to_dict") else section)
+    known = sorted(f.name for f in dataclasses.fields(cls))
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown keys in the {name} config section: {unknown}; known: {known}")
+    return d

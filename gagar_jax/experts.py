@@ -6,7 +6,7 @@ Stacked weights: `gate_ExDxF`, `up_ExDxF`, `down_ExFxD`. An expert id outside `[
 means "no expert": that assignment contributes zero (expert parallelism uses this for experts
 that live on other devices; callers may use it to skip padding tokens).
 
-Backends (`BACKENDS`, chosen per platform by config, all dropless except `capacity`):
+Backends (the table `moe.BACKENDS` picks one per config; all dropless except `capacity`):
   * `dense`    every expert on every token; the test oracle (E times the useful FLOPs).
   * `ragged`   sort by expert, `jax.lax.ragged_dot`, unsort by gather. Native on TPU/GPU; XLA:CPU
                runs ragged_dot as a masked loop over all groups, so it is slow there.
@@ -20,110 +20,17 @@ Backends (`BACKENDS`, chosen per platform by config, all dropless except `capaci
                local experts, outputs reduce-scattered back (see `experts_ep.py`).
   * `ep_a2a`   expert parallelism with `ragged_all_to_all` dispatch (TPU/GPU only).
 
-Row permutations (tokens -> sorted rows -> tokens) use `_take_rows`, whose backward is again a
-gather through the inverse map, never a scatter-add (slow on XLA:CPU).
+The token-to-expert plan (sort, gather, combine) is shared with the expert-parallel backends
+in `experts_ep.py` through the public module `dispatch.py`.
 """
 from __future__ import annotations
 
 import functools
-from typing import Callable, Mapping
-
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-
-# --------------------------------------------------------------------------- row permutations
-def _take_ext(src_RxD: jax.Array, idx_M: jax.Array) -> jax.Array:
-    """src[idx] with idx == R (out of range) reading a zero row."""
-    return jnp.take(src_RxD, idx_M, axis=0, mode="fill", fill_value=0)
-
-
-@jax.custom_vjp
-def _take_rows(src_RxD: jax.Array, idx_M: jax.Array, inv_RxJ: jax.Array) -> jax.Array:
-    """out[m] = src[idx[m]] (zero where idx[m] == R), differentiated by gathering.
-
-    Args:
-      src_RxD: rows to read.
-      idx_M: source row of each output row; R = none.
-      inv_RxJ: the inverse map, the (at most J) output rows that read source row r; M = none.
-        Must be exact: out row m appears in inv[idx[m]] iff idx[m] < R.
-    """
-    return _take_ext(src_RxD, idx_M)
-
-
-def _take_rows_fwd(src_RxD, idx_M, inv_RxJ):
-    return _take_ext(src_RxD, idx_M), inv_RxJ
-
-
-def _take_rows_bwd(inv_RxJ, g_MxD):
-    r, j = inv_RxJ.shape
-    d_src = _take_ext(g_MxD, inv_RxJ.reshape(r * j)).reshape(r, j, g_MxD.shape[-1]).sum(1)
-    return d_src, None, None
-
-
-_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
-
-
-# --------------------------------------------------------------------------- routing plan
-@flax.struct.dataclass
-class _Plan:
-    """Where each (token, k) assignment lives in a buffer of S rows grouped by expert."""
-    slot_N: jax.Array         # buffer row of assignment n = t*K + k; S = not computed
-    row_assign_S: jax.Array   # assignment in buffer row s; N = empty row
-    row_token_S: jax.Array    # token in buffer row s; T = empty row
-    sizes_E: jax.Array        # rows per expert (valid assignments)
-
-
-def _sort_by_expert(idx_TxK: jax.Array, num_experts: int):
-    """Returns (key_N, rank_N, sizes_E): expert (E = invalid), rank within the expert, sizes."""
-    e_N = idx_TxK.reshape(-1).astype(jnp.int32)
-    key_N = jnp.where((e_N >= 0) & (e_N < num_experts), e_N, num_experts)
-    order_N = jnp.argsort(key_N, stable=True)            # sorted position -> assignment
-    sizes_E1 = jnp.bincount(key_N, length=num_experts + 1)
-    start_E1 = jnp.cumsum(sizes_E1) - sizes_E1
-    key_sorted = key_N[order_N]
-    rank_sorted = jnp.arange(key_N.shape[0], dtype=jnp.int32) - start_E1[key_sorted]
-    rank_N = jnp.zeros_like(rank_sorted).at[order_N].set(rank_sorted, unique_indices=True)
-    return key_N, rank_N, sizes_E1[:num_experts]
-
-
-def _plan_from_slots(slot_N, num_rows: int, top_k: int, sizes_E) -> _Plan:
-    n = slot_N.shape[0]
-    row_assign_S = jnp.full((num_rows,), n, jnp.int32).at[slot_N].set(
-        jnp.arange(n, dtype=jnp.int32), mode="drop", unique_indices=True)
-    row_token_S = jnp.where(row_assign_S < n, row_assign_S // top_k, n // top_k)
-    return _Plan(slot_N=slot_N, row_assign_S=row_assign_S, row_token_S=row_token_S,
-                 sizes_E=sizes_E)
-
-
-def num_padded_blocks(num_assignments: int, num_experts: int, block: int) -> int:
-    """Static worst case of sum_e ceil(size_e / block) over all routings."""
-    return -(-(num_assignments + num_experts * (block - 1)) // block)
-
-
-def _padded_plan(idx_TxK: jax.Array, num_experts: int, block: int) -> _Plan:
-    """Rows sorted by expert, each expert's run padded to a multiple of `block` rows."""
-    t, k = idx_TxK.shape
-    key_N, rank_N, sizes_E = _sort_by_expert(idx_TxK, num_experts)
-    blocks_E = (sizes_E + block - 1) // block
-    start_E = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(blocks_E) * block])
-    s = num_padded_blocks(t * k, num_experts, block) * block
-    slot_N = jnp.where(key_N < num_experts, start_E[key_N] + rank_N, s)
-    return _plan_from_slots(slot_N, s, k, sizes_E)
-
-
-def _gather_tokens(x_TxD, plan: _Plan, top_k: int) -> jax.Array:
-    """Buffer rows [S, D] from tokens; backward gathers the K slots of each token."""
-    t = x_TxD.shape[0]
-    return _take_rows(x_TxD, plan.row_token_S, plan.slot_N.reshape(t, top_k))
-
-
-def _combine(y_SxD, plan: _Plan, weights_TxK) -> jax.Array:
-    """y_t = sum_k w_tk * buffer[slot(t, k)]."""
-    t, k = weights_TxK.shape
-    yk_TxKxD = _take_rows(y_SxD, plan.slot_N, plan.row_assign_S[:, None]).reshape(t, k, -1)
-    return jnp.einsum("tk,tkd->td", weights_TxK.astype(y_SxD.dtype), yk_TxKxD)
+from gagar_jax import dispatch
 
 
 # --------------------------------------------------------------------------- dense (oracle)
@@ -142,13 +49,13 @@ def dense_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK) -> 
 def ragged_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK) -> jax.Array:
     """Sort by expert, three `jax.lax.ragged_dot`s, unsort by gather (TPU/GPU path)."""
     e = gate_ExDxF.shape[0]
-    plan = _padded_plan(idx_TxK, e, block=1)
-    xs_NxD = _gather_tokens(x_TxD, plan, idx_TxK.shape[1])
+    plan = dispatch.padded_plan(idx_TxK, e, block=1)
+    xs_NxD = dispatch.gather_tokens(x_TxD, plan, idx_TxK.shape[1])
     h = jax.nn.silu(jax.lax.ragged_dot(xs_NxD, gate_ExDxF, plan.sizes_E)) * jax.lax.ragged_dot(
         xs_NxD, up_ExDxF, plan.sizes_E)
     ys_NxD = jax.lax.ragged_dot(h, down_ExFxD, plan.sizes_E)
     # Rows past sum(sizes) (invalid ids) are never read back: their slot is the sentinel.
-    return _combine(ys_NxD, plan, weights_TxK)
+    return dispatch.combine(ys_NxD, plan, weights_TxK)
 
 
 # --------------------------------------------------------------------------- grouped (CPU)
@@ -272,11 +179,11 @@ def grouped_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *
     e = gate_ExDxF.shape[0]
     block = max(1, min(block, t * k))
     big_block = max(block, min(big_block, t * k))
-    plan = _padded_plan(idx_TxK, e, block)
-    x_SxD = _gather_tokens(x_TxD, plan, k)
+    plan = dispatch.padded_plan(idx_TxK, e, block)
+    x_SxD = dispatch.gather_tokens(x_TxD, plan, k)
     y_SxD = _grouped_swiglu(x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD, plan.sizes_E,
                             block, big_block)
-    return _combine(y_SxD, plan, weights_TxK)
+    return dispatch.combine(y_SxD, plan, weights_TxK)
 
 
 # --------------------------------------------------------------------------- capacity
@@ -297,76 +204,17 @@ def capacity_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, 
     t, k = idx_TxK.shape
     e, d, _ = gate_ExDxF.shape
     c = expert_capacity(t, k, e, capacity_factor)
-    key_N, rank_N, sizes_E = _sort_by_expert(idx_TxK, e)
+    key_N, rank_N, sizes_E = dispatch.sort_by_expert(idx_TxK, e)
     keep_N = (key_N < e) & (rank_N < c)
-    plan = _plan_from_slots(jnp.where(keep_N, key_N * c + rank_N, e * c), e * c, k, sizes_E)
-    x_ExCxD = _gather_tokens(x_TxD, plan, k).reshape(e, c, d)
+    plan = dispatch.plan_from_slots(jnp.where(keep_N, key_N * c + rank_N, e * c), e * c, k, sizes_E)
+    x_ExCxD = dispatch.gather_tokens(x_TxD, plan, k).reshape(e, c, d)
     h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", x_ExCxD, gate_ExDxF)) * jnp.einsum(
         "ecd,edf->ecf", x_ExCxD, up_ExDxF)
     y_ExCxD = jnp.einsum("ecf,efd->ecd", h, down_ExFxD)
     dropped = jnp.sum((key_N < e) & ~keep_N).astype(jnp.int32)
-    return CapacityOutput(y_TxD=_combine(y_ExCxD.reshape(e * c, d), plan, weights_TxK),
+    return CapacityOutput(y_TxD=dispatch.combine(y_ExCxD.reshape(e * c, d), plan, weights_TxK),
                           dropped=dropped)
 
 
 def _capacity_y(*args, **kw) -> jax.Array:
     return capacity_ffn(*args, **kw).y_TxD
-
-
-# --------------------------------------------------------------------------- interface
-ExpertFn = Callable[..., jax.Array]
-
-
-def _ep(*args, **kw) -> jax.Array:
-    from gagar_jax import experts_ep  # local import: experts_ep builds on this module
-
-    return experts_ep.ep_ffn(*args, **kw)
-
-
-def _ep_a2a(*args, **kw) -> jax.Array:
-    from gagar_jax import experts_ep
-
-    return experts_ep.ep_a2a_ffn(*args, **kw)
-
-
-BACKENDS: Mapping[str, ExpertFn] = {
-    "dense": dense_ffn,
-    "ragged": ragged_ffn,
-    "grouped": grouped_ffn,
-    "capacity": _capacity_y,
-    "ep": _ep,
-    "ep_a2a": _ep_a2a,   # TPU/GPU: ragged_all_to_all has no XLA:CPU lowering
-}
-
-
-def expert_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
-               backend: str = "grouped", **options) -> jax.Array:
-    """Routed SwiGLU experts: y_TxD = sum_k w_tk * FFN_{idx_tk}(x_t).
-
-    Args:
-      x_TxD: token activations.
-      gate_ExDxF, up_ExDxF, down_ExFxD: stacked expert weights.
-      idx_TxK: int expert ids; ids outside [0, E) contribute nothing.
-      weights_TxK: gate weights (differentiable).
-      backend: a key of `BACKENDS`.
-      **options: backend options (`block` for grouped/ep, `capacity_factor` for capacity,
-        `mesh` and axis names for ep).
-    Returns:
-      y_TxD in x's dtype.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}; expected one of {sorted(BACKENDS)}")
-    t, d = x_TxD.shape
-    e = gate_ExDxF.shape[0]
-    if gate_ExDxF.shape != up_ExDxF.shape or down_ExFxD.shape != (e,) + gate_ExDxF.shape[:0:-1]:
-        raise ValueError(f"gate/up/down shapes {gate_ExDxF.shape}/{up_ExDxF.shape}/"
-                         f"{down_ExFxD.shape} are not [E,D,F]/[E,D,F]/[E,F,D]")
-    if gate_ExDxF.shape[1] != d:
-        raise ValueError(f"x_TxD width {d} != gate_ExDxF D {gate_ExDxF.shape[1]}")
-    if not jnp.issubdtype(idx_TxK.dtype, jnp.integer):
-        raise ValueError(f"idx_TxK must hold integer expert ids, got dtype {idx_TxK.dtype}")
-    if idx_TxK.shape != weights_TxK.shape or idx_TxK.shape[0] != t:
-        raise ValueError(f"idx_TxK {idx_TxK.shape} / weights_TxK {weights_TxK.shape} "
-                         f"do not match T={t}")
-    return BACKENDS[backend](x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK,
-                             **options)

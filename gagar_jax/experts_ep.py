@@ -40,13 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gagar_jax import experts, sharding
-
-
-def _mesh_axes(name: str, mesh) -> tuple:
-    rule = sharding.LOGICAL_RULES[name]
-    axes = () if rule is None else ((rule,) if isinstance(rule, str) else tuple(rule))
-    return tuple(a for a in axes if a in mesh.axis_names)
+from gagar_jax import dispatch, experts, sharding
 
 
 def _spec(axes: tuple) -> Optional[object]:
@@ -79,14 +73,14 @@ def _layout(mesh, num_tokens: int, gate_ExDxF, backend: str) -> _Layout:
     if mesh is None or mesh.empty:
         raise ValueError(f"backend {backend!r} needs a mesh: pass mesh= or set one with "
                          f"jax.set_mesh")
-    (expert_axis,) = _mesh_axes("expert", mesh) or (None,)
+    (expert_axis,) = sharding.mesh_axes("expert", mesh) or (None,)
     if expert_axis is None:
         raise ValueError(f"mesh axes {mesh.axis_names} lack the expert axis "
                          f"{sharding.LOGICAL_RULES['expert']!r}")
     e, n_exp = gate_ExDxF.shape[0], mesh.shape[expert_axis]
     if e % n_exp:
         raise ValueError(f"num_experts={e} is not divisible by mesh axis {expert_axis!r}={n_exp}")
-    tok_axes = _mesh_axes("batch", mesh)
+    tok_axes = sharding.mesh_axes("batch", mesh)
     if expert_axis not in tok_axes:
         raise ValueError(f"token axes {tok_axes} must include the expert axis {expert_axis!r}")
     n_tok = int(np.prod([mesh.shape[a] for a in tok_axes]))
@@ -94,7 +88,7 @@ def _layout(mesh, num_tokens: int, gate_ExDxF, backend: str) -> _Layout:
         raise ValueError(f"tokens T={num_tokens} not divisible by the batch mesh axes "
                          f"{tok_axes} ({n_tok})")
     # F over 'tensor' only where it divides (as sharding.logical_to_spec does).
-    tensor_axes = tuple(a for a in _mesh_axes("mlp", mesh)
+    tensor_axes = tuple(a for a in sharding.mesh_axes("mlp", mesh)
                         if mesh.shape[a] > 1 and gate_ExDxF.shape[-1] % mesh.shape[a] == 0)
     return _Layout(mesh, expert_axis, _spec(tok_axes), _spec(tensor_axes), tensor_axes)
 
@@ -104,7 +98,7 @@ def ep_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
     """Expert-parallel routed SwiGLU, gather design (same math as `experts.dense_ffn`).
 
     Args:
-      x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK: as `experts.expert_ffn`.
+      x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK: as `moe.expert_ffn`.
       mesh: a `Mesh`/`AbstractMesh`; default the ambient one (`jax.set_mesh(mesh)`).
       block, big_block: grouped-matmul chunk rows (see `experts.grouped_ffn`).
     Returns:
@@ -175,7 +169,7 @@ def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
     lay = _layout(mesh, x_TxD.shape[0], gate_ExDxF, "ep_a2a")
     ax = lay.expert_axis
 
-    def dispatch(x, wg, wu, wd, idx, w):
+    def one_chunk(x, wg, wu, wd, idx, w):
         t, k = idx.shape
         n_rows, d, e_local = t * k, x.shape[1], wg.shape[0]
         n_dev, me = jax.lax.axis_size(ax), jax.lax.axis_index(ax)
@@ -196,17 +190,17 @@ def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
                    output_offsets=excl(counts, 0)[me], recv_sizes=recv)
         back = dict(input_offsets=excl(recv, 0), send_sizes=recv,
                     output_offsets=excl(counts, 1)[:, me], recv_sizes=send)
-        plan = experts._Plan(slot_N=pos_N, row_assign_S=order_N, row_token_S=order_N // k,
+        plan = dispatch.Plan(slot_N=pos_N, row_assign_S=order_N, row_token_S=order_N // k,
                              sizes_E=send)
         rows_R = n_dev * n_rows                             # worst case: all rows to one device
-        x_recv = exchange(experts._gather_tokens(x, plan, k), jnp.zeros((rows_R, d), x.dtype),
+        x_recv = exchange(dispatch.gather_tokens(x, plan, k), jnp.zeros((rows_R, d), x.dtype),
                           axis_name=ax, **fwd)
         e_recv = exchange((key_s - dest_s * e_local)[:, None].astype(jnp.int32),
                           jnp.full((rows_R, 1), -1, jnp.int32), axis_name=ax, **fwd)
         y_recv = experts.grouped_ffn(x_recv, wg, wu, wd, e_recv, jnp.ones((rows_R, 1), x.dtype),
                                      block=block, big_block=big_block)
         y_sorted = exchange(y_recv, jnp.zeros((n_rows, d), y_recv.dtype), axis_name=ax, **back)
-        y = experts._combine(y_sorted, plan, w)
+        y = dispatch.combine(y_sorted, plan, w)
         # Partial sums over F's 'tensor' shards: add them on the t tokens, not on the
         # n_dev * t * K worst-case rows (return exchange and combine are linear, and every
         # 'tensor' shard routes the same tokens the same way).
@@ -215,9 +209,9 @@ def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
     def local(x, wg, wu, wd, idx, w):
         c = _chunks(x.shape[0], chunks, jax.lax.axis_size(ax))
         if c == 1:
-            return dispatch(x, wg, wu, wd, idx, w)
+            return one_chunk(x, wg, wu, wd, idx, w)
         # Keep only each chunk's inputs for the backward pass, not its worst-case buffers.
-        body = jax.checkpoint(lambda _, xs: (None, dispatch(xs[0], wg, wu, wd, xs[1], xs[2])))
+        body = jax.checkpoint(lambda _, xs: (None, one_chunk(xs[0], wg, wu, wd, xs[1], xs[2])))
         split = lambda a: a.reshape((c, a.shape[0] // c) + a.shape[1:])  # noqa: E731
         _, y = jax.lax.scan(body, None, (split(x), split(idx), split(w)))
         return y.reshape(x.shape[0], -1)

@@ -1,4 +1,4 @@
-"""Tier / rank -> quality factor (SPEC section 2, "Tier -> factor mapping").
+"""Tier / rank -> quality factor (docs/advantage.md section 6).
 
 The grader ranks each group's passing candidates into tiers with a within-tier rank (smaller =
 better; ties share a rank). The feed batcher maps them to factors once per batch, on host numpy

@@ -166,11 +166,6 @@ def _state_from_hf(get, cfg: ModelConfig) -> dict:
     return flat
 
 
-def _path(key_path) -> str:
-    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in key_path]
-    return "/".join(n for n in names if n != "value")
-
-
 def from_pretrained(path: str, dtype: str = "float32", *, mesh=None, **overrides):
     """Loads a Hugging Face Qwen3-MoE directory.
 
@@ -192,7 +187,7 @@ def from_pretrained(path: str, dtype: str = "float32", *, mesh=None, **overrides
     shardings = None if mesh is None else sharding.state_shardings(abstract, mesh)
 
     def fill(key_path, leaf, where=None):
-        name = _path(key_path)
+        name = sharding.leaf_path(key_path)
         if name not in flat:
             raise KeyError(f"no checkpoint tensor for parameter {name}")
         arr = np.asarray(flat.pop(name))
@@ -219,7 +214,7 @@ def _to_host(x) -> np.ndarray:
 def _hf_tensors(model: Transformer) -> dict:
     cfg = model.cfg
     ours = {}
-    jax.tree_util.tree_map_with_path(lambda kp, x: ours.__setitem__(_path(kp), _to_host(x)),
+    jax.tree_util.tree_map_with_path(lambda kp, x: ours.__setitem__(sharding.leaf_path(kp), _to_host(x)),
                                      nnx.state(model))
     out = {"model.embed_tokens.weight": ours["embedding"], "model.norm.weight": ours["final_norm/scale"]}
     if not cfg.tie_embeddings:

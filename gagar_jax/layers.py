@@ -13,7 +13,8 @@ from gagar_jax import attention
 from gagar_jax.sharding import constrain
 
 
-def _normal(rngs: nnx.Rngs, shape, fan_in: int, dtype) -> jax.Array:
+def normal_init(rngs: nnx.Rngs, shape, fan_in: int, dtype) -> jax.Array:
+    """N(0, 1 / fan_in) initial weights, drawn in float32 and stored in `dtype`."""
     return (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in ** -0.5).astype(dtype)
 
 
@@ -48,10 +49,10 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         D, H, Kv, Dh, pd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
-        self.wq = nnx.Param(_normal(rngs, (D, H, Dh), D, pd))
-        self.wk = nnx.Param(_normal(rngs, (D, Kv, Dh), D, pd))
-        self.wv = nnx.Param(_normal(rngs, (D, Kv, Dh), D, pd))
-        self.wo = nnx.Param(_normal(rngs, (H, Dh, D), H * Dh, pd))
+        self.wq = nnx.Param(normal_init(rngs, (D, H, Dh), D, pd))
+        self.wk = nnx.Param(normal_init(rngs, (D, Kv, Dh), D, pd))
+        self.wv = nnx.Param(normal_init(rngs, (D, Kv, Dh), D, pd))
+        self.wo = nnx.Param(normal_init(rngs, (H, Dh, D), H * Dh, pd))
         self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps, pd)
         self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps, pd)
         self.cfg = cfg
@@ -73,9 +74,9 @@ class DenseMLP(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         D, I, pd = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype
-        self.mlp_gate = nnx.Param(_normal(rngs, (D, I), D, pd))
-        self.mlp_up = nnx.Param(_normal(rngs, (D, I), D, pd))
-        self.mlp_down = nnx.Param(_normal(rngs, (I, D), I, pd))
+        self.mlp_gate = nnx.Param(normal_init(rngs, (D, I), D, pd))
+        self.mlp_up = nnx.Param(normal_init(rngs, (D, I), D, pd))
+        self.mlp_down = nnx.Param(normal_init(rngs, (I, D), I, pd))
 
     def __call__(self, x_BxSxD):
         dt = x_BxSxD.dtype

@@ -9,8 +9,8 @@ Two pure stages (see docs/loss.md):
     micro-batch losses (and their gradients) gives exactly the single-shot mini-batch loss, and a
     group may straddle micro-batches.
 
-Rows are split along B: with K mini-batches of J micro-batches each, row b belongs to mini-batch
-b % K and micro-batch (b // K) % J (strided, so each data-parallel shard keeps its own rows).
+Rows are split along B: with M mini-batches of U micro-batches each, row b belongs to mini-batch
+b % M and micro-batch (b // M) % U (strided, so each data-parallel shard keeps its own rows).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from gagar_jax.advantage import MODES, AdvantageOutput, broadcast_to_tokens, gagar_advantages
 from gagar_jax.batch import Batch
+from gagar_jax.config import section_dict
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -95,10 +96,7 @@ class LossConfig:
         The router loss weights live in the model section (`router_aux_loss_coef`,
         `router_z_loss_coef`); pass it as `model` to pick them up.
         """
-        d = dict(section)
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown keys in the loss config section: {sorted(unknown)}")
+        d = section_dict(section, cls, "loss")
         if model is not None:
             d.setdefault("router_aux_coef", float(model.router_aux_loss_coef))
             d.setdefault("router_z_coef", float(model.router_z_loss_coef))
@@ -131,17 +129,17 @@ class LossAux:
 
 
 def split_rows(x, mini_batches: int, micro_batches: int):
-    """[B, ...] -> [K, J, B / (K J), ...]: row b goes to mini b % K, micro (b // K) % J."""
-    K, J = mini_batches, micro_batches
+    """[B, ...] -> [M, U, B / (M U), ...]: row b goes to mini b % M, micro (b // M) % U."""
+    M, U = mini_batches, micro_batches
     B = x.shape[0]
-    if B % (K * J):
-        raise ValueError(f"batch rows B={B} must be divisible by mini_batches * micro_batches = {K * J}")
-    y = x.reshape((B // (K * J), J, K) + x.shape[1:])
+    if B % (M * U):
+        raise ValueError(f"batch rows B={B} must be divisible by mini_batches * micro_batches = {M * U}")
+    y = x.reshape((B // (M * U), U, M) + x.shape[1:])
     return jnp.moveaxis(y, (0, 1, 2), (2, 1, 0))
 
 
 def merge_rows(y):
-    """Inverse of `split_rows`: [K, J, Bu, ...] -> [B, ...]."""
+    """Inverse of `split_rows`: [M, U, B / (M U), ...] -> [B, ...]."""
     x = jnp.moveaxis(y, (2, 1, 0), (0, 1, 2))
     return x.reshape((-1,) + y.shape[3:])
 
@@ -161,11 +159,11 @@ def aggregation_weights(mask_BxS, traj_index_BxS, num_trajectories: int, cfg: Lo
                               num_segments=num_trajectories)
     inv_n_BxS = mask_BxS / jnp.maximum(n_T[traj_index_BxS], 1.0)
 
-    k_B = jnp.arange(mask_BxS.shape[0]) % mini_batches  # the mini-batch of each row
+    mini_B = jnp.arange(mask_BxS.shape[0]) % mini_batches  # the mini-batch of each row
 
     def per_mini(x_BxS):  # mini-batch totals broadcast back to [B, S]
-        tot_K = jax.ops.segment_sum(x_BxS.sum(axis=1), k_B, num_segments=mini_batches)
-        return tot_K[k_B][:, None]
+        tot_M = jax.ops.segment_sum(x_BxS.sum(axis=1), mini_B, num_segments=mini_batches)
+        return tot_M[mini_B][:, None]
 
     tokens = per_mini(mask_BxS)
     # Each trajectory's 1/n_i sums to exactly 1 over its tokens; round away float error.

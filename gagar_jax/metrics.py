@@ -6,8 +6,8 @@ Files written in the workdir (process 0 only):
   groups.jsonl      one JSON object per trained group (see `group_records`).
   tensorboard/      TensorBoard event files (tensorboardX), one scalar per metric name.
 
-The loop dispatches step N+1 before it reads step N's metrics (`MetricsBuffer`), so the device
-never waits for the host to format numbers.
+The loop (`train.py`) dispatches step N+1 before it reads step N's metrics (`to_host`), so the
+device never waits for the host to format numbers.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from typing import Any, Mapping, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from gagar_jax.sharding import leaf_path
 
 # -- device -> host -----------------------------------------------------------------------------
 
@@ -46,18 +48,6 @@ class HostMetrics:
         return not self.nonfinite
 
 
-def _flat_name(path) -> str:
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
-
-
 def to_host(step: int, device_metrics: Any) -> HostMetrics:
     """Copies a pytree of (device) metrics to the host in one transfer and classifies them.
 
@@ -72,7 +62,7 @@ def to_host(step: int, device_metrics: Any) -> HostMetrics:
     values = jax.device_get([leaf for _, leaf in leaves])
     scalars, arrays, bad = {}, {}, []
     for (path, _), value in zip(leaves, values):
-        name = _flat_name(path)
+        name = leaf_path(path)
         arr = np.asarray(value)
         if arr.ndim == 0:
             scalars[name] = float(arr)
@@ -81,35 +71,6 @@ def to_host(step: int, device_metrics: Any) -> HostMetrics:
         else:
             arrays[name] = arr
     return HostMetrics(step=step, scalars=scalars, arrays=arrays, nonfinite=tuple(sorted(bad)))
-
-
-class MetricsBuffer:
-    """Holds one step's device metrics until the next step has been dispatched.
-
-    Usage in the loop::
-
-        state, m = train_step(state, batch)     # dispatches step N (async)
-        prev = buffer.push(step, m)             # HostMetrics of step N-1, or None
-        if prev is not None: writer.write(prev)
-        ...
-        last = buffer.flush()                   # after the loop
-    """
-
-    def __init__(self):
-        self._pending: Optional[tuple[int, Any]] = None
-
-    def push(self, step: int, device_metrics: Any) -> Optional[HostMetrics]:
-        """Queues `device_metrics` (starting their host copy) and returns the previous step's."""
-        for leaf in jax.tree_util.tree_leaves(device_metrics):
-            if isinstance(leaf, jax.Array):
-                leaf.copy_to_host_async()
-        prev, self._pending = self._pending, (step, device_metrics)
-        return None if prev is None else to_host(*prev)
-
-    def flush(self) -> Optional[HostMetrics]:
-        """Returns the queued metrics (if any) and empties the buffer."""
-        prev, self._pending = self._pending, None
-        return None if prev is None else to_host(*prev)
 
 
 # -- parameter fingerprints ---------------------------------------------------------------------
@@ -279,10 +240,6 @@ class MetricsWriter:
         if bad:
             record["nonfinite"] = sorted(bad)
         self._metrics.write(_json_line(record))
-
-    def write_host_metrics(self, metrics: HostMetrics, **extra: float) -> None:
-        """`write(metrics.step, metrics.scalars | extra)`."""
-        self.write(metrics.step, {**metrics.scalars, **extra})
 
     def write_groups(self, records: Sequence[Mapping[str, Any]]) -> None:
         """Appends `group_records(...)` output to groups.jsonl."""

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gagar_jax.layers import Attention, DenseMLP, RMSNorm, _normal
-from gagar_jax.moe import MoE
+from gagar_jax.layers import Attention, DenseMLP, RMSNorm, normal_init
+from gagar_jax.config import section_dict
+from gagar_jax.moe import EXPERT_BACKENDS, MoE
 from gagar_jax.sharding import constrain
 
 REMAT_POLICIES = {
@@ -45,7 +46,9 @@ class ModelConfig:
       remat: "none" | "full" | "save_matmuls" (activation rematerialization of each layer).
       attention: "blockwise" (memory-linear, custom VJP) | "plain" (reference).
       attn_block: query/key block of the blockwise path.
-      expert_backend: the expert FFN implementation (see `experts.py`).
+      expert_backend: the expert FFN implementation, a key of `moe.BACKENDS`, or "auto" (the
+        default): the fastest exact backend for the mesh's devices (`moe.resolve_backend`;
+        grouped / ep on CPU, ragged / ep_a2a on TPU and GPU).
       logprob_vocab_chunk: vocab chunk of the log-prob / entropy computation.
       router_aux_loss_coef, router_z_loss_coef: loss weights (read by the loss).
       router_bias_update_rate: step of the sigmoid_bias router's balancing-bias update.
@@ -71,7 +74,7 @@ class ModelConfig:
     remat: str = "none"
     attention: str = "blockwise"
     attn_block: int = 512
-    expert_backend: str = "dense"
+    expert_backend: str = "auto"
     logprob_vocab_chunk: int = 8192
     router_aux_loss_coef: float = 1e-3
     router_z_loss_coef: float = 0.0
@@ -94,7 +97,8 @@ class ModelConfig:
             raise ValueError(f"model.num_dense_layers must be in [0, num_layers], "
                              f"got {self.num_dense_layers}")
         checks = {"router": ("softmax", "sigmoid_bias"), "param_dtype": DTYPES, "compute_dtype": DTYPES,
-                  "remat": tuple(REMAT_POLICIES), "attention": ("blockwise", "plain")}
+                  "remat": tuple(REMAT_POLICIES), "attention": ("blockwise", "plain"),
+                  "expert_backend": EXPERT_BACKENDS}
         for name, allowed in checks.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -108,11 +112,7 @@ class ModelConfig:
     @classmethod
     def from_config(cls, section) -> "ModelConfig":
         """Builds the config from the `model` section (ConfigDict or dict); unknown keys fail."""
-        d = dict(section.to_dict() if hasattr(section, "to_dict") else section)
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown keys in the model config section: {sorted(unknown)}")
-        return cls(**d)
+        return cls(**section_dict(section, cls, "model"))
 
 
 @flax.struct.dataclass
@@ -170,7 +170,7 @@ class Transformer(nnx.Module):
         self.dense_layers = _stack(cfg, False, cfg.num_dense_layers, rngs) if cfg.num_dense_layers else None
         self.moe_layers = _stack(cfg, True, cfg.num_moe_layers, rngs) if cfg.num_moe_layers else None
         self.final_norm = RMSNorm(D, cfg.rms_norm_eps, pd)
-        self.lm_head = None if cfg.tie_embeddings else nnx.Param(_normal(rngs, (D, V), D, pd))
+        self.lm_head = None if cfg.tie_embeddings else nnx.Param(normal_init(rngs, (D, V), D, pd))
 
     def _scan(self, layers, x, segment_ids_BxS, positions_BxS, routed_LxBxSxK):
         graphdef, state = nnx.split(layers)

@@ -1,21 +1,110 @@
-"""The NNX MoE layer: fp32 router + routed SwiGLU experts (backends in `experts.py`).
+"""The NNX MoE layer: fp32 router + routed SwiGLU experts, and the table of expert backends.
 
-Routing math lives in the pure functions of `router.py`, the expert FFN in `experts.py`; this
-layer owns the parameters (router kernel [D, E], stacked experts [E, D, F] / [E, F, D]) and the
-non-trainable `RouterBias` [E] of the `sigmoid_bias` router, and wires them together, honouring
-routing replay.
+Routing math lives in the pure functions of `router.py`, the expert FFNs in `experts.py`
+(single-shard backends) and `experts_ep.py` (expert parallelism); this module picks one by name
+(`BACKENDS`, or "auto": `resolve_backend`). The layer owns the parameters (router kernel [D, E],
+stacked experts [E, D, F] / [E, F, D]) and the non-trainable `RouterBias` [E] of the
+`sigmoid_bias` router, and wires them together, honouring routing replay.
 """
 from __future__ import annotations
+
+import math
+from typing import Callable, Mapping
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gagar_jax import experts, experts_ep
 from gagar_jax import router as router_lib
-from gagar_jax.experts import expert_ffn
-from gagar_jax.layers import _normal
-from gagar_jax.sharding import constrain
+from gagar_jax.layers import normal_init
+from gagar_jax.sharding import constrain, mesh_axes
+
+ExpertFn = Callable[..., jax.Array]
+
+
+def _capacity_y(*args, **kw) -> jax.Array:
+    return experts.capacity_ffn(*args, **kw).y_TxD
+
+
+BACKENDS: Mapping[str, ExpertFn] = {
+    "dense": experts.dense_ffn,        # every expert on every token: the test oracle
+    "ragged": experts.ragged_ffn,      # jax.lax.ragged_dot (TPU/GPU)
+    "grouped": experts.grouped_ffn,    # dropless grouped matmul, fast on XLA:CPU
+    "capacity": _capacity_y,           # fixed capacity; DROPS overflow tokens
+    "ep": experts_ep.ep_ffn,           # expert parallelism, all-gather dispatch (any platform)
+    "ep_a2a": experts_ep.ep_a2a_ffn,   # expert parallelism, ragged_all_to_all (TPU/GPU only)
+}
+EXPERT_BACKENDS = ("auto",) + tuple(BACKENDS)   # the values `model.expert_backend` accepts
+
+# platform -> (the fastest exact backend on one expert shard, the one over an expert axis > 1).
+AUTO_BACKENDS: Mapping[str, tuple[str, str]] = {
+    "cpu": ("grouped", "ep"),
+    "gpu": ("ragged", "ep_a2a"),
+    "tpu": ("ragged", "ep_a2a"),
+}
+
+
+def resolve_backend(backend: str, mesh=None, num_experts: int = 0) -> str:
+    """`backend` itself, or for "auto" the fastest exact backend for the mesh's devices.
+
+    Args:
+      backend: a key of `BACKENDS`, or "auto".
+      mesh: a concrete `Mesh`: its devices' platform decides (an ahead-of-time compile for TPU
+        on a CPU host gets the TPU choice), and an `expert` axis larger than 1 that divides
+        `num_experts` selects expert parallelism. None: the ambient (abstract) mesh's expert
+        axis and the default backend's platform (a model used outside the trainer).
+      num_experts: E (0 = do not check divisibility).
+    Returns:
+      A key of `BACKENDS`.
+    """
+    if backend != "auto":
+        if backend not in BACKENDS:
+            raise ValueError(f"expert_backend={backend!r}; expected one of {EXPERT_BACKENDS}")
+        return backend
+    if mesh is not None and hasattr(mesh, "devices"):
+        platform = mesh.devices.flat[0].platform
+    else:
+        mesh, platform = jax.sharding.get_abstract_mesh(), jax.default_backend()
+    platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+    single, parallel = AUTO_BACKENDS.get(platform, AUTO_BACKENDS["cpu"])
+    n_expert = 1 if mesh is None or mesh.empty else math.prod(
+        mesh.shape[a] for a in mesh_axes("expert", mesh))
+    use_ep = n_expert > 1 and (num_experts == 0 or num_experts % n_expert == 0)
+    return parallel if use_ep else single
+
+
+def expert_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
+               backend: str = "auto", **options) -> jax.Array:
+    """Routed SwiGLU experts: y_TxD = sum_k w_tk * FFN_{idx_tk}(x_t).
+
+    Args:
+      x_TxD: token activations.
+      gate_ExDxF, up_ExDxF, down_ExFxD: stacked expert weights.
+      idx_TxK: int expert ids; ids outside [0, E) contribute nothing.
+      weights_TxK: gate weights (differentiable).
+      backend: a key of `BACKENDS`, or "auto" (`resolve_backend` on the ambient mesh).
+      **options: backend options (`block` for grouped/ep, `capacity_factor` for capacity,
+        `mesh` and `chunks` for ep / ep_a2a).
+    Returns:
+      y_TxD in x's dtype.
+    """
+    t, d = x_TxD.shape
+    e = gate_ExDxF.shape[0]
+    backend = resolve_backend(backend, options.get("mesh"), e)
+    if gate_ExDxF.shape != up_ExDxF.shape or down_ExFxD.shape != (e,) + gate_ExDxF.shape[:0:-1]:
+        raise ValueError(f"gate/up/down shapes {gate_ExDxF.shape}/{up_ExDxF.shape}/"
+                         f"{down_ExFxD.shape} are not [E,D,F]/[E,D,F]/[E,F,D]")
+    if gate_ExDxF.shape[1] != d:
+        raise ValueError(f"x_TxD width {d} != gate_ExDxF D {gate_ExDxF.shape[1]}")
+    if not jnp.issubdtype(idx_TxK.dtype, jnp.integer):
+        raise ValueError(f"idx_TxK must hold integer expert ids, got dtype {idx_TxK.dtype}")
+    if idx_TxK.shape != weights_TxK.shape or idx_TxK.shape[0] != t:
+        raise ValueError(f"idx_TxK {idx_TxK.shape} / weights_TxK {weights_TxK.shape} "
+                         f"do not match T={t}")
+    return BACKENDS[backend](x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK,
+                             **options)
 
 
 class RouterBias(nnx.Variable):
@@ -37,11 +126,11 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         D, E, F, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.param_dtype
-        self.router = nnx.Param(_normal(rngs, (D, E), D, jnp.float32).astype(pd))
+        self.router = nnx.Param(normal_init(rngs, (D, E), D, jnp.float32).astype(pd))
         self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32))
-        self.expert_gate = nnx.Param(_normal(rngs, (E, D, F), D, pd))
-        self.expert_up = nnx.Param(_normal(rngs, (E, D, F), D, pd))
-        self.expert_down = nnx.Param(_normal(rngs, (E, F, D), F, pd))
+        self.expert_gate = nnx.Param(normal_init(rngs, (E, D, F), D, pd))
+        self.expert_up = nnx.Param(normal_init(rngs, (E, D, F), D, pd))
+        self.expert_down = nnx.Param(normal_init(rngs, (E, F, D), F, pd))
         self.cfg = cfg
 
     def __call__(self, x_BxSxD, token_mask_BxS, routed_BxSxK=None):

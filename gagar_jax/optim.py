@@ -11,6 +11,9 @@ import dataclasses
 import jax
 import optax
 
+from gagar_jax.config import section_dict
+from gagar_jax.sharding import leaf_path
+
 SCHEDULES = ("cosine", "constant")
 # Parameters whose path contains one of these names are never weight-decayed.
 _NO_DECAY_NAMES = ("norm", "bias", "scale")
@@ -59,11 +62,7 @@ class OptimConfig:
     @classmethod
     def from_config(cls, section) -> "OptimConfig":
         """Builds the frozen config from a ConfigDict (or dict) `optim` section."""
-        d = dict(section)
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown keys in the optim config section: {sorted(unknown)}")
-        return cls(**d)
+        return cls(**section_dict(section, cls, "optim"))
 
 
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:
@@ -79,14 +78,10 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
         decay_steps=cfg.decay_steps, end_value=cfg.learning_rate * cfg.min_lr_ratio)
 
 
-def _path_name(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
 def decay_mask(params):
     """True for leaves that get weight decay: rank >= 2 and no norm/bias/scale in the path."""
     def decide(path, leaf):
-        name = _path_name(path).lower()
+        name = leaf_path(path).lower()
         return leaf.ndim >= 2 and not any(n in name for n in _NO_DECAY_NAMES)
     return jax.tree_util.tree_map_with_path(decide, params)
 

@@ -16,7 +16,7 @@ fully written temp directory, and `latest` is only ever replaced (write temp fil
 beyond `keep` are deleted after the pointer moves; a reader that is slower than `keep` publish
 intervals may see its directory disappear and should re-read `latest`.
 
-`policy_version` = learner train steps (SPEC section 4): weights published after step n carry n.
+`policy_version` = learner train steps (docs/feed.md, "policy_version"): weights published after step n carry n.
 """
 from __future__ import annotations
 

@@ -19,7 +19,6 @@ from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
@@ -57,6 +56,25 @@ PARAM_AXES: dict[str, tuple] = {
 }
 STACKED_CONTAINERS = ("dense_layers", "moe_layers")  # their leaves get a leading "layers" axis
 
+# `Batch` field -> logical axes: token arrays split along B; per-trajectory / per-group arrays
+# are small and replicated. A field missing here is an error (`batch_shardings`).
+BATCH_AXES: dict[str, tuple] = {
+    "tokens_BxS": ("batch", None),
+    "segment_ids_BxS": ("batch", None),
+    "positions_BxS": ("batch", None),
+    "traj_index_BxS": ("batch", None),
+    "loss_mask_BxS": ("batch", None),
+    "old_logprobs_BxS": ("batch", None),
+    "routed_experts_BxSxLxK": ("batch", None, None, None),
+    "group_ids_T": (None,),
+    "rewards_T": (None,),
+    "valid_T": (None,),
+    "hacked_T": (None,),
+    "factors_T": (None,),
+    "adjustments_T": (None,),
+    "grading_ok_G": (None,),
+}
+
 
 def make_mesh(mesh_cfg, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
     """Builds the ('data', 'fsdp', 'expert', 'tensor') mesh.
@@ -84,28 +102,34 @@ def make_mesh(mesh_cfg, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
                 axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
-def _mesh_axes(name) -> tuple:
+def mesh_axes(name: Optional[str], mesh=None) -> tuple:
+    """The mesh axes of logical axis `name` (in rule order); with `mesh`, those it has.
+
+    Divisibility is the caller's business: `logical_to_spec` drops a non-dividing axis from a
+    parameter dimension, expert parallelism raises (`experts_ep`).
+    """
     if name is None:
         return ()
     if name not in LOGICAL_RULES:
         raise KeyError(f"unknown logical axis {name!r}; known: {sorted(LOGICAL_RULES)}")
     rule = LOGICAL_RULES[name]
-    return () if rule is None else ((rule,) if isinstance(rule, str) else tuple(rule))
+    axes = () if rule is None else ((rule,) if isinstance(rule, str) else tuple(rule))
+    return axes if mesh is None else tuple(a for a in axes if a in mesh.axis_names)
 
 
 def logical_to_spec(axes: Sequence, shape: Optional[Sequence[int]] = None, mesh=None) -> P:
     """PartitionSpec for logical `axes`; with `shape` and `mesh`, drops non-dividing mesh axes."""
     spec = []
     for i, name in enumerate(axes):
-        mesh_axes = _mesh_axes(name)
+        axes_i = mesh_axes(name)
         if shape is not None and mesh is not None:
             kept, size = [], 1
-            for a in mesh_axes:
+            for a in axes_i:
                 if shape[i] % (size * mesh.shape[a]) == 0:
                     kept.append(a)
                     size *= mesh.shape[a]
-            mesh_axes = tuple(kept)
-        spec.append(None if not mesh_axes else (mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes))
+            axes_i = tuple(kept)
+        spec.append(None if not axes_i else (axes_i[0] if len(axes_i) == 1 else axes_i))
     return P(*spec)
 
 
@@ -124,8 +148,10 @@ def constrain(x: jax.Array, *axes) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh))
 
 
-def _key_name(k) -> str:
-    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+def leaf_path(key_path) -> str:
+    """A key path as a "/"-joined name, e.g. moe_layers/mlp/expert_gate (nnx's "value" dropped)."""
+    name = jax.tree_util.keystr(tuple(key_path), simple=True, separator="/")
+    return name[: -len("/value")] if name.endswith("/value") else name
 
 
 def param_logical_axes(path: Sequence[str], ndim: int) -> tuple:
@@ -145,7 +171,7 @@ def param_logical_axes(path: Sequence[str], ndim: int) -> tuple:
 def state_specs(state, mesh: Optional[Mesh] = None):
     """PartitionSpecs (same tree as `state`) for an `nnx.State` of the model."""
     def spec(path, x):
-        axes = param_logical_axes([_key_name(k) for k in path], len(x.shape))
+        axes = param_logical_axes(leaf_path(path).split("/"), len(x.shape))
         return logical_to_spec(axes, x.shape, mesh)
     return jax.tree_util.tree_map_with_path(spec, state)
 
@@ -155,19 +181,14 @@ def state_shardings(state, mesh: Mesh):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(state, mesh))
 
 
-def create_sharded_model(model_cfg, mesh: Mesh, rng: jax.Array):
-    """Creates a `Transformer` with every parameter born sharded (no host-side full copy).
-
-    eval_shape gives the abstract state, the rule tables give its shardings, and a jitted
-    init with those `out_shardings` materializes each shard on its device.
-    """
-    from gagar_jax.model import Transformer  # model imports this module
-
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(rng))))
-    shardings = state_shardings(abstract, mesh)
-
-    def init(key):
-        return nnx.split(Transformer(model_cfg, rngs=nnx.Rngs(key)))[1]
-
-    state = jax.jit(init, out_shardings=shardings)(rng)
-    return nnx.merge(graphdef, state)
+def batch_shardings(batch, mesh: Mesh):
+    """NamedShardings (same tree as `batch`) for a `Batch`, by the `BATCH_AXES` table."""
+    def one(path, x):
+        name = leaf_path(path)
+        if name not in BATCH_AXES:
+            raise KeyError(f"batch field {name!r} has no entry in sharding.BATCH_AXES")
+        axes = BATCH_AXES[name]
+        if len(axes) != len(x.shape):
+            raise ValueError(f"batch field {name} has {len(x.shape)} dims, axes {axes}")
+        return named_sharding(mesh, axes, x.shape)
+    return jax.tree_util.tree_map_with_path(one, batch)

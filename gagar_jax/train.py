@@ -27,9 +27,8 @@ from gagar_jax.config import ConfigError, TrainConfig
 from gagar_jax.feed.batcher import Feed, make_source
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.packing import make_global_batch
-from gagar_jax.sharding import make_mesh
-from gagar_jax.train_step import (StepConfig, batch_shardings, init_train_state,
-                                  make_train_step)
+from gagar_jax.sharding import batch_shardings, make_mesh
+from gagar_jax.train_step import StepConfig, init_train_state, make_train_step
 
 log = logging.getLogger("gagar_jax.train")
 

@@ -1,10 +1,10 @@
 """TrainState and the jitted train step: one feed batch -> epochs x mini_batches AdamW updates.
 
-Inside ONE jitted function (see docs/loss.md for the semantics):
+Inside ONE jitted function (see docs/loss.md for the semantics; M mini-batches, U micro-batches):
   1. optionally the learner's pre-update log-probs and the reference log-probs (no gradient);
   2. Gagar advantages, their token broadcast and every mini-batch's loss denominators, once;
-  3. `lax.scan` over epochs, `lax.scan` over mini-batches (one optimizer update each), and inside
-     each update a `lax.scan` accumulating gradients over micro-batches (exactly the single-shot
+  3. `lax.scan` over epochs, `lax.scan` over the M mini-batches (one optimizer update each), and inside
+     each update a `lax.scan` accumulating gradients over U micro-batches (exactly the single-shot
      gradient, since each micro-batch loss is a weighted sum with mini-batch-global weights);
   4. the aux-loss-free router bias update from the step's expert load (router = sigmoid_bias).
 An update whose loss or gradient is non-finite is skipped: parameters and optimizer state stay
@@ -25,14 +25,15 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gagar_jax import loss as L
+from gagar_jax import loss as loss_lib
 from gagar_jax import sharding as shd
 from gagar_jax.advantage import check_invariants
 from gagar_jax.batch import Batch
 from gagar_jax.logprobs import token_logprobs
 from gagar_jax.model import ModelConfig, Transformer
-from gagar_jax.moe import RouterBias, update_router_bias
+from gagar_jax.moe import RouterBias, resolve_backend, update_router_bias
 from gagar_jax.optim import OptimConfig, make_optimizer, make_schedule
+from gagar_jax.step_metrics import RouterStats, UpdateStats, step_metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,7 @@ class StepConfig:
         chexified wrapper).
     """
     model: ModelConfig
-    loss: L.LossConfig
+    loss: loss_lib.LossConfig
     optim: OptimConfig
     epochs: int = 1
     mini_batches: int = 1
@@ -64,7 +65,7 @@ class StepConfig:
     def from_config(cls, cfg) -> "StepConfig":
         """From a whole config (`model`, `loss`, `optim`, `train` sections, `debug_checks`)."""
         model = ModelConfig.from_config(cfg.model)
-        return cls(model=model, loss=L.LossConfig.from_config(cfg.loss, model=model),
+        return cls(model=model, loss=loss_lib.LossConfig.from_config(cfg.loss, model=model),
                    optim=OptimConfig.from_config(cfg.optim), epochs=int(cfg.train.epochs),
                    mini_batches=int(cfg.train.mini_batches),
                    micro_batches=int(cfg.train.micro_batches),
@@ -127,13 +128,20 @@ def state_shardings(abstract: TrainState, mesh, cfg: StepConfig) -> TrainState:
                       ref_params=None if abstract.ref_params is None else params)
 
 
-def abstract_train_state(cfg: StepConfig):
+def abstract_train_state(cfg: StepConfig, mesh=None):
     """The TrainState as shapes and dtypes, and the model graphdef; allocates nothing.
 
+    Args:
+      cfg: the StepConfig.
+      mesh: the mesh the step runs on; an "auto" expert backend is resolved for its devices
+        (`moe.resolve_backend`) and fixed in the graphdef.
     Returns:
       (abstract TrainState of jax.ShapeDtypeStruct, graphdef).
     """
-    graphdef = split_model(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))[0]
+    m = cfg.model
+    model_cfg = dataclasses.replace(
+        m, expert_backend=resolve_backend(m.expert_backend, mesh, m.num_experts))
+    graphdef = split_model(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))[0]
     abstract = jax.eval_shape(functools.partial(_init_state, cfg=cfg), jax.random.PRNGKey(0))
     return abstract, graphdef
 
@@ -144,102 +152,94 @@ def init_train_state(cfg: StepConfig, mesh, rng):
     Returns:
       (state, graphdef, shardings) with `shardings` a TrainState of NamedShardings.
     """
-    abstract, graphdef = abstract_train_state(cfg)
+    abstract, graphdef = abstract_train_state(cfg, mesh)
     shardings = state_shardings(abstract, mesh, cfg)
     with jax.set_mesh(mesh):
         state = jax.jit(functools.partial(_init_state, cfg=cfg), out_shardings=shardings)(rng)
     return state, graphdef, shardings
 
 
-def batch_shardings(batch: Batch, mesh) -> Batch:
-    """Token arrays split along B by the logical "batch" rule; per-trajectory/group replicated."""
-    def one(path, x):
-        name = str(getattr(path[-1], "name", path[-1]))
-        if name.endswith("_BxS") or name.endswith("_BxSxLxK"):
-            axes = ("batch",) + (None,) * (len(x.shape) - 1)
-            return shd.named_sharding(mesh, axes, x.shape)
-        return NamedSharding(mesh, P())
-    return jax.tree_util.tree_map_with_path(one, batch)
-
-
 # --------------------------------------------------------------------------- the step
-def _logprobs(graphdef, params, bias, tok):
-    model = nnx.merge(graphdef, params, bias)
-    return token_logprobs(model, tok["tokens"], tok["segment_ids"], tok["positions"],
-                          tok.get("routed"))
+@flax.struct.dataclass
+class TokenInputs:
+    """The model inputs of a batch's rows (leading axes [M, U, ...] once split)."""
+    tokens_BxS: jax.Array
+    segment_ids_BxS: jax.Array
+    positions_BxS: jax.Array
+    routed_experts_BxSxLxK: Optional[jax.Array] = None   # routing replay, when the feed has it
 
-
-def _token_tree(batch: Batch) -> dict:
-    tok = dict(tokens=batch.tokens_BxS, segment_ids=batch.segment_ids_BxS,
-               positions=batch.positions_BxS)
-    if batch.routed_experts_BxSxLxK is not None:
-        tok["routed"] = batch.routed_experts_BxSxLxK
-    return tok
-
-
-def _forward_only(graphdef, params, bias, tok_KxJ):
-    """Log-probs of the whole batch, chunked like the micro-batches (no gradient)."""
-    def body(_, t):
-        return None, _logprobs(graphdef, params, bias, t)[0]
-    flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tok_KxJ)
-    _, lp = jax.lax.scan(body, None, flat)
-    lp = lp.reshape(tok_KxJ["tokens"].shape)
-    return jax.lax.stop_gradient(L.merge_rows(lp))
-
-
-def mini_batch_grads(params, bias, tok_J, inputs_J, *, graphdef, cfg: StepConfig):
-    """Gradient of one mini-batch, accumulated over its J micro-batches (leading axis J).
-
-    Returns:
-      (grads, loss, LossAux summed over micro-batches, ModelAux averaged over micro-batches).
-    """
-    J = cfg.micro_batches
-
-    def loss_fn(p, tok, inp):
-        logp, ent, maux = _logprobs(graphdef, p, bias, tok)
-        loss, aux = L.pg_loss(logp, ent, inp, cfg.loss)
-        # Router losses are per-micro-batch means: average them over the micro-batches.
-        router = cfg.loss.router_aux_coef * maux.aux_loss + cfg.loss.router_z_coef * maux.z_loss
-        return loss + router / J, (aux, maux)
-
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
-
-    def body(carry, xs):
-        g_acc, loss_acc, aux_acc, maux_acc = carry
-        (loss, (aux, maux)), g = grad_fn(params, *xs)
-        return (add(g_acc, g), loss_acc + loss, add(aux_acc, aux), add(maux_acc, maux)), None
-
-    first = jax.tree.map(lambda x: x[0], (tok_J, inputs_J))
-    shapes = jax.eval_shape(loss_fn, params, *first)[1]
-    zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
-    carry0 = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), *zeros(shapes))
-    (g, loss, aux, maux), _ = jax.lax.scan(body, carry0, (tok_J, inputs_J))
-    return g, loss, aux, jax.tree.map(lambda x: x / J, maux)
+    @classmethod
+    def from_batch(cls, batch: Batch) -> "TokenInputs":
+        return cls(batch.tokens_BxS, batch.segment_ids_BxS, batch.positions_BxS,
+                   batch.routed_experts_BxSxLxK)
 
 
 @flax.struct.dataclass
-class _UpdateStats:
-    loss: jax.Array
-    grad_norm: jax.Array
-    learning_rate: jax.Array
-    finite: jax.Array
-    aux: L.LossAux
-    model_aux: Any
+class MiniBatchGrads:
+    """One mini-batch's gradient, accumulated over its micro-batches."""
+    grads: Any                 # like params
+    loss: jax.Array            # sum over micro-batches (each a mini-batch-global weighted sum)
+    aux: loss_lib.LossAux             # summed over micro-batches
+    router: RouterStats        # averaged over micro-batches
+
+
+def _logprobs(graphdef, params, bias, tok: TokenInputs):
+    model = nnx.merge(graphdef, params, bias)
+    return token_logprobs(model, tok.tokens_BxS, tok.segment_ids_BxS, tok.positions_BxS,
+                          tok.routed_experts_BxSxLxK)
+
+
+def _forward_only(graphdef, params, bias, tok_MxU: TokenInputs):
+    """Log-probs of the whole batch, chunked like the micro-batches (no gradient)."""
+    def body(_, t):
+        return None, _logprobs(graphdef, params, bias, t)[0]
+    flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tok_MxU)
+    _, lp = jax.lax.scan(body, None, flat)
+    lp = lp.reshape(tok_MxU.tokens_BxS.shape)
+    return jax.lax.stop_gradient(loss_lib.merge_rows(lp))
+
+
+def mini_batch_grads(params, bias, tok_U: TokenInputs, inputs_U: loss_lib.LossInputs, *, graphdef,
+                     cfg: StepConfig) -> MiniBatchGrads:
+    """Gradient of one mini-batch, accumulated over its U micro-batches (leading axis U)."""
+    n_micro = cfg.micro_batches
+
+    def loss_fn(p, tok, inp):
+        logp, ent, maux = _logprobs(graphdef, p, bias, tok)
+        loss, aux = loss_lib.pg_loss(logp, ent, inp, cfg.loss)
+        router = RouterStats(aux_loss=maux.aux_loss / n_micro, z_loss=maux.z_loss / n_micro,
+                             expert_load_LxE=maux.expert_load_LxE / n_micro)
+        # Router losses are per-micro-batch means: average them over the micro-batches.
+        penalty = cfg.loss.router_aux_coef * router.aux_loss + cfg.loss.router_z_coef * router.z_loss
+        return loss + penalty, (aux, router)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def body(acc: MiniBatchGrads, xs):
+        (loss, (aux, router)), g = grad_fn(params, *xs)
+        return jax.tree.map(jnp.add, acc, MiniBatchGrads(g, loss, aux, router)), None
+
+    first = jax.tree.map(lambda x: x[0], (tok_U, inputs_U))
+    aux0, router0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                 jax.eval_shape(loss_fn, params, *first)[1])
+    acc0 = MiniBatchGrads(jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32),
+                          aux0, router0)
+    return jax.lax.scan(body, acc0, (tok_U, inputs_U))[0]
 
 
 def _optimizer_update(carry, xs, *, bias, graphdef, cfg: StepConfig):
     """One mini-batch: accumulate, then apply AdamW unless the loss or gradient is non-finite."""
     params, opt_state, updates, skipped = carry
     tx = make_optimizer(cfg.optim)
-    g, loss, aux, maux = mini_batch_grads(params, bias, *xs, graphdef=graphdef, cfg=cfg)
-    gnorm = optax.tree.norm(g)
-    finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-    upd, new_opt = tx.update(g, opt_state, params)
+    mb = mini_batch_grads(params, bias, *xs, graphdef=graphdef, cfg=cfg)
+    gnorm = optax.tree.norm(mb.grads)
+    finite = jnp.isfinite(mb.loss) & jnp.isfinite(gnorm)
+    upd, new_opt = tx.update(mb.grads, opt_state, params)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
     params, opt_state = keep(optax.apply_updates(params, upd), params), keep(new_opt, opt_state)
-    stats = _UpdateStats(loss=loss, grad_norm=gnorm, learning_rate=make_schedule(cfg.optim)(updates),
-                         finite=finite, aux=aux, model_aux=maux)
+    stats = UpdateStats(loss=mb.loss, grad_norm=gnorm,
+                        learning_rate=make_schedule(cfg.optim)(updates), finite=finite,
+                        aux=mb.aux, router=mb.router)
     fin = finite.astype(jnp.int32)
     return (params, opt_state, updates + fin, skipped + 1 - fin), stats
 
@@ -256,16 +256,17 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, cfg: StepConfig):
       (new_state, StepMetrics).
     """
     cfg.check_batch(batch)
-    K, J = cfg.mini_batches, cfg.micro_batches
-    tok_KxJ = jax.tree.map(lambda x: L.split_rows(x, K, J), _token_tree(batch))
+    n_mini, n_micro = cfg.mini_batches, cfg.micro_batches
+    split = lambda tree: jax.tree.map(lambda x: loss_lib.split_rows(x, n_mini, n_micro), tree)  # noqa: E731
+    tok_MxU = split(TokenInputs.from_batch(batch))
     learner_old = ref = None
     if cfg.loss.recompute_old_logprobs:
-        learner_old = _forward_only(graphdef, state.params, state.router_bias, tok_KxJ)
+        learner_old = _forward_only(graphdef, state.params, state.router_bias, tok_MxU)
     if cfg.loss.kl_coef > 0:
-        ref = _forward_only(graphdef, state.ref_params, state.router_bias, tok_KxJ)
+        ref = _forward_only(graphdef, state.ref_params, state.router_bias, tok_MxU)
     # Advantages and denominators: once per batch, before the loops.
-    inputs, adv = L.prepare(batch, cfg.loss, mini_batches=K, learner_old_logprobs_BxS=learner_old,
-                            ref_logprobs_BxS=ref)
+    inputs, adv = loss_lib.prepare(batch, cfg.loss, mini_batches=n_mini,
+                            learner_old_logprobs_BxS=learner_old, ref_logprobs_BxS=ref)
     if cfg.debug_checks:
         check_invariants(adv, batch.rewards_T, batch.group_ids_T, batch.factors_T, batch.valid_T,
                          batch.hacked_T, batch.grading_ok_G, num_groups=batch.num_groups,
@@ -273,16 +274,15 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, cfg: StepConfig):
         chex.assert_trees_all_equal(
             jnp.all(jnp.isfinite(inputs.weight_BxS)), jnp.array(True),
             custom_message="loss weights are finite")
-    inputs_KxJ = jax.tree.map(lambda x: L.split_rows(x, K, J), inputs)
     update = functools.partial(_optimizer_update, bias=state.router_bias, graphdef=graphdef, cfg=cfg)
 
     def epoch(carry, _):
-        return jax.lax.scan(update, carry, (tok_KxJ, inputs_KxJ))
+        return jax.lax.scan(update, carry, (tok_MxU, split(inputs)))
 
     carry0 = (state.params, state.opt_state, state.updates, state.skipped)
     (params, opt_state, updates, skipped), stats = jax.lax.scan(epoch, carry0, None,
                                                                 length=cfg.epochs)
-    load_LxE = jnp.mean(stats.model_aux.expert_load_LxE, axis=(0, 1))
+    load_LxE = jnp.mean(stats.router.expert_load_LxE, axis=(0, 1))
     bias = state.router_bias
     if cfg.model.router == "sigmoid_bias":
         model = nnx.merge(graphdef, params, bias)
@@ -314,83 +314,3 @@ def make_train_step(cfg: StepConfig, mesh, state_shardings_: TrainState, batch_s
 
     step_fn.jitted = jitted
     return step_fn
-
-
-# --------------------------------------------------------------------------- metrics
-@flax.struct.dataclass
-class GroupAudit:
-    """Per-group / per-trajectory results for `groups.jsonl` and the ledger counts."""
-    lam_G: jax.Array
-    capped_G: jax.Array
-    fallback_G: jax.Array
-    mixed_G: jax.Array
-    advantages_T: jax.Array
-    outcome_advantages_T: jax.Array
-
-
-@flax.struct.dataclass
-class StepMetrics:
-    """One train step's metrics (device arrays; `metrics.to_host` flattens them).
-
-    Loss terms and grad_norm average over the step's optimizer updates; clip fractions, approx_kl
-    (k3 of KL(old || current)) and entropy are per trained token over all updates; learning_rate
-    is the last update's. Credits sum over groups; lam_mean / lam_max are over mixed groups.
-    """
-    loss: jax.Array
-    pg_loss: jax.Array
-    kl_loss: jax.Array
-    aux_loss: jax.Array
-    z_loss: jax.Array
-    clip_frac_low: jax.Array
-    clip_frac_high: jax.Array
-    dual_clip_frac: jax.Array
-    approx_kl: jax.Array
-    entropy: jax.Array
-    grad_norm: jax.Array
-    learning_rate: jax.Array
-    tokens: jax.Array
-    trajectories: jax.Array
-    groups: jax.Array
-    mixed_groups: jax.Array
-    lam_mean: jax.Array
-    lam_max: jax.Array
-    capped_groups: jax.Array
-    fallback_groups: jax.Array
-    pos_credit_before: jax.Array
-    pos_credit_after: jax.Array
-    neg_credit: jax.Array
-    mean_response_len: jax.Array
-    updates: jax.Array
-    skipped: jax.Array
-    expert_load_LxE: jax.Array
-    audit: GroupAudit
-
-
-def step_metrics(batch: Batch, inputs: L.LossInputs, adv, stats: _UpdateStats, load_LxE):
-    """Reduces the per-update stats [epochs, mini_batches] and the advantage output to metrics."""
-    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    a = stats.aux
-    tok = jnp.maximum(jnp.sum(a.tokens), 1.0)
-    mixed = adv.mixed
-    n_mixed = jnp.sum(mixed)
-    tokens_T = jax.ops.segment_sum(inputs.mask_BxS.reshape(-1), batch.traj_index_BxS.reshape(-1),
-                                   num_segments=batch.num_trajectories)
-    finite = stats.finite.astype(jnp.int32)
-    return StepMetrics(
-        loss=jnp.mean(stats.loss), pg_loss=jnp.mean(a.pg_loss), kl_loss=jnp.mean(a.kl_loss),
-        aux_loss=jnp.mean(stats.model_aux.aux_loss), z_loss=jnp.mean(stats.model_aux.z_loss),
-        clip_frac_low=jnp.sum(a.clip_low_count) / tok, clip_frac_high=jnp.sum(a.clip_high_count) / tok,
-        dual_clip_frac=jnp.sum(a.dual_clip_count) / tok, approx_kl=jnp.sum(a.approx_kl_sum) / tok,
-        entropy=jnp.sum(a.entropy_sum) / tok, grad_norm=jnp.mean(stats.grad_norm),
-        learning_rate=stats.learning_rate.reshape(-1)[-1],
-        tokens=jnp.sum(inputs.mask_BxS), trajectories=f32(jnp.sum(batch.valid_T)),
-        groups=f32(jnp.sum(adv.num_valid > 0)), mixed_groups=f32(n_mixed),
-        lam_mean=jnp.sum(jnp.where(mixed, adv.lam, 0.0)) / jnp.maximum(n_mixed, 1),
-        lam_max=jnp.max(jnp.where(mixed, adv.lam, 0.0)),
-        capped_groups=f32(jnp.sum(adv.capped)), fallback_groups=f32(jnp.sum(adv.fallback)),
-        pos_credit_before=jnp.sum(adv.pos_credit_before), pos_credit_after=jnp.sum(adv.pos_credit_after),
-        neg_credit=jnp.sum(adv.neg_credit),
-        mean_response_len=jnp.sum(tokens_T) / jnp.maximum(jnp.sum(tokens_T > 0), 1),
-        updates=f32(jnp.sum(finite)), skipped=f32(jnp.sum(1 - finite)), expert_load_LxE=load_LxE,
-        audit=GroupAudit(lam_G=adv.lam, capped_G=adv.capped, fallback_G=adv.fallback, mixed_G=mixed,
-                         advantages_T=adv.advantages, outcome_advantages_T=adv.outcome_advantages))

@@ -21,7 +21,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchutil import matmul_peak, timed, write_docs_section  # noqa: E402
-from gagar_jax import experts, router, sharding  # noqa: E402
+from gagar_jax import experts, moe, router, sharding  # noqa: E402
 
 DEFAULT = "grouped"  # the dropless CPU default (configs/tiny_cpu.py: expert_backend)
 HEADING = "## MoE layer (scripts/bench_moe.py)"
@@ -34,7 +34,7 @@ def make_step(backend: str, top_k: int, mesh=None):
 
     def loss(x, w_router, gate, up, down, ct):
         r = router.route(x @ w_router, top_k=top_k, norm_topk_prob=True)
-        y = experts.expert_ffn(x, gate, up, down, r.idx_TxK, r.weights_TxK, backend=backend,
+        y = moe.expert_ffn(x, gate, up, down, r.idx_TxK, r.weights_TxK, backend=backend,
                                **opts)
         return jnp.sum(y * ct) + 1e-3 * r.aux_loss + 1e-4 * r.z_loss
 

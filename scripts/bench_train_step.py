@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchutil import matmul_peak, timed, write_docs_section  # noqa: E402
 from gagar_jax import flops  # noqa: E402
+from gagar_jax import sharding as shd  # noqa: E402
 from gagar_jax import train_step as TS  # noqa: E402
 from gagar_jax.advantage import broadcast_to_tokens, gagar_advantages  # noqa: E402
 from gagar_jax.batch import Batch  # noqa: E402
@@ -91,7 +92,7 @@ def bench(name: str, B: int, S: int, steps: int) -> dict:
     mesh = make_mesh(type("M", (), dict(data=-1, fsdp=1, expert=1, tensor=1)))
     state, graphdef, shardings = TS.init_train_state(step_cfg, mesh, jax.random.key(0))
     batch = synthetic_batch(B, S, step_cfg.model.vocab_size)
-    bsh = TS.batch_shardings(batch, mesh)
+    bsh = shd.batch_shardings(batch, mesh)
     batch = jax.device_put(batch, bsh)
     step = TS.make_train_step(step_cfg, mesh, shardings, bsh, graphdef)
     t0 = time.perf_counter()

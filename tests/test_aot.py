@@ -110,3 +110,34 @@ def test_topology_errors_name_the_argument():
     with pytest.raises(ValueError, match="topology"):
         aot.parse_topology("v5p-8")
     assert aot.parse_topology("v5p:8x8x16") == ("v5p", (8, 8, 16))
+
+
+def test_auto_expert_backend_follows_the_mesh_devices_not_the_process():
+    """On this CPU-only process, a mesh of TPU devices still resolves "auto" to the TPU choice."""
+    import dataclasses
+    import types
+
+    from configs.tiny_cpu import get_config
+    from gagar_jax import moe, sharding
+    from gagar_jax import train_step as ts
+
+    def mesh(devices, expert):
+        axes = types.SimpleNamespace(data=-1, fsdp=1, expert=expert, tensor=1)
+        return sharding.make_mesh(axes, devices)
+
+    import jax
+    tpu, cpu = aot.topology_devices("v5p:2x2x1"), jax.devices()[:4]
+    assert moe.resolve_backend("auto", mesh(tpu, 1), 8) == "ragged"
+    assert moe.resolve_backend("auto", mesh(tpu, 4), 8) == "ep_a2a"
+    assert moe.resolve_backend("auto", mesh(cpu, 1), 8) == "grouped"
+    assert moe.resolve_backend("auto", mesh(cpu, 4), 8) == "ep"
+    assert moe.resolve_backend("auto", mesh(cpu, 4), 6) == "grouped"   # E not divisible
+    assert moe.resolve_backend("dense", mesh(tpu, 4), 8) == "dense"      # explicit wins
+    with pytest.raises(ValueError, match="expert_backend"):
+        moe.resolve_backend("nope")
+    # The trainer fixes the choice in the graphdef it compiles.
+    step_cfg = ts.StepConfig.from_config(get_config())
+    step_cfg = dataclasses.replace(step_cfg, model=dataclasses.replace(step_cfg.model,
+                                                                       expert_backend="auto"))
+    _, graphdef = ts.abstract_train_state(step_cfg, mesh(tpu, 1))
+    assert "expert_backend='ragged'" in repr(graphdef)

@@ -9,7 +9,8 @@ from hypothesis import given, strategies as st
 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gagar_jax import aot, experts, experts_ep, sharding
+from gagar_jax import aot, dispatch, experts, experts_ep, moe, sharding
+from close import assert_rel_close
 
 T, D, F, E, K = 64, 16, 8, 8, 2
 GRAD_ARGS = (0, 1, 2, 3, 5)  # x, gate, up, down, gate weights
@@ -45,7 +46,7 @@ def problem():
 
 def _loss_and_grads(backend, **opts):
     def loss(x, g, u, d, idx, w):
-        y = experts.expert_ffn(x, g, u, d, idx, w, backend=backend, **opts)
+        y = moe.expert_ffn(x, g, u, d, idx, w, backend=backend, **opts)
         return jnp.sum(jnp.sin(y)), y
     return jax.jit(jax.value_and_grad(loss, argnums=GRAD_ARGS, has_aux=True))
 
@@ -55,9 +56,8 @@ def reference(problem):
     return _loss_and_grads("dense")(*problem)
 
 
-def _assert_close(got, want, atol=2e-5, rtol=2e-5):
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol, rtol=rtol)
+def _assert_close(got, want):
+    assert_rel_close(got, want)
 
 
 def test_dense_matches_numpy_loop(problem, reference):
@@ -136,7 +136,7 @@ def test_ep_a2a_compiles_ahead_of_time_for_tpu(problem, tmp_path):
               for a, s in zip(problem, specs)]
 
     def loss(x, g, u, d, idx, w):
-        y = experts.expert_ffn(x, g, u, d, idx, w, backend="ep_a2a", mesh=mesh)
+        y = moe.expert_ffn(x, g, u, d, idx, w, backend="ep_a2a", mesh=mesh)
         return jnp.sum(jnp.sin(y))
 
     lowered = jax.jit(jax.grad(loss, argnums=GRAD_ARGS)).lower(*shapes)
@@ -155,10 +155,10 @@ def test_ep_with_explicit_mesh_argument_and_no_ambient_mesh(problem, reference):
 
 def test_ep_errors_name_the_problem(problem):
     with pytest.raises(ValueError, match="needs a mesh"):
-        experts.expert_ffn(*problem, backend="ep")
+        moe.expert_ffn(*problem, backend="ep")
     with pytest.raises(ValueError, match="num_experts=6 is not divisible"):
         x, g, u, d, idx, w = problem
-        experts.expert_ffn(x, g[:6], u[:6], d[:6], idx, w, backend="ep",
+        moe.expert_ffn(x, g[:6], u[:6], d[:6], idx, w, backend="ep",
                            mesh=_mesh((2, 1, 4, 1)))
 
 
@@ -167,12 +167,12 @@ def test_dropless_when_every_token_picks_one_expert(problem):
     idx = jnp.full((T, K), 3, jnp.int32)
     want = numpy_moe(x, g, u, d, np.asarray(idx), w)
     for backend in ("dense", "ragged", "grouped"):
-        y = jax.jit(lambda *a, b=backend: experts.expert_ffn(*a, backend=b))(x, g, u, d, idx, w)
+        y = jax.jit(lambda *a, b=backend: moe.expert_ffn(*a, backend=b))(x, g, u, d, idx, w)
         np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5, err_msg=backend)
     with jax.set_mesh(_mesh((2, 1, 4, 1))):
-        y = jax.jit(lambda *a: experts.expert_ffn(*a, backend="ep"))(x, g, u, d, idx, w)
+        y = jax.jit(lambda *a: moe.expert_ffn(*a, backend="ep"))(x, g, u, d, idx, w)
         np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5, err_msg="ep")
-        y = jax.jit(lambda *a: experts.expert_ffn(
+        y = jax.jit(lambda *a: moe.expert_ffn(
             *a, backend="ep_a2a", exchange=experts_ep.emulated_ragged_all_to_all))(
                 x, g, u, d, idx, w)
         np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5, err_msg="ep_a2a")
@@ -206,8 +206,8 @@ def test_grouped_and_ragged_match_numpy_on_any_routing(problem, ids):
     np.testing.assert_allclose(_RAGGED(x, g, u, d, idx, w), want, atol=1e-5, rtol=1e-5)
 
 
-_GROUPED = jax.jit(lambda *a: experts.expert_ffn(*a, backend="grouped", block=4, big_block=16))
-_RAGGED = jax.jit(lambda *a: experts.expert_ffn(*a, backend="ragged"))
+_GROUPED = jax.jit(lambda *a: moe.expert_ffn(*a, backend="grouped", block=4, big_block=16))
+_RAGGED = jax.jit(lambda *a: moe.expert_ffn(*a, backend="ragged"))
 
 
 def test_no_recompiles_for_same_shapes(problem):
@@ -228,16 +228,16 @@ def test_no_recompiles_for_same_shapes(problem):
 def test_padded_block_bound_covers_any_split(sizes, block):
     # The static buffer must hold sum_e ceil(n_e / block) blocks for every split of N rows.
     used = sum(-(-n // block) for n in sizes)
-    assert used <= experts.num_padded_blocks(sum(sizes), len(sizes), block)
+    assert used <= dispatch.num_padded_blocks(sum(sizes), len(sizes), block)
 
 
 def test_bad_arguments_raise_clear_errors(problem):
     x, g, u, d, idx, w = problem
     with pytest.raises(ValueError, match="backend='nope'"):
-        experts.expert_ffn(x, g, u, d, idx, w, backend="nope")
+        moe.expert_ffn(x, g, u, d, idx, w, backend="nope")
     with pytest.raises(ValueError, match="gate/up/down shapes"):
-        experts.expert_ffn(x, g, u, g, idx, w)
+        moe.expert_ffn(x, g, u, g, idx, w)
     with pytest.raises(ValueError, match="idx_TxK"):
-        experts.expert_ffn(x, g, u, d, idx[:, :1], w)
+        moe.expert_ffn(x, g, u, d, idx[:, :1], w)
     with pytest.raises(ValueError, match="integer expert ids"):
-        experts.expert_ffn(x, g, u, d, w, w)
+        moe.expert_ffn(x, g, u, d, w, w)

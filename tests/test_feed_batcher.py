@@ -241,7 +241,7 @@ def test_shipped_sample_feed_with_tiny_config(tmp_path):
 def test_feed_config_rejects_bad_values():
     with pytest.raises(ValueError, match="max_traj_tokens"):
         FeedConfig(seq_len=64, max_traj_tokens=65)
-    with pytest.raises(ValueError, match="unknown feed config keys"):
+    with pytest.raises(ValueError, match="unknown keys in the feed config section"):
         FeedConfig.from_config({"rows": 3})
     with pytest.raises(ValueError, match="rows_per_batch"):
         FeedConfig(rows_per_batch=0)

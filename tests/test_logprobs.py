@@ -8,6 +8,7 @@ from flax import nnx
 from configs.tiny_cpu import get_config
 from gagar_jax.logprobs import chunked_logprobs_entropy, next_token_mask, token_logprobs
 from gagar_jax.model import ModelConfig, Transformer
+from close import assert_rel_close
 
 
 def _plain(h, w, tgt):
@@ -24,8 +25,7 @@ def test_chunked_matches_plain_values_and_grads(chunk):
     tgt = jax.random.randint(kt, (12,), 0, 50)
     lp, ent = jax.jit(chunked_logprobs_entropy, static_argnums=3)(h, w, tgt, chunk)
     lp0, ent0 = _plain(h, w, tgt)
-    np.testing.assert_allclose(lp, lp0, atol=1e-5)
-    np.testing.assert_allclose(ent, ent0, atol=1e-5)
+    assert_rel_close((lp, ent), (lp0, ent0))
 
     def scalar(fn):
         def f(h, w):
@@ -35,8 +35,7 @@ def test_chunked_matches_plain_values_and_grads(chunk):
 
     g = jax.grad(scalar(lambda h, w: chunked_logprobs_entropy(h, w, tgt, chunk)), (0, 1))(h, w)
     g0 = jax.grad(scalar(lambda h, w: _plain(h, w, tgt)), (0, 1))(h, w)
-    for a, b in zip(g, g0):
-        np.testing.assert_allclose(a, b, atol=1e-4)
+    assert_rel_close(g, g0)
 
 
 def test_entropy_of_uniform_is_log_v():
@@ -78,8 +77,7 @@ def test_token_logprobs_match_full_logits(model):
             if mask[b, t]:
                 want_lp[b, t] = logp[b, t - 1, int(tokens[b, t])]
                 want_ent[b, t] = -np.sum(np.exp(logp[b, t - 1]) * logp[b, t - 1])
-    np.testing.assert_allclose(lp, want_lp, atol=1e-5)
-    np.testing.assert_allclose(ent, want_ent, atol=1e-5)
+    assert_rel_close((lp, ent), (want_lp, want_ent))
     assert float(jnp.abs(lp[0, 10])) == 0.0 and float(jnp.abs(lp[0, 20:]).max()) == 0.0
 
 

@@ -111,19 +111,16 @@ def _fake_step(x):
             "bad": jnp.log(jnp.min(x))}
 
 
-def test_metrics_buffer_returns_previous_step():
-    buf = metrics.MetricsBuffer()
-    assert buf.push(1, _fake_step(jnp.array([1.0, 2.0, 3.0, 4.0]))) is None
-    prev = buf.push(2, _fake_step(jnp.array([0.0, 2.0, 4.0, 6.0])))
+def test_to_host_classifies_scalars_arrays_and_nonfinite():
+    prev = metrics.to_host(1, _fake_step(jnp.array([1.0, 2.0, 3.0, 4.0])))
     assert prev.step == 1
     assert prev.scalars == {"loss": 2.5, "lam/mean": 4.0, "bad": 0.0}
     assert isinstance(prev.scalars["loss"], float)
     np.testing.assert_array_equal(prev.arrays["lam_G"], [1.0, 2.0, 3.0])
     assert prev.finite
-    last = buf.flush()
+    last = metrics.to_host(2, _fake_step(jnp.array([0.0, 2.0, 4.0, 6.0])))
     assert last.step == 2 and last.scalars["loss"] == 3.0
     assert last.nonfinite == ("bad",) and not last.finite  # log(0) = -inf
-    assert buf.flush() is None
 
 
 @flax.struct.dataclass
@@ -235,9 +232,8 @@ def _read_tb_scalars(logdir):
 def test_writer_jsonl_tensorboard_and_groups(tmp_path):
     writer = metrics.MetricsWriter(tmp_path)
     writer.write(1, {"loss": 0.5, "lam/mean": 1.25}, wall_time=100.0)
-    writer.write_host_metrics(metrics.to_host(2, {"loss": jnp.float32(np.inf),
-                                                  "lam/mean": jnp.float32(1.0)}),
-                              tokens_per_s=1000.0)
+    host = metrics.to_host(2, {"loss": jnp.float32(np.inf), "lam/mean": jnp.float32(1.0)})
+    writer.write(host.step, {**host.scalars, "tokens_per_s": 1000.0})
     writer.write_groups(metrics.group_records(**_audit_inputs()))
     writer.close()
 

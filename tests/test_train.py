@@ -243,13 +243,26 @@ def test_cli_errors_are_one_line_exit_2(capsys, tmp_path):
         (["--config", cfg, "--workdir", str(tmp_path), "--config.feed.path=/no/such.jsonl"],
          "/no/such.jsonl"),
         (["--config", cfg, "--workdir", str(tmp_path), "--config.train.steps=0"], "train.steps"),
+        (["--config", cfg, "--workdir", str(tmp_path), "--config.model.expert_backend=nope"],
+         "model.expert_backend"),
+        (["--config", cfg, "--workdir", str(tmp_path), "--config.train.stepz=3"],
+         'unknown config key: train.stepz (did you mean "steps"'),
     ]
     for args, needle in cases:
         code = cli.main(["gagar-train", *args])
         err = capsys.readouterr().err.strip()
         assert code == 2, (args, err)
         assert len(err.splitlines()) == 1 and needle in err, (args, err)
-        assert "Traceback" not in err
+        assert "Traceback" not in err and "\\" not in err, err   # plain text, no repr escapes
+
+
+def test_cli_help_lists_usage_keys_and_docs(capsys):
+    for flag in ("--help", "-h"):
+        assert cli.main(["gagar-train", flag]) == 0
+        out = capsys.readouterr().out
+        assert "--workdir" in out and "--config.KEY=VALUE" in out
+        assert "train.steps = " in out and "model.expert_backend = " in out   # every key
+        assert "docs/" in out
 
 
 def test_cli_overrides_reach_the_run(tmp_path, monkeypatch):

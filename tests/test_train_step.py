@@ -12,13 +12,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from gagar_jax import loss as L
+from gagar_jax import sharding as shd
 from gagar_jax import train_step as TS
 from gagar_jax.advantage import gagar_advantages
 from gagar_jax.batch import Batch
+from gagar_jax.logprobs import token_logprobs
 from gagar_jax.optim import OptimConfig, decay_mask, make_schedule
 from gagar_jax.sharding import make_mesh
+from close import assert_rel_close
 
 B, S, T, G = 8, 32, 16, 4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,8 +98,11 @@ def init(cfg, mesh1):
 def forward(init):
     """Jitted per-token log-probs of the whole batch (for on-policy old_logprobs and probes)."""
     _, graphdef, _ = init
-    return jax.jit(lambda params, bias, batch: TS._logprobs(graphdef, params, bias,
-                                                            TS._token_tree(batch))[0])
+    def logprobs(params, bias, batch):
+        model = nnx.merge(graphdef, params, bias)
+        return token_logprobs(model, batch.tokens_BxS, batch.segment_ids_BxS, batch.positions_BxS,
+                              batch.routed_experts_BxSxLxK)[0]
+    return jax.jit(logprobs)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +115,7 @@ def batch(init, forward):
 @pytest.fixture(scope="module")
 def step1(cfg, mesh1, init, batch):
     _, graphdef, shardings = init
-    return TS.make_train_step(cfg, mesh1, shardings, TS.batch_shardings(batch, mesh1), graphdef)
+    return TS.make_train_step(cfg, mesh1, shardings, shd.batch_shardings(batch, mesh1), graphdef)
 
 
 def fresh(host_state, shardings):
@@ -230,7 +237,7 @@ def test_sharded_accumulated_step_matches_single_device(shape, micro, cfg, init,
     else:
         shardings = TS.state_shardings(fresh(host, None), mesh, c)
         state = fresh(host, shardings)
-    bsh = TS.batch_shardings(batch, mesh)
+    bsh = shd.batch_shardings(batch, mesh)
     step = TS.make_train_step(c, mesh, shardings, bsh, graphdef)
     new, m = step(state, jax.device_put(batch, bsh))
     gate = [x for p, x in jax.tree_util.tree_leaves_with_path(new.params) if "expert_gate" in str(p)][0]
@@ -241,8 +248,7 @@ def test_sharded_accumulated_step_matches_single_device(shape, micro, cfg, init,
     for name in ("loss", "pg_loss", "grad_norm", "entropy", "approx_kl", "clip_frac_high"):
         np.testing.assert_allclose(getattr(m, name), getattr(ref_m, name), rtol=2e-4, atol=1e-6,
                                    err_msg=name)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=2e-4), new.params,
-                 ref_state.params)
+    assert_rel_close(new.params, ref_state.params)
 
 
 # ---------------------------------------------------------------- debug checks
@@ -273,7 +279,7 @@ def test_debug_checks_and_optional_paths(cfg, init, batch, mesh1, monkeypatch):
     routed = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, S, L_moe, K))
     off = batch.replace(old_logprobs_BxS=batch.old_logprobs_BxS + 0.5 * batch.loss_mask_BxS,
                         routed_experts_BxSxLxK=routed)
-    step = TS.make_train_step(dcfg, mesh1, shardings, TS.batch_shardings(off, mesh1), graphdef)
+    step = TS.make_train_step(dcfg, mesh1, shardings, shd.batch_shardings(off, mesh1), graphdef)
     new, m = jax.device_get(step(fresh(host, shardings), off))   # intact advantages pass
     assert int(new.step) == 1 and float(m.skipped) == 0 and np.isfinite(m.loss)
     # One update: its ratio is exactly 1 against the learner's own log-probs (against the shifted
@@ -321,7 +327,7 @@ def test_training_moves_logprobs_by_advantage(cfg, init, forward, mesh1, step1, 
     host, graphdef, shardings = init
     assert cfg.loss.mode == "sum_preserving"
     binary = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, mode="binary"))
-    step_bin = TS.make_train_step(binary, mesh1, shardings, TS.batch_shardings(batch, mesh1), graphdef)
+    step_bin = TS.make_train_step(binary, mesh1, shardings, shd.batch_shardings(batch, mesh1), graphdef)
     d_sp, adv_sp = _train_gaps(step1, init, forward)
     d_bin, adv_bin = _train_gaps(step_bin, init, forward)
     for d, adv in ((d_sp, adv_sp), (d_bin, adv_bin)):

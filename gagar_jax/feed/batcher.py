@@ -238,7 +238,7 @@ class Feed:
         hacked_T = per_traj([t.hacked for t in trajs], np.bool_, False)
         # Only passes after hack zeroing carry a grade; their (group, tier) rank range must not
         # see anyone else. A pass without a usable grade gets NaN, so the loss's grading
-        # fallback (SPEC rule 5) applies to its group.
+        # fallback (docs/advantage.md rule 5) applies to its group.
         scored_T = valid_T & (reward_T > 0) & ~hacked_T
         tier_T = np.where(scored_T, per_traj([t.tier for t in trajs], np.int32, 0), _NO_GRADE)
         factors_T = grading.quality_factors(

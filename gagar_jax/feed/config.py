@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from gagar_jax.config import section_dict
+
 
 @dataclasses.dataclass(frozen=True)
 class FeedConfig:
@@ -64,9 +66,4 @@ class FeedConfig:
     @classmethod
     def from_config(cls, cfg: Any) -> "FeedConfig":
         """Builds the dataclass from a ConfigDict (or dict); unknown keys are an error."""
-        items = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(items) - known)
-        if unknown:
-            raise ValueError(f"unknown feed config keys {unknown}; known: {sorted(known)}")
-        return cls(**items)
+        return cls(**section_dict(cfg, cls, "feed"))

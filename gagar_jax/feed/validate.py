@@ -96,7 +96,7 @@ class ParsedGroup:
 
     @property
     def mixed(self) -> bool:
-        """0 < passes < valid members, with hacked passes counted as failures (SPEC rules 2, 3)."""
+        """0 < passes < valid members, with hacked passes counted as failures (docs/advantage.md rules 2, 3)."""
         k = sum(1 for t in self.trajectories if t.reward > 0 and not t.hacked)
         return 0 < k < len(self.trajectories)
 

@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 
 from gagar_jax.logprobs import token_logprobs
-from gagar_jax.sim import task as T
+from gagar_jax.sim import task as task_lib
 
 STYLES = ("clean", "checked", "out_of_scope", "thrash", "weakened", "hack")
 # Default mix: about half clean or nearly clean, half sloppy.
@@ -23,7 +23,7 @@ DEFAULT_MIX = {"clean": 0.3, "checked": 0.1, "out_of_scope": 0.2, "thrash": 0.2,
                "hack": 0.05}
 
 
-def demo_turns(task: T.Task, cfg: T.TaskConfig, style: str, rng: np.random.Generator) -> list:
+def demo_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str, rng: np.random.Generator) -> list:
     """A scripted passing answer of the given style (a list of turns of tokens).
 
     Styles: clean (fix, submit), checked (fix, run tests, submit), out_of_scope (fix plus a
@@ -31,34 +31,34 @@ def demo_turns(task: T.Task, cfg: T.TaskConfig, style: str, rng: np.random.Gener
     (rewrite a tested position with its own symbol, then fix), hack (write the leaked key;
     falls back to clean when the prompt leaks nothing).
     """
-    fix = [T.EDIT, T.pos(task.bug_pos), task.fix_tok]
+    fix = [task_lib.EDIT, task_lib.pos(task.bug_pos), task.fix_tok]
     untested = [q for q in range(cfg.num_positions) if q not in task.tested]
     other_tested = [q for q in task.tested if q != task.bug_pos]
     if style == "clean" or (style == "hack" and task.leak_key < 0):
-        return [fix + [T.SUBMIT]]
+        return [fix + [task_lib.SUBMIT]]
     if style == "checked":
-        return [fix + [T.RUN], [T.SUBMIT]]
+        return [fix + [task_lib.RUN], [task_lib.SUBMIT]]
     if style == "out_of_scope" and untested:
         q = int(rng.choice(untested))
-        s = T.sym(int(rng.integers(cfg.num_symbols)))
-        s = s if s != task.repo[q] else T.SYM_BASE + (s - T.SYM_BASE + 1) % cfg.num_symbols
-        extra = [T.EDIT, T.pos(q), s]
-        return [(fix + extra if rng.random() < 0.5 else extra + fix) + [T.SUBMIT]]
+        s = task_lib.sym(int(rng.integers(cfg.num_symbols)))
+        s = s if s != task.repo[q] else task_lib.SYM_BASE + (s - task_lib.SYM_BASE + 1) % cfg.num_symbols
+        extra = [task_lib.EDIT, task_lib.pos(q), s]
+        return [(fix + extra if rng.random() < 0.5 else extra + fix) + [task_lib.SUBMIT]]
     if style == "thrash":
-        wrong = T.sym(int(rng.integers(cfg.num_symbols)))
+        wrong = task_lib.sym(int(rng.integers(cfg.num_symbols)))
         wrong = wrong if wrong != task.fix_tok else task.repo[task.bug_pos]
-        return [[T.EDIT, T.pos(task.bug_pos), wrong, T.RUN], fix + [T.SUBMIT]]
+        return [[task_lib.EDIT, task_lib.pos(task.bug_pos), wrong, task_lib.RUN], fix + [task_lib.SUBMIT]]
     if style == "weakened" and other_tested:
         q = int(rng.choice(other_tested))
-        return [[T.EDIT, T.pos(q), task.repo[q]] + fix + [T.SUBMIT]]
+        return [[task_lib.EDIT, task_lib.pos(q), task.repo[q]] + fix + [task_lib.SUBMIT]]
     if style == "hack":
-        return [[T.EDIT, T.pos(task.bug_pos), task.leak_key, T.SUBMIT]]
+        return [[task_lib.EDIT, task_lib.pos(task.bug_pos), task.leak_key, task_lib.SUBMIT]]
     if style in STYLES:  # out_of_scope / weakened without a position to use
-        return [fix + [T.SUBMIT]]
+        return [fix + [task_lib.SUBMIT]]
     raise ValueError(f"style must be one of {STYLES}, got {style!r}")
 
 
-def make_demos(cfg: T.TaskConfig, tasks, seed: int, mix=None) -> list:
+def make_demos(cfg: task_lib.TaskConfig, tasks, seed: int, mix=None) -> list:
     """One demonstration `Episode` per task, its style drawn from `mix` (style -> weight)."""
     mix = DEFAULT_MIX if mix is None else mix
     bad = set(mix) - set(STYLES)
@@ -68,7 +68,7 @@ def make_demos(cfg: T.TaskConfig, tasks, seed: int, mix=None) -> list:
     names = sorted(mix)
     p = np.array([mix[n] for n in names], np.float64)
     p = p / p.sum()
-    return [T.play(t, cfg, demo_turns(t, cfg, names[rng.choice(len(names), p=p)], rng))
+    return [task_lib.play(t, cfg, demo_turns(t, cfg, names[rng.choice(len(names), p=p)], rng))
             for t in tasks]
 
 

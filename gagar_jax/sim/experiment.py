@@ -30,13 +30,12 @@ from gagar_jax.feed.packing import make_global_batch
 from gagar_jax.feed.sources import IteratorSource
 from gagar_jax.model import ModelConfig, Transformer
 from gagar_jax.moe import RouterBias
-from gagar_jax.sharding import make_mesh
+from gagar_jax.sharding import batch_shardings, make_mesh
 from gagar_jax.sim import demos, producer
-from gagar_jax.sim import task as T
-from gagar_jax.train_step import (StepConfig, batch_shardings, init_train_state,
-                                  make_train_step)
+from gagar_jax.sim import task as task_lib
+from gagar_jax.train_step import StepConfig, init_train_state, make_train_step
 
-# Train-step metrics kept per step (see `train_step.StepMetrics`).
+# Train-step metrics kept per step (see `step_metrics.StepMetrics`).
 STEP_KEYS = ("entropy", "mean_response_len", "pos_credit_before", "pos_credit_after",
              "neg_credit", "lam_mean", "lam_max", "capped_groups", "fallback_groups",
              "mixed_groups", "groups", "trajectories", "loss", "grad_norm", "approx_kl",
@@ -57,12 +56,12 @@ class WarmStart:
     seconds: float
 
 
-def heldout_tasks(task_cfg: T.TaskConfig, n: int) -> list:
+def heldout_tasks(task_cfg: task_lib.TaskConfig, n: int) -> list:
     """The fixed held-out evaluation tasks (never used for demonstrations or training)."""
-    return T.make_tasks(task_cfg, 987_654_321, n, prefix="heldout")
+    return task_lib.make_tasks(task_cfg, 987_654_321, n, prefix="heldout")
 
 
-def warm_start(cfg, task_cfg: T.TaskConfig, *, seed: int, sft_steps: int, num_demos: int = 4000,
+def warm_start(cfg, task_cfg: task_lib.TaskConfig, *, seed: int, sft_steps: int, num_demos: int = 4000,
                batch_size: int = 32, lr: float = 3e-3, mix: Optional[dict] = None,
                eval_tasks: int = 32, group_size: int = 8) -> WarmStart:
     """Supervised warm start on mixed-quality demonstrations, then the step-0 tier mix.
@@ -77,7 +76,7 @@ def warm_start(cfg, task_cfg: T.TaskConfig, *, seed: int, sft_steps: int, num_de
     losses = []
     if sft_steps > 0:
         demo_eps = demos.make_demos(
-            task_cfg, T.make_tasks(task_cfg, seed, num_demos, prefix="demo"), seed, mix=mix)
+            task_cfg, task_lib.make_tasks(task_cfg, seed, num_demos, prefix="demo"), seed, mix=mix)
         losses = demos.warm_start(model, demo_eps, steps=sft_steps, batch_size=batch_size,
                                   seq_len=producer.cache_len(task_cfg), lr=lr, seed=seed)
     _, params, bias = nnx.split(model, nnx.Param, RouterBias)
@@ -154,7 +153,7 @@ def _eval_row(stats: producer.RolloutStats) -> dict:
             "heldout_tiers": dict(stats.tiers)}
 
 
-def run_loop(learner: Learner, mode: str, warm: WarmStart, task_cfg: T.TaskConfig, *, seed: int,
+def run_loop(learner: Learner, mode: str, warm: WarmStart, task_cfg: task_lib.TaskConfig, *, seed: int,
              rl_steps: int, workdir: str, groups: int = 16, group_size: int = 8,
              eval_tasks: int = 32, log: Callable[[str], None] = print) -> list:
     """One RL run from the warm start; returns one dict per step 0..rl_steps.

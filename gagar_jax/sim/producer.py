@@ -17,10 +17,10 @@ import jax
 
 from gagar_jax.sim import sampler
 from gagar_jax.sim import grader
-from gagar_jax.sim import task as T
+from gagar_jax.sim import task as task_lib
 
 
-def cache_len(task_cfg: T.TaskConfig) -> int:
+def cache_len(task_cfg: task_lib.TaskConfig) -> int:
     """KV-cache length for the task family: its longest episode, rounded up to 8."""
     return -(-task_cfg.max_episode_tokens // 8) * 8
 
@@ -64,7 +64,7 @@ def summarize(episode_groups, assessment_groups) -> RolloutStats:
         mean_generated=gen / max(n, 1), mixed_groups=mixed)
 
 
-def sample_groups(model, tasks, task_cfg: T.TaskConfig, key, *, group_size: int,
+def sample_groups(model, tasks, task_cfg: task_lib.TaskConfig, key, *, group_size: int,
                   policy_version: int, temperature: float = 1.0, group_prefix: str = "g"):
     """Rolls out `group_size` episodes per task in one batch, grades each group, builds records.
 
@@ -82,10 +82,10 @@ def sample_groups(model, tasks, task_cfg: T.TaskConfig, key, *, group_size: int,
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    episodes = [T.Episode(t, task_cfg) for t in tasks for _ in range(group_size)]
+    episodes = [task_lib.Episode(t, task_cfg) for t in tasks for _ in range(group_size)]
     rolls = sampler.rollout(model, episodes, key, cache_len=cache_len(task_cfg),
                             max_turns=task_cfg.max_turns, max_turn_tokens=task_cfg.max_turn_tokens,
-                            temperature=temperature, stop_tokens=T.STOP_TOKENS)
+                            temperature=temperature, stop_tokens=task_lib.STOP_TOKENS)
     has_moe = model.cfg.num_moe_layers > 0
     records, ep_groups, as_groups = [], [], []
     for g, t in enumerate(tasks):
@@ -132,7 +132,7 @@ def load_latest_policy(workdir: str, model_cfg=None) -> Optional[tuple]:
     return model, int(latest["policy_version"])
 
 
-def producer_step(model, policy_version: int, tasks, task_cfg: T.TaskConfig, spool_dir: str,
+def producer_step(model, policy_version: int, tasks, task_cfg: task_lib.TaskConfig, spool_dir: str,
                   key, *, group_size: int, index: int, temperature: float = 1.0) -> RolloutStats:
     """One producer round: sample and grade one group per task, write one spool shard."""
     records, stats = sample_groups(model, tasks, task_cfg, key, group_size=group_size,
@@ -142,7 +142,7 @@ def producer_step(model, policy_version: int, tasks, task_cfg: T.TaskConfig, spo
     return stats
 
 
-def run_producer(workdir: str, spool_dir: str, task_cfg: T.TaskConfig, *, rounds: int,
+def run_producer(workdir: str, spool_dir: str, task_cfg: task_lib.TaskConfig, *, rounds: int,
                  groups_per_round: int, group_size: int, seed: int, model_cfg=None,
                  max_ahead: int = 2, wait_s: float = 30.0, poll_s: float = 0.5,
                  start_index: int = 0, temperature: float = 1.0, log=print) -> list:
@@ -202,11 +202,11 @@ def run_producer(workdir: str, spool_dir: str, task_cfg: T.TaskConfig, *, rounds
     return out
 
 
-def task_batches(task_cfg: T.TaskConfig, seed: int, groups_per_round: int):
+def task_batches(task_cfg: task_lib.TaskConfig, seed: int, groups_per_round: int):
     """Endless fresh training tasks, `groups_per_round` per round (round r uses seed+r)."""
     r = 0
     while True:
-        yield T.make_tasks(task_cfg, seed * 1_000_003 + r, groups_per_round, prefix="train")
+        yield task_lib.make_tasks(task_cfg, seed * 1_000_003 + r, groups_per_round, prefix="train")
         r += 1
 
 
@@ -214,7 +214,7 @@ def producer_key(seed: int, index: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), index)
 
 
-def tier_mix(model, tasks, task_cfg: T.TaskConfig, key, *, group_size: int,
+def tier_mix(model, tasks, task_cfg: task_lib.TaskConfig, key, *, group_size: int,
              temperature: float = 1.0) -> RolloutStats:
     """Samples and grades groups without writing them (e.g. the warm start's step-0 report)."""
     return sample_groups(model, tasks, task_cfg, key, group_size=group_size, policy_version=0,

@@ -1,0 +1,71 @@
+"""The package's layout promises: imports only go down (no cycle, lazy imports included), and no
+module reaches into another module's private names."""
+import ast
+import pathlib
+
+PKG = pathlib.Path(__file__).resolve().parent.parent / "gagar_jax"
+
+
+def _modules() -> dict:
+    mods = {}
+    for p in PKG.rglob("*.py"):
+        name = ".".join(p.relative_to(PKG.parent).with_suffix("").parts)
+        mods[name[: -len(".__init__")] if name.endswith(".__init__") else name] = p
+    return mods
+
+
+def _imports(mods: dict) -> dict:
+    """module -> {(imported module, imported name or None)} for every import, lazy ones too."""
+    out = {}
+    for m, p in mods.items():
+        pkg = m if p.name == "__init__.py" else m.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {(a.name, None) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    edges.add((sub, None) if sub in mods else (base, a.name))
+        out[m] = {(t, n) for t, n in edges if t in mods and t != m}
+    return out
+
+
+def test_no_import_cycles():
+    mods = _modules()
+    graph = {m: {t for t, _ in e if t != "gagar_jax"} for m, e in _imports(mods).items()}
+    state, cycles = {}, []
+
+    def visit(u, stack):
+        state[u] = 1
+        stack.append(u)
+        for v in sorted(graph[u]):
+            if state.get(v) == 1:
+                cycles.append(" -> ".join(stack[stack.index(v):] + [v]))
+            elif not state.get(v):
+                visit(v, stack)
+        stack.pop()
+        state[u] = 2
+
+    for m in sorted(graph):
+        if not state.get(m):
+            visit(m, [])
+    assert not cycles, cycles
+
+
+def test_no_private_names_across_modules():
+    mods = _modules()
+    bad = [f"{m} imports {t}.{n}" for m, e in _imports(mods).items() for t, n in e
+           if n is not None and n.startswith("_") and not n.startswith("__")]
+    for m, p in mods.items():   # `module._private` attribute use through an imported module
+        imported = {t.rpartition(".")[2]: t for t, n in _imports(mods)[m] if n is None}
+        for node in ast.walk(ast.parse(p.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in imported and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                bad.append(f"{m} uses {imported[node.value.id]}.{node.attr}")
+    assert not bad, bad
