@@ -21,8 +21,9 @@ train: $(STAMP)
 	rm -rf runs/tiny_cpu
 	$(PY) -m gagar_jax.cli --config configs/tiny_cpu.py --workdir runs/tiny_cpu
 
+# Two pytest workers (pytest-xdist), a test file per worker: module fixtures are built once.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests
 
 bench: $(STAMP)
 	for b in scripts/bench_*.py; do $(PY) $$b || exit 1; done

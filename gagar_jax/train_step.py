@@ -180,7 +180,7 @@ class MiniBatchGrads:
     grads: Any                 # like params
     loss: jax.Array            # sum over micro-batches (each a mini-batch-global weighted sum)
     aux: loss_lib.LossAux             # summed over micro-batches
-    router: RouterStats        # averaged over micro-batches
+    router: RouterStats        # averaged over micro-batches (summed, then divided)
 
 
 def _logprobs(graphdef, params, bias, tok: TokenInputs):
@@ -207,11 +207,11 @@ def mini_batch_grads(params, bias, tok_U: TokenInputs, inputs_U: loss_lib.LossIn
     def loss_fn(p, tok, inp):
         logp, ent, maux = _logprobs(graphdef, p, bias, tok)
         loss, aux = loss_lib.pg_loss(logp, ent, inp, cfg.loss)
-        router = RouterStats(aux_loss=maux.aux_loss / n_micro, z_loss=maux.z_loss / n_micro,
-                             expert_load_LxE=maux.expert_load_LxE / n_micro)
         # Router losses are per-micro-batch means: average them over the micro-batches.
-        penalty = cfg.loss.router_aux_coef * router.aux_loss + cfg.loss.router_z_coef * router.z_loss
-        return loss + penalty, (aux, router)
+        penalty = cfg.loss.router_aux_coef * maux.aux_loss + cfg.loss.router_z_coef * maux.z_loss
+        router = RouterStats(aux_loss=maux.aux_loss, z_loss=maux.z_loss,
+                             expert_load_LxE=maux.expert_load_LxE)
+        return loss + penalty / n_micro, (aux, router)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -224,7 +224,8 @@ def mini_batch_grads(params, bias, tok_U: TokenInputs, inputs_U: loss_lib.LossIn
                                  jax.eval_shape(loss_fn, params, *first)[1])
     acc0 = MiniBatchGrads(jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32),
                           aux0, router0)
-    return jax.lax.scan(body, acc0, (tok_U, inputs_U))[0]
+    acc = jax.lax.scan(body, acc0, (tok_U, inputs_U))[0]
+    return acc.replace(router=jax.tree.map(lambda x: x / n_micro, acc.router))
 
 
 def _optimizer_update(carry, xs, *, bias, graphdef, cfg: StepConfig):
