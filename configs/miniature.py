@@ -46,6 +46,7 @@ def get_config() -> ml_collections.ConfigDict:
     f.spool_poll_s = 0.2
     f.spool_timeout_s = 0.0         # the producer's _DONE marker ends the feed
     f.spool_log_every_s = 30.0
+    f.spool_settle_s = 0.0          # our producer publishes by rename: no need to wait
     f.rows_per_batch = 64           # B
     f.seq_len = 128                 # S
     f.max_trajectories = 128        # T = 16 groups x 8 rollouts

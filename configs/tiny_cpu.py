@@ -93,6 +93,7 @@ def get_config() -> ml_collections.ConfigDict:
     f.spool_poll_s = 1.0            # seconds between listings of an idle spool
     f.spool_timeout_s = 0.0         # idle spool: end the feed after this long (0 = wait forever)
     f.spool_log_every_s = 30.0      # seconds between "waiting for the feed" lines
+    f.spool_settle_s = 2.0          # read a shard once its size+mtime are this old unchanged (0 = off)
     f.rows_per_batch = 16           # B, packed rows per global batch
     f.seq_len = 128                 # S, tokens per row
     f.max_trajectories = 40         # T, trajectory slots per batch

@@ -44,7 +44,9 @@ def test_picks_up_a_shard_published_while_waiting(tmp_path):
     assert rec is not None and rec.origin.endswith("0001.jsonl:0")
     (tmp_path / DONE_MARKER).touch()
     assert [src.next_record() is not None for _ in range(3)] == [True, True, False]
-    assert src.state() == {"consumed": ["0001.jsonl"], "current": None, "record": 0}
+    st = (tmp_path / "0001.jsonl").stat()
+    assert src.state() == {"consumed": {"0001.jsonl": [st.st_size, st.st_mtime_ns]},
+                           "current": None, "record": 0}
 
 
 def test_crash_and_resume_consumes_every_shard_exactly_once(tmp_path):

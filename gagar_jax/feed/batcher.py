@@ -28,13 +28,15 @@ from gagar_jax import batch as batch_lib
 from gagar_jax import grading
 from gagar_jax.feed import packing, schema
 from gagar_jax.feed.config import FeedConfig
-from gagar_jax.feed.deadletter import DeadLetter
+from gagar_jax.feed.deadletter import DeadLetter, Oversized
 from gagar_jax.feed.ledger import Ledger
-from gagar_jax.feed.sources import FileSource, SpoolSource, broadcast_from_process0
+from gagar_jax.feed.sources import (FileSource, SourceEvents, SpoolSource,
+                                    broadcast_from_process0)
 from gagar_jax.feed.validate import (ModelShape, ParsedGroup, Reason, Rejected,
                                      classify_decode_error, validate_group)
 
-STATE_VERSION = 1
+STATE_VERSION = 2            # 1: seen_group_ids was a list (still restored)
+SEEN_IDS_MAX = 1_000_000     # hard cap on remembered group ids (oldest versions go first)
 LEDGER_WRITE_EVERY_S = 5.0   # ledger.json rewrite interval (always on finish/restore)
 _NO_GRADE = -2     # tier code for "not graded" (fails, hacked passes, padding)
 
@@ -51,6 +53,7 @@ class BatchInfo:
     task_ids: tuple
     policy_versions: tuple
     trajectory_ids: tuple       # per group: its trajectory ids, in traj-slot order
+    infra_ids: tuple            # per group: ids of its infra_error trajectories (not in the batch)
     traj_slots: tuple           # per group: its trajectory slots
     num_infra: tuple            # per group: infra-error trajectories left out of the batch
     num_groups: int
@@ -72,9 +75,10 @@ def make_source(cfg: FeedConfig, *, process_count: int = 1, log: Callable[[str],
         return SpoolSource(cfg.spool_dir, poll_s=cfg.spool_poll_s, timeout_s=cfg.spool_timeout_s,
                            log_every_s=cfg.spool_log_every_s, log=log,
                            agree=broadcast_from_process0 if process_count > 1 else None,
-                           stop=stop if process_count == 1 else None)
+                           stop=stop if process_count == 1 else None,
+                           settle_s=cfg.spool_settle_s, max_record_bytes=cfg.max_record_bytes)
     if cfg.path:
-        return FileSource(cfg.path)
+        return FileSource(cfg.path, max_record_bytes=cfg.max_record_bytes)
     raise ValueError("feed: set feed.path (file or glob) or feed.spool_dir, or pass a source")
 
 
@@ -107,12 +111,29 @@ class Feed:
         self.source = source if source is not None else make_source(
             cfg, process_count=process_count, log=log)
         self.factor_table = factor_table if factor_table is not None else grading.FactorTable()
-        self.dead_letter = DeadLetter(self.workdir / "dead_letter.jsonl", enabled=self.writer)
+        self.dead_letter = DeadLetter(self.workdir / "dead_letter.jsonl", enabled=self.writer,
+                                      max_record_bytes=cfg.max_record_bytes)
         self.ledger = Ledger()
         self.buffer: list = []        # validated mixed groups waiting for a batch (FIFO)
-        self.seen_group_ids: set = set()
+        # group_id -> policy_version, for the duplicate check; see `_forget_old_ids`.
+        self.seen_group_ids: dict = {}
         self.exhausted = False
+        self.on_idle: Callable[[], None] = lambda: None   # the trainer drains finished steps
+        self._busy = False            # inside next_batch: the ledger is mid-update
         self._ledger_written = -math.inf
+        if hasattr(self.source, "events"):
+            self.source.events = _LedgerEvents(self, log)
+
+    # ---- intake -----------------------------------------------------------------------------
+    def _forget_old_ids(self, learner_step: int) -> None:
+        """Bounds `seen_group_ids`: an id whose policy_version is older than the staleness
+        window is forgotten (a re-sent copy of it is stale, so it can never train twice); at
+        most SEEN_IDS_MAX ids are kept, the oldest versions dropped first."""
+        floor = learner_step - self.cfg.max_staleness
+        seen = self.seen_group_ids
+        if seen and (min(seen.values()) < floor or len(seen) > SEEN_IDS_MAX):
+            keep = sorted(((v, g) for g, v in seen.items() if v >= floor), reverse=True)
+            self.seen_group_ids = {g: v for v, g in keep[:SEEN_IDS_MAX]}
 
     # ---- intake -----------------------------------------------------------------------------
     def _reject(self, raw, reason: str, detail: str, group_id: Optional[str] = None) -> None:
@@ -120,6 +141,9 @@ class Feed:
         self.dead_letter.write(reason, detail, raw.payload, raw.encoding, raw.origin, group_id)
 
     def _decode(self, raw) -> schema.Group:
+        if isinstance(raw.payload, Oversized):
+            raise Rejected(Reason.RECORD_TOO_LARGE, f"{raw.payload.size} bytes > "
+                           f"max_record_bytes {self.cfg.max_record_bytes}")
         if raw.encoding == "object":
             if isinstance(raw.payload, schema.Group):
                 return raw.payload
@@ -153,7 +177,8 @@ class Feed:
                        else Rejected(Reason.SCHEMA, str(e))) from None
             group_id = group.group_id
             if group_id in self.seen_group_ids:
-                raise Rejected(Reason.DUPLICATE_GROUP, f"group {group_id!r} was received before")
+                raise Rejected(Reason.DUPLICATE_GROUP,
+                               f"group {group_id[:64]!r} was received before")
             pg = validate_group(group, self.cfg, self.shape)
             too_large = self._fits_alone(pg)
             if too_large:
@@ -161,7 +186,15 @@ class Feed:
         except Rejected as e:
             self._reject(raw, e.reason, e.detail, group_id)
             return None
-        self.seen_group_ids.add(group_id)
+        except RecursionError:
+            self._reject(raw, Reason.TOO_DEEPLY_NESTED, "nesting too deep to decode", group_id)
+            return None
+        except (MemoryError, KeyboardInterrupt):
+            raise
+        except Exception as e:  # noqa: BLE001 -- no record content may crash the learner
+            self._reject(raw, Reason.INVALID, f"{type(e).__name__}: {str(e)[:500]}", group_id)
+            return None
+        self.seen_group_ids[group_id] = pg.policy_version
         if self._stale(pg, learner_step):
             self.ledger.filtered_stale += 1
             return None
@@ -178,7 +211,15 @@ class Feed:
           (Batch of numpy arrays, BatchInfo). Token arrays hold this process's rows
           (`self.rows`); per-trajectory [T] and per-group [G] arrays are complete.
         """
+        self._busy = True
+        try:
+            return self._next_batch(learner_step)
+        finally:
+            self._busy = False
+
+    def _next_batch(self, learner_step: int):
         cfg = self.cfg
+        self._forget_old_ids(learner_step)
         before = self.ledger.to_json()
         queue, self.buffer = self.buffer, []
         selected, deferred, lengths, plan = [], [], [], None
@@ -265,6 +306,8 @@ class Feed:
             task_ids=tuple(pg.record.task_id for pg in groups),
             policy_versions=tuple(pg.policy_version for pg in groups),
             trajectory_ids=tuple(tuple(t.trajectory_id for t in pg.trajectories) for pg in groups),
+            infra_ids=tuple(tuple(t.trajectory_id for t in pg.record.trajectories
+                                  if t.outcome == "infra_error") for pg in groups),
             traj_slots=tuple(tuple(range(offsets[g], offsets[g + 1])) for g in range(len(groups))),
             num_infra=tuple(pg.num_infra for pg in groups),
             num_groups=len(groups), num_trajectories=n, num_tokens=num_tokens,
@@ -284,7 +327,8 @@ class Feed:
     def record_trained(self, group_ids, fallback_flags, capped_flags) -> None:
         """`Ledger.record_trained` plus a ledger.json rewrite (call once per trained batch)."""
         self.ledger.record_trained(group_ids, fallback_flags, capped_flags)
-        self._write_ledger(force=True)
+        if not self._busy:  # from an idle wait mid-batch: the identity holds only at its end
+            self._write_ledger(force=True)
 
     def finish(self) -> Ledger:
         """Ends the run's accounting: still-buffered groups count as `leftover`."""
@@ -299,7 +343,7 @@ class Feed:
             "version": STATE_VERSION, "source": self.source.state(),
             "ledger": self.ledger.to_json(),
             "buffer": [schema.encode(pg.record, "json").decode() for pg in self.buffer],
-            "seen_group_ids": sorted(self.seen_group_ids),
+            "seen_group_ids": dict(sorted(self.seen_group_ids.items())),
             "dead_letter": {"length": self.dead_letter.length, "count": self.dead_letter.count},
         }
 
@@ -308,14 +352,36 @@ class Feed:
 
     def restore(self, state: dict) -> None:
         """Resumes from `state()` taken at a checkpoint (same config and source)."""
-        if state.get("version") != STATE_VERSION:
+        if state.get("version") not in (1, STATE_VERSION):
             raise ValueError(f"feed state version {state.get('version')}, expected {STATE_VERSION}")
         self.source.restore(state["source"])
         self.ledger = Ledger.from_json(state["ledger"])
         self.exhausted = False      # the source says again if it is at its end (a spool may not be)
         self.buffer = [validate_group(schema.decode(r.encode(), "json"), self.cfg, self.shape)
                        for r in state["buffer"]]
-        self.seen_group_ids = set(state["seen_group_ids"])
+        seen = state["seen_group_ids"]
+        # Version 1 kept bare ids: give them version 0, so the window forgets them in time.
+        self.seen_group_ids = dict(seen) if isinstance(seen, dict) else dict.fromkeys(seen, 0)
         self.dead_letter.restore(int(state["dead_letter"]["length"]),
                                  int(state["dead_letter"]["count"]))
         self._write_ledger(force=True)
+
+
+class _LedgerEvents(SourceEvents):
+    """Source events counted in the feed's ledger (and logged), idle waits passed on."""
+
+    def __init__(self, feed: "Feed", log: Callable[[str], None]):
+        super().__init__(log)
+        self.feed = feed
+
+    def skipped(self, path: str, kind: str, detail: str) -> None:
+        super().skipped(path, kind, detail)
+        counts = self.feed.ledger.skipped_shards_by_reason
+        counts[kind] = counts.get(kind, 0) + 1
+
+    def changed(self, path: str) -> None:
+        super().changed(path)
+        self.feed.ledger.changed_shards += 1
+
+    def idle(self) -> None:
+        self.feed.on_idle()

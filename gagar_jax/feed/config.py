@@ -18,6 +18,8 @@ class FeedConfig:
       spool_poll_s: seconds between listings of an idle spool.
       spool_timeout_s: give up (end of feed) after this long idle; 0 = wait forever.
       spool_log_every_s: seconds between "waiting for the feed" lines.
+      spool_settle_s: read a spool shard only after its size and mtime stayed unchanged this
+        long (local and network file systems; 0 = at once; object stores: always at once).
       rows_per_batch: B, packed rows per global batch.
       seq_len: S, tokens per row.
       max_trajectories: T, trajectory slots per batch (static).
@@ -35,6 +37,7 @@ class FeedConfig:
     spool_poll_s: float = 1.0
     spool_timeout_s: float = 0.0
     spool_log_every_s: float = 30.0
+    spool_settle_s: float = 2.0
     rows_per_batch: int = 16
     seq_len: int = 128
     max_trajectories: int = 40
@@ -57,8 +60,9 @@ class FeedConfig:
                              f"feed.seq_len ({self.seq_len}): a trajectory lives in one row")
         if self.max_staleness < 0:
             raise ValueError(f"feed.max_staleness must be >= 0, got {self.max_staleness}")
-        if self.spool_poll_s <= 0 or self.spool_timeout_s < 0:
-            raise ValueError("feed.spool_poll_s must be > 0 and feed.spool_timeout_s >= 0")
+        if self.spool_poll_s <= 0 or self.spool_timeout_s < 0 or self.spool_settle_s < 0:
+            raise ValueError("feed.spool_poll_s must be > 0, feed.spool_timeout_s and "
+                             "feed.spool_settle_s >= 0")
         if self.groups_per_batch > self.max_trajectories:
             raise ValueError("feed.groups_per_batch must be <= feed.max_trajectories "
                              "(every mixed group has at least two trajectories)")

@@ -4,6 +4,9 @@
 
 `leftover` is the number of groups still buffered (not yet in a batch); after `Feed.finish()`
 it is final. `trained` is split further by the trainer's per-group outputs (`record_trained`).
+Shards the sources skipped (not regular files, unreadable) and consumed spool shards that
+changed after they were read are counted too; they are outside the identity (no group was
+received from them).
 """
 from __future__ import annotations
 
@@ -21,12 +24,15 @@ class Ledger:
     trained: int = 0
     trained_fallback: int = 0
     trained_capped: int = 0
-    trained_recorded: int = 0       # trained groups whose fallback/capped flags were recorded
+    trained_recorded: int = 0       # trained groups whose step's results were read back
+                                    # (< trained only while a step is in flight)
     filtered_uniform: int = 0
     filtered_stale: int = 0
     quarantined_by_reason: dict = dataclasses.field(default_factory=collections.Counter)
     leftover: int = 0
     finished: bool = False
+    skipped_shards_by_reason: dict = dataclasses.field(default_factory=collections.Counter)
+    changed_shards: int = 0         # consumed spool shards whose size/mtime changed later
 
     @property
     def quarantined(self) -> int:
@@ -63,6 +69,7 @@ class Ledger:
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["quarantined_by_reason"] = dict(sorted(self.quarantined_by_reason.items()))
+        d["skipped_shards_by_reason"] = dict(sorted(self.skipped_shards_by_reason.items()))
         d["quarantined"] = self.quarantined
         d["balanced"] = self.balanced
         return d
@@ -72,6 +79,8 @@ class Ledger:
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in fields}
         kw["quarantined_by_reason"] = collections.Counter(kw.get("quarantined_by_reason", {}))
+        kw["skipped_shards_by_reason"] = collections.Counter(
+            kw.get("skipped_shards_by_reason", {}))
         return cls(**kw)
 
     def write(self, path: epath.PathLike) -> None:

@@ -17,6 +17,7 @@ from gagar_jax import grading
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
+MAX_ID_CHARS = 256          # group_id, task_id, trajectory_id (they are kept in checkpoints)
 
 Tier = Literal["strong", "intermediate", "defective"]
 Outcome = Literal["pass", "fail", "infra_error"]

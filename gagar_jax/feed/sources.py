@@ -3,71 +3,23 @@ directory, or an in-process Python iterator.
 
 A source hands out `RawRecord`s one at a time (`next_record()`, None = no more) and exposes a
 JSON-able `state()` / `restore(state)` so a resumed run continues exactly where it stopped.
-Paths go through `etils.epath` (local disk, GCS, S3).
+Paths go through `etils.epath` (local disk, GCS, S3). Sources never crash on what they read
+(see `shards.py`); what they skip is reported through their `events` (`SourceEvents`).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
+import os
+import stat as stat_lib
 import time
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 from etils import epath
 
-JSONL_SUFFIXES = (".jsonl", ".json")
-ARRAYRECORD_SUFFIXES = (".arrayrecord", ".array_record")
-DONE_MARKER = "_DONE"   # a spool containing this file ends once every shard is consumed
-
-
-@dataclasses.dataclass(frozen=True)
-class RawRecord:
-    payload: Any        # bytes (json / msgpack) or an object (Group or dict) for in-process use
-    encoding: str       # "json" | "msgpack" | "object"
-    origin: str         # "<file>:<record index>", for dead-letter entries
-
-
-def shard_encoding(path: epath.PathLike) -> str:
-    """"json" for *.jsonl, "msgpack" for *.arrayrecord; raises for anything else."""
-    name = epath.Path(path).name
-    if name.endswith(JSONL_SUFFIXES):
-        return "json"
-    if name.endswith(ARRAYRECORD_SUFFIXES):
-        return "msgpack"
-    raise ValueError(f"feed shard {name!r}: expected a name ending in "
-                     f"{JSONL_SUFFIXES + ARRAYRECORD_SUFFIXES}")
-
-
-class ShardReader:
-    """Sequential records of one shard starting at record `start` (blank JSONL lines skipped)."""
-
-    def __init__(self, path: epath.PathLike, start: int = 0):
-        self.path = epath.Path(path)
-        self.encoding = shard_encoding(self.path)
-        self.index = 0
-        if self.encoding == "json":
-            self._lines: Iterator[bytes] = iter(self.path.open("rb"))   # streamed, not slurped
-        else:
-            import grain.python as grain  # deferred: grain is heavy to import
-            self._source = grain.ArrayRecordDataSource([str(self.path)])
-        while self.index < start and self.next() is not None:
-            pass
-
-    def next(self) -> Optional[RawRecord]:
-        if self.encoding == "json":
-            for line in self._lines:
-                if line.strip():
-                    break
-            else:
-                return None
-            payload = line
-        else:
-            if self.index >= len(self._source):
-                return None
-            payload = self._source[self.index]
-        rec = RawRecord(payload, self.encoding, f"{self.path}:{self.index}")
-        self.index += 1
-        return rec
+from gagar_jax.feed.shards import (ARRAYRECORD_SUFFIXES, DONE_MARKER, JSONL_SUFFIXES,  # noqa: F401
+                                   RawRecord, ShardReader, SourceEvents, is_remote, open_shard,
+                                   read_next, shard_encoding)
 
 
 def _glob(pattern: str) -> list:
@@ -88,16 +40,18 @@ def _glob(pattern: str) -> list:
 class FileSource:
     """All records of one file or a glob's files, in sorted file order."""
 
-    def __init__(self, pattern: str):
+    def __init__(self, pattern: str, *, max_record_bytes: int = 4_000_000):
         self.files = _glob(pattern)
+        self.limit = max_record_bytes
+        self.events = SourceEvents()
         self._file = 0
         self._reader: Optional[ShardReader] = None
 
     def next_record(self) -> Optional[RawRecord]:
         while self._file < len(self.files):
             if self._reader is None:
-                self._reader = ShardReader(self.files[self._file])
-            rec = self._reader.next()
+                self._reader = open_shard(self.files[self._file], 0, self.limit, self.events)
+            rec = read_next(self._reader, self.events) if self._reader is not None else None
             if rec is not None:
                 return rec
             self._file, self._reader = self._file + 1, None
@@ -110,7 +64,10 @@ class FileSource:
         self._file = int(state["file"])
         self._reader = None
         if self._file < len(self.files):
-            self._reader = ShardReader(self.files[self._file], int(state["record"]))
+            self._reader = open_shard(self.files[self._file], int(state["record"]), self.limit,
+                                      self.events)
+            if self._reader is None:
+                self._file += 1
 
 
 def broadcast_from_process0(obj: Any) -> Any:
@@ -123,13 +80,24 @@ def broadcast_from_process0(obj: Any) -> Any:
     return json.loads(bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))))
 
 
+def _ignored(name: str) -> bool:
+    return (name.startswith((".", "_")) or name.endswith(".tmp")
+            or not name.endswith(JSONL_SUFFIXES + ARRAYRECORD_SUFFIXES))
+
+
 class SpoolSource:
     """Tails a directory where writers publish complete shards atomically.
 
     Writers write `name.jsonl.tmp` (or any name starting with "." or "_" or ending in ".tmp")
     and rename it to `name.jsonl` / `name.arrayrecord` when complete (on object stores: create
     the final object in one upload). Shards are read in name order, each exactly once; the
-    consumed set and the position inside the current shard are the checkpointed state.
+    consumed set (with each shard's size and mtime) and the position inside the current shard
+    are the checkpointed state.
+
+    Protection against careless writers (local and network file systems): a shard is read only
+    once its size and mtime have stayed unchanged for `settle_s` seconds of this process's
+    clock (0 = at once); a consumed shard whose size or mtime later changes is reported once
+    (`events.changed`). Objects on object stores appear whole and are read at once.
 
     Args:
       directory: the spool.
@@ -137,54 +105,110 @@ class SpoolSource:
       timeout_s: end the feed after this long without a new shard (0 = wait forever).
       log_every_s: seconds between "waiting for the feed" lines.
       log: where those lines go.
-      agree: maps this process's view {"names", "done", "timed_out"} to the view all processes
-        act on (multi-process: `broadcast_from_process0`); identity by default.
+      agree: maps this process's view {"names", "skipped", "changed", "done", "timed_out"} to
+        the view all processes act on (multi-process: `broadcast_from_process0`, so process 0
+        decides which shards are settled); identity by default.
       stop: optional callable; when it returns True while the spool is idle, the feed ends
         (the trainer passes its preemption flag, so SIGTERM is honored while waiting).
+      settle_s: see above.
+      max_record_bytes: longest JSONL line read whole.
     """
 
     def __init__(self, directory: str, *, poll_s: float = 1.0, timeout_s: float = 0.0,
                  log_every_s: float = 30.0, log: Callable[[str], None] = print,
                  agree: Optional[Callable[[dict], dict]] = None,
-                 stop: Optional[Callable[[], bool]] = None):
+                 stop: Optional[Callable[[], bool]] = None, settle_s: float = 0.0,
+                 max_record_bytes: int = 4_000_000):
         self.dir = epath.Path(directory)
         self.stop = stop or (lambda: False)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.poll_s, self.timeout_s, self.log_every_s = poll_s, timeout_s, log_every_s
+        self.settle_s = 0.0 if is_remote(self.dir) else settle_s
+        self.limit = max_record_bytes
         self.log = log
+        self.events = SourceEvents(log)
         self.agree = agree or (lambda view: view)
-        self.consumed: set = set()
+        self.consumed: dict = {}      # name -> [size, mtime_ns] when read (None: unknown)
+        self._settling: dict = {}     # name -> ([size, mtime_ns], first seen, monotonic)
         self._current: Optional[str] = None
         self._reader: Optional[ShardReader] = None
 
-    def _pending(self) -> list:
-        names = []
-        for p in self.dir.iterdir():
-            n = p.name
-            if n.startswith((".", "_")) or n.endswith(".tmp") or n in self.consumed:
+    def _listing(self) -> dict:
+        """name -> [size, mtime_ns] (None: remote, or not a regular file -> "skip" marker)."""
+        out = {}
+        if is_remote(self.dir):
+            for p in self.dir.iterdir():
+                if not _ignored(p.name):
+                    out[p.name] = None
+            return out
+        with os.scandir(os.fspath(self.dir)) as entries:
+            for e in entries:
+                if _ignored(e.name):
+                    continue
+                try:
+                    st = e.stat()                       # follows symlinks
+                except OSError:
+                    out[e.name] = "skip"
+                    continue
+                out[e.name] = ([st.st_size, st.st_mtime_ns] if stat_lib.S_ISREG(st.st_mode)
+                               else "skip")
+        return out
+
+    def _view(self) -> dict:
+        """This process's proposal: settled names, names to skip, consumed names that changed."""
+        now = time.monotonic()
+        names, skipped, changed, settling, waiting = [], [], [], {}, False
+        for name, st in sorted(self._listing().items()):
+            if name in self.consumed:
+                old = self.consumed[name]
+                if old is not None and isinstance(st, list) and st != old:
+                    changed.append([name, st])
                 continue
-            if n.endswith(JSONL_SUFFIXES + ARRAYRECORD_SUFFIXES):
-                names.append(n)
-        return sorted(names)
+            if st == "skip":
+                skipped.append(name)
+                continue
+            prev = self._settling.get(name)
+            since = prev[1] if prev is not None and prev[0] == st else now
+            settling[name] = (st, since)
+            if st is None or now - since >= self.settle_s:
+                names.append(name)
+            else:
+                waiting = True
+        self._settling = settling
+        return {"names": names, "skipped": skipped, "changed": changed, "settling": waiting}
+
+    def _apply(self, view: dict) -> None:
+        for name in view["skipped"]:
+            self.events.skipped(str(self.dir / name), "not_a_regular_file",
+                                f"{self.dir / name}: not a readable regular file")
+            self.consumed[name] = None
+        for name, st in view["changed"]:
+            self.events.changed(str(self.dir / name))
+            self.consumed[name] = st
 
     def next_record(self) -> Optional[RawRecord]:
         idle_since = last_log = time.monotonic()
         while True:
             if self._reader is not None:
-                rec = self._reader.next()
+                rec = read_next(self._reader, self.events)
                 if rec is not None:
                     return rec
-                self.consumed.add(self._current)
                 self._current, self._reader = None, None
             now = time.monotonic()
             view = self.agree({
-                "names": self._pending(), "done": (self.dir / DONE_MARKER).exists(),
+                **self._view(), "done": (self.dir / DONE_MARKER).exists(),
                 "timed_out": bool(self.timeout_s) and now - idle_since > self.timeout_s})
+            self._apply(view)
             if view["names"]:
-                self._current = view["names"][0]
-                self._reader = ShardReader(self.dir / self._current)
+                name = view["names"][0]
+                st = self._settling.pop(name, (None, 0))[0]
+                self.consumed[name] = st
+                self._current = name
+                self._reader = open_shard(self.dir / name, 0, self.limit, self.events)
+                if self._reader is None:
+                    self._current = None
                 continue
-            if view["done"]:
+            if view["done"] and not view["settling"]:
                 return None
             if view["timed_out"]:
                 self.log(f"feed: spool {self.dir} idle for {self.timeout_s:.0f} s; ending the feed")
@@ -196,17 +220,24 @@ class SpoolSource:
                 self.log(f"feed: waiting for the feed (spool {self.dir}, idle "
                          f"{now - idle_since:.0f} s, {len(self.consumed)} shards consumed)")
                 last_log = now
+            self.events.idle()
             time.sleep(self.poll_s)
 
     def state(self) -> dict:
-        return {"consumed": sorted(self.consumed), "current": self._current,
+        return {"consumed": dict(sorted(self.consumed.items())), "current": self._current,
                 "record": self._reader.index if self._reader else 0}
 
     def restore(self, state: dict) -> None:
-        self.consumed = set(state["consumed"])
+        consumed = state["consumed"]
+        # Old checkpoints hold a list of names (no size/mtime: changes are not checked).
+        self.consumed = (dict(consumed) if isinstance(consumed, dict)
+                         else {name: None for name in consumed})
         self._current, self._reader = state.get("current"), None
         if self._current is not None:
-            self._reader = ShardReader(self.dir / self._current, int(state["record"]))
+            self._reader = open_shard(self.dir / self._current, int(state["record"]), self.limit,
+                                      self.events)
+            if self._reader is None:
+                self._current = None
 
 
 class IteratorSource:

@@ -111,7 +111,9 @@ def make_groups(num_groups: int, seed: int = 0, spec: SyntheticSpec = SyntheticS
 
 
 def malformed_records(seed: int = 0) -> list:
-    """One record per validation reason that a producer could get wrong.
+    """One record per validation reason that a producer could get wrong (every reason but
+    `record_too_large`, `duplicate_group_id`, `group_too_large` and `invalid_record`, which
+    depend on the config, on other records or on a learner bug).
 
     Returns:
       A list of (expected reason, encoded record, encoding). msgpack is used because JSON
@@ -148,5 +150,9 @@ def malformed_records(seed: int = 0) -> list:
     variant("no_valid_trajectory", lambda r, t: [x.update(outcome="infra_error")
                                                  for x in r["trajectories"]])
     variant("too_many_trajectories", lambda r, t: r.update(trajectories=r["trajectories"] * 5))
+    variant("negative_policy_version", lambda r, t: r.update(policy_version=-1))
+    variant("id_too_long", lambda r, t: t.update(trajectory_id="t" * (schema.MAX_ID_CHARS + 1)))
     out.append(("unparseable", b'{"schema_version": 1, "group_id": "trunc', "json"))
+    deep = b"[" * 20_000 + b"]" * 20_000       # an unknown field nested past any decoder
+    out.append(("too_deeply_nested", b'{"junk": ' + deep + b', "schema_version": 1}', "json"))
     return out

@@ -33,6 +33,10 @@ class Reason:
     ROUTED_EXPERTS = "routed_experts_shape"      # routed_experts does not match the model
     NO_VALID_TRAJECTORY = "no_valid_trajectory"  # empty, or every trajectory an infra error
     GROUP_TOO_LARGE = "group_too_large"          # cannot fit one global batch
+    ID_TOO_LONG = "id_too_long"                  # group/task/trajectory id over MAX_ID_CHARS
+    NEGATIVE_POLICY_VERSION = "negative_policy_version"
+    TOO_DEEPLY_NESTED = "too_deeply_nested"      # nesting beyond what the decoder can follow
+    INVALID = "invalid_record"                   # any other failure while decoding/validating
 
     @classmethod
     def all(cls) -> tuple[str, ...]:
@@ -205,6 +209,12 @@ def validate_group(group: schema.Group, limits, shape: ModelShape) -> ParsedGrou
       The `ParsedGroup`; raises `Rejected` with the first problem found.
     """
     gid = group.group_id
+    if len(gid) > schema.MAX_ID_CHARS or len(group.task_id) > schema.MAX_ID_CHARS:
+        raise Rejected(Reason.ID_TOO_LONG, f"group_id or task_id over {schema.MAX_ID_CHARS} "
+                       f"characters (group_id starts {gid[:64]!r})")
+    if group.policy_version < 0:
+        raise Rejected(Reason.NEGATIVE_POLICY_VERSION,
+                       f"group {gid!r}: policy_version {group.policy_version} < 0")
     if group.schema_version not in schema.SUPPORTED_SCHEMA_VERSIONS:
         raise Rejected(Reason.SCHEMA_VERSION, f"group {gid!r}: schema_version "
                        f"{group.schema_version}, supported {schema.SUPPORTED_SCHEMA_VERSIONS}")
@@ -212,6 +222,9 @@ def validate_group(group: schema.Group, limits, shape: ModelShape) -> ParsedGrou
         raise Rejected(Reason.TOO_MANY_TRAJECTORIES, f"group {gid!r}: {len(group.trajectories)} "
                        f"> max_group_trajectories {limits.max_group_trajectories}")
     ids = [t.trajectory_id for t in group.trajectories]
+    if any(len(i) > schema.MAX_ID_CHARS for i in ids):
+        raise Rejected(Reason.ID_TOO_LONG,
+                       f"group {gid!r}: a trajectory_id over {schema.MAX_ID_CHARS} characters")
     if len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})
         raise Rejected(Reason.DUPLICATE_TRAJECTORY, f"group {gid!r}: repeated ids {dup}")
