@@ -13,6 +13,7 @@ Directory layout (``directory`` is ``<workdir>/checkpoints`` in the trainer)::
         state/                         the TrainState pytree (OCDBT + zarr; sharding-agnostic)
         feed/metadata                  JSON: feed position/state (`batcher.state_dict()`-style)
         config/metadata                JSON: the run's config (ConfigDict.to_dict())
+        audit/metadata                 JSON: positions of metrics.jsonl / groups.jsonl (optional)
       <step>.orbax-checkpoint-tmp-*/   a save in flight (or killed mid-save): never read
       <step>.corrupt-<unix time>/      a step that failed to restore, moved aside (kept for forensics)
 
@@ -25,6 +26,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any, Mapping, Optional
 
@@ -34,7 +36,7 @@ import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
 
-_ITEMS = ("state", "feed", "config")
+_ITEMS = ("state", "feed", "config", "audit")
 # Files every committed step has; a step missing one is incomplete (e.g. deleted by hand).
 _REQUIRED = ("_CHECKPOINT_METADATA", "state", "feed", "config")
 
@@ -48,12 +50,15 @@ class Restored:
       state: the train state, on the shardings of the abstract state passed to `restore`.
       feed: the feed position/state dict saved with it.
       config: the config dict saved with it.
+      audit: {file name: AuditPosition JSON} of the audit logs at the save, or None for a
+        checkpoint written without them (then nothing is truncated on resume).
     """
 
     step: int
     state: Any
     feed: dict
     config: dict
+    audit: Optional[dict] = None
 
 
 def _jsonable(obj: Any, what: str, *, lenient: bool = False) -> Any:
@@ -141,7 +146,7 @@ class Checkpointer:
 
     # -- save ---------------------------------------------------------------------------------
     def save(self, step: int, state: Any, feed: Mapping[str, Any], config: Any, *,
-             force: bool = False) -> bool:
+             force: bool = False, audit: Optional[Mapping[str, Any]] = None) -> bool:
         """Starts an (async) save of state + feed position + config as one step.
 
         Call on every process. Writes when `step` is a multiple of `save_interval_steps`, or
@@ -154,6 +159,8 @@ class Checkpointer:
           feed: the feed position/state, a JSON-serializable dict.
           config: the run's config (dict, ConfigDict or JSON string), stored for reference.
           force: write even off the save interval.
+          audit: positions of the audit logs (`MetricsWriter.sync()`), taken after they were
+            fsync'ed, so the committed step never points past what is on disk.
 
         Returns:
           True if a save was started.
@@ -165,11 +172,11 @@ class Checkpointer:
         if step in self._manager.all_steps():
             log.info("checkpoint for step %d already exists; not saving again", step)
             return False
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            feed=ocp.args.JsonSave(feed_json),
-            config=ocp.args.JsonSave(config_json),
-        )
+        items = dict(state=ocp.args.StandardSave(state), feed=ocp.args.JsonSave(feed_json),
+                     config=ocp.args.JsonSave(config_json))
+        if audit is not None:
+            items["audit"] = ocp.args.JsonSave(_jsonable(audit, "audit"))
+        args = ocp.args.Composite(**items)
         return bool(self._manager.save(step, args=args, force=True))
 
     def wait_until_finished(self) -> None:
@@ -180,6 +187,25 @@ class Checkpointer:
         """Waits for pending saves and releases the manager's threads."""
         self._manager.wait_until_finished()
         self._manager.close()
+
+    def abort(self, timeout_s: float = 10.0) -> bool:
+        """Fatal-error cleanup: stops the background writers, waiting at most `timeout_s`.
+
+        Errors of the pending save are logged, not raised (the run is failing already).
+
+        Returns:
+          True if the writers stopped in time (else they are left to die with the process).
+        """
+        def close():
+            try:
+                self._manager.close()
+            except Exception as err:  # noqa: BLE001 -- already failing: report, do not mask
+                log.warning("checkpoint writer stopped with %s: %s", type(err).__name__, err)
+
+        thread = threading.Thread(target=close, name="gagar-checkpoint-abort", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        return not thread.is_alive()
 
     # -- restore ------------------------------------------------------------------------------
     def restore(self, abstract_state: Any, step: Optional[int] = None) -> Restored:
@@ -225,14 +251,19 @@ class Checkpointer:
         missing = [name for name in _REQUIRED if not os.path.exists(os.path.join(step_dir, name))]
         if missing:
             raise FileNotFoundError(f"step {step} is incomplete: missing {missing} in {step_dir}")
-        out = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
-            feed=ocp.args.JsonRestore(),
-            config=ocp.args.JsonRestore(),
-        ))
+        items = dict(state=ocp.args.StandardRestore(abstract_state),
+                     feed=ocp.args.JsonRestore(), config=ocp.args.JsonRestore())
+        has_audit = os.path.exists(os.path.join(step_dir, "audit"))
+        if has_audit:
+            items["audit"] = ocp.args.JsonRestore()
+        out = self._manager.restore(step, args=ocp.args.Composite(**items))
         if not isinstance(out.feed, dict) or not isinstance(out.config, dict):
             raise ValueError(f"step {step}: feed/config items are not JSON objects")
-        return Restored(step=step, state=out.state, feed=out.feed, config=out.config)
+        audit = out.audit if has_audit else None
+        if audit is not None and not isinstance(audit, dict):
+            raise ValueError(f"step {step}: the audit item is not a JSON object")
+        return Restored(step=step, state=out.state, feed=out.feed, config=out.config,
+                        audit=audit)
 
     def _quarantine(self, step: int) -> None:
         """Moves a bad step out of orbax's sight, so later saves of that step number can happen."""

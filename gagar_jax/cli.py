@@ -5,12 +5,20 @@
 Multi-process: `--coordinator_address HOST:PORT --num_processes N --process_id I` (or the
 environment variables JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID), or
 `--distributed` to let `jax.distributed.initialize()` detect a TPU pod / SLURM cluster.
-A wrong flag, config key, value or file is reported in one line with exit code 2.
+Exit codes (docs/reliability.md): 0 done (or preempted and checkpointed); 2 configuration
+error or workdir locked by another learner (one line naming the holder); 1 fatal runtime error
+(one line naming the failing path; background writers are stopped first, with a bounded wait).
+
+Process 0 takes the workdir lock (`--lock_wait_s`) before JAX is imported and before any workdir
+file is touched. With no accelerator visible and JAX_PLATFORMS unset, JAX_PLATFORMS=cpu is set
+so that an installed libtpu is never probed (it prints E0000 lines on CPU-only machines).
 """
 from __future__ import annotations
 
+import glob
 import os
 import sys
+import traceback
 
 _REPO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                             "configs", "tiny_cpu.py")
@@ -33,6 +41,9 @@ def _define_flags(argv):
     flags.DEFINE_bool("distributed", False,
                       "Call jax.distributed.initialize() with auto-detection (TPU pods, SLURM).",
                       flag_values=fv)
+    flags.DEFINE_float("lock_wait_s", 0.0,
+                       "Wait this long for another learner to release the workdir (e.g. its "
+                       "SIGTERM grace period) before exiting 2.", flag_values=fv)
     return fv
 
 
@@ -81,6 +92,55 @@ def _usage(argv, path) -> str:
     lines.append("Docs: README.md, docs/ (feed.md for graders, loss.md, scaling.md, "
                  "checkpoints.md).")
     return "\n".join(lines)
+
+
+# Device nodes of accelerators JAX can use (TPU VMs: /dev/accel* or /dev/vfio; NVIDIA; AMD).
+_ACCELERATOR_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
+
+
+def _default_platform(env=os.environ) -> None:
+    """JAX_PLATFORMS=cpu when it is unset and no accelerator device node exists."""
+    if "JAX_PLATFORMS" not in env and not any(glob.glob(p) for p in _ACCELERATOR_NODES):
+        env["JAX_PLATFORMS"] = "cpu"
+
+
+def _process_index_hint(fv, env=os.environ) -> int:
+    """This process's index before JAX starts: flags, JAX's variables, or the scheduler's."""
+    if fv.process_id is not None:
+        return fv.process_id
+    for var in ("JAX_PROCESS_ID", "SLURM_PROCID", "CLOUD_TPU_TASK_ID", "TPU_WORKER_ID"):
+        if env.get(var, "").isdigit():
+            return int(env[var])
+    return 0
+
+
+def _fatal(err: BaseException, workdir: str) -> None:
+    """One line naming the failing path, the traceback into the workdir if possible, exit 1.
+
+    `os._exit`: a background thread (a stuck checkpoint write) must not keep the process alive.
+    """
+    cause, seen = err, set()
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.filename:
+            break
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+        reason = f"{cause.strerror or cause}: {cause.filename}"
+    else:
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    where = ""
+    try:
+        path = os.path.join(workdir, "fatal_error.txt")
+        with open(path, "w") as f:
+            traceback.print_exception(err, file=f)
+        where = f" (traceback: {path})"
+    except OSError:
+        pass
+    print(f"gagar-train: fatal: {reason}{where}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _init_distributed(fv) -> None:
@@ -144,16 +204,39 @@ def main(argv=None) -> int:
     if not fv.workdir:
         return _error("--workdir is required")
 
+    from gagar_jax import workdir_lock   # no JAX: a refused learner exits before importing it
+
+    lock_error = None
+    if _process_index_hint(fv) == 0:
+        try:
+            workdir_lock.acquire(fv.workdir, wait_s=fv.lock_wait_s)
+        except workdir_lock.LockHeld as e:
+            lock_error = str(e)
+        except OSError as e:
+            return _error(f"cannot lock the workdir: {e.strerror or e}: {e.filename}")
+    distributed = bool(fv.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+                       or fv.distributed)
+    if lock_error and not distributed:
+        return _error(lock_error)
+    _default_platform()
+
     from gagar_jax import train
     from gagar_jax.config import ConfigError
 
     try:
         _init_distributed(fv)
+        if distributed:   # every process exits 2 when process 0 could not take the lock
+            import jax
+            lock_error = workdir_lock.agree(lock_error, jax.process_index())
+        if lock_error:
+            return _error(lock_error)
         summary = train.run(cfg, fv.workdir)
     except ConfigError as e:
         return _error(str(e))
     except FileNotFoundError as e:
         return _error(f"file not found: {e.filename or e}")
+    except Exception as e:  # noqa: BLE001 -- fatal at run time: one line, exit 1
+        _fatal(e, fv.workdir)
     if summary is not None:
         import json
 

@@ -3,8 +3,13 @@
 Files written in the workdir (process 0 only):
   metrics.jsonl     one JSON object per logged step: {"step", "time", <name>: float, ...};
                     non-finite values are written as null and listed under "nonfinite".
-  groups.jsonl      one JSON object per trained group (see `group_records`).
+  groups.jsonl      one JSON object per trained group (see `group_records`); non-finite
+                    values (e.g. the NaN factor of a pass sent without quality) are null.
   tensorboard/      TensorBoard event files (tensorboardX), one scalar per metric name.
+
+The JSONL files are flushed every step and checkpointed like the dead-letter file: their
+`AuditPosition`s are saved with each checkpoint (after an fsync), and a resumed run truncates
+them back, so a step is in them exactly once even after a SIGKILL.
 
 The loop (`train.py`) dispatches step N+1 before it reads step N's metrics (`to_host`), so the
 device never waits for the host to format numbers.
@@ -14,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 from typing import Any, Mapping, Optional, Sequence
@@ -127,7 +133,9 @@ def group_records(step: int, group_ids: Sequence[str], trajectory_ids: Sequence[
                   valid_T: Optional[np.ndarray] = None,
                   rewards_T: Optional[np.ndarray] = None,
                   outcome_advantages_T: Optional[np.ndarray] = None,
-                  mixed_G: Optional[np.ndarray] = None) -> list[dict]:
+                  mixed_G: Optional[np.ndarray] = None,
+                  hacked_T: Optional[np.ndarray] = None,
+                  infra_ids: Optional[Sequence[Sequence[str]]] = None) -> list[dict]:
     """One audit record per real group of a batch, for `groups.jsonl`.
 
     Args:
@@ -140,15 +148,22 @@ def group_records(step: int, group_ids: Sequence[str], trajectory_ids: Sequence[
       factors_T, advantages_T: float [T], quality factor and final advantage.
       lam_G, capped_G, fallback_G: [G] per-group λ, cap fired, grading fallback.
       valid_T: optional bool [T]; written per trajectory when given.
-      rewards_T: optional float [T]; written per trajectory when given.
+      rewards_T: optional float [T], the binary outcome as sent (1 = pass). When given, each
+        trajectory gets "outcome" ("pass" | "fail") and "reward", the effective reward (0 for
+        a hacked pass, SPEC rule 2).
       outcome_advantages_T: optional float [T], the advantage before redistribution; written
         per trajectory as "outcome_advantage" when given.
       mixed_G: optional bool [G]; written per group as "mixed" when given.
+      hacked_T: optional bool [T]; written per trajectory as "hacked" when given.
+      infra_ids: optional, per real group, the ids of its infra_error trajectories (not in the
+        batch); each is appended as {"id", "outcome": "infra_error", "valid": false,
+        "advantage": 0.0}.
 
     Returns:
       A list of dicts {"step", "group_id", "lam", "capped", "fallback", ["mixed"],
-      "trajectories": [{"id", "factor", "advantage", ["valid"], ["reward"],
-      ["outcome_advantage"]}, ...]} in batch group order.
+      "trajectories": [{"id", "factor", "advantage", ["valid"], ["outcome", "reward"],
+      ["hacked"], ["outcome_advantage"]}, ...]} in batch group order. Non-finite values (a
+      pass sent without quality has factor NaN) are written as null by the writer.
     """
     group_index_T = np.asarray(group_index_T)
     T, G = group_index_T.shape[0], np.asarray(lam_G).shape[0]
@@ -160,8 +175,13 @@ def group_records(step: int, group_ids: Sequence[str], trajectory_ids: Sequence[
                 "advantage": np.asarray(advantages_T, np.float64)}
     if valid_T is not None:
         per_traj["valid"] = np.asarray(valid_T, bool)
+    hacked = None if hacked_T is None else np.asarray(hacked_T, bool)
+    if hacked is not None:
+        per_traj["hacked"] = hacked
     if rewards_T is not None:
-        per_traj["reward"] = np.asarray(rewards_T, np.float64)
+        raw = np.asarray(rewards_T, np.float64)
+        per_traj["outcome"] = np.where(raw > 0, "pass", "fail")
+        per_traj["reward"] = raw if hacked is None else np.where(hacked, 0.0, raw)
     if outcome_advantages_T is not None:
         per_traj["outcome_advantage"] = np.asarray(outcome_advantages_T, np.float64)
     for name, arr in per_traj.items():
@@ -182,7 +202,9 @@ def group_records(step: int, group_ids: Sequence[str], trajectory_ids: Sequence[
                   "capped": bool(capped[g]), "fallback": bool(fallback[g])}
         if mixed_G is not None:
             record["mixed"] = bool(np.asarray(mixed_G)[g])
-        record["trajectories"] = members[g]
+        record["trajectories"] = members[g] + [
+            {"id": tid, "outcome": "infra_error", "valid": False, "advantage": 0.0}
+            for tid in (infra_ids[g] if infra_ids is not None else ())]
         records.append(record)
     return records
 
@@ -190,35 +212,111 @@ def group_records(step: int, group_ids: Sequence[str], trajectory_ids: Sequence[
 # -- writers ------------------------------------------------------------------------------------
 
 
+def _finite(obj: Any) -> Any:
+    """`obj` with every non-finite float replaced by None (strict JSON has no NaN/inf)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def _json_line(obj: Mapping[str, Any]) -> str:
-    return json.dumps(obj, allow_nan=False, separators=(",", ":")) + "\n"
+    return json.dumps(_finite(obj), allow_nan=False, separators=(",", ":")) + "\n"
+
+
+AUDIT_FILES = ("metrics.jsonl", "groups.jsonl")
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditPosition:
+    """Where an append-only audit file ended when a checkpoint was taken.
+
+    Local and network file systems: `segment` is "" (the file itself) and `length` its size in
+    bytes. Object stores cannot append or truncate, so there an audit file becomes a series of
+    immutable segments (the weight-I/O work): `segment` then names the last segment that
+    belongs to the checkpoint and `length` its size; later segments are discarded on resume.
+    """
+
+    segment: str
+    length: int
+
+    def to_json(self) -> dict:
+        return {"segment": self.segment, "length": self.length}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "AuditPosition":
+        return cls(segment=str(d.get("segment", "")), length=int(d["length"]))
+
+
+def truncate_to(path: str, position: AuditPosition) -> None:
+    """Cuts a local audit file back to `position`; a shorter file is logged, never extended."""
+    if not os.path.exists(path):
+        if position.length:
+            _log.warning("%s is missing (checkpoint expects %d bytes); starting it empty",
+                         path, position.length)
+        return
+    size = os.path.getsize(path)
+    if size > position.length:
+        os.truncate(path, position.length)
+        _log.info("%s: cut back from %d to %d bytes (lines after the checkpoint)", path, size,
+                  position.length)
+    elif size < position.length:
+        _log.warning("%s is %d bytes, shorter than the checkpointed %d; not extending it",
+                     path, size, position.length)
 
 
 class MetricsWriter:
     """Writes `metrics.jsonl`, `groups.jsonl` and TensorBoard events in `workdir`.
 
-    Only process 0 writes; on other processes every method is a no-op.
+    Only process 0 writes; on other processes every method is a no-op. Write errors are
+    raised as OSError naming the file.
 
     Args:
       workdir: the run's workdir (created if missing).
       tensorboard: also write TensorBoard event files under `workdir/tensorboard`.
       enabled: override the process-0 rule (tests).
+      resume: positions saved with the checkpoint being resumed ({file name: AuditPosition});
+        the files are truncated back to them first. None: append without truncating (a fresh
+        run, or a checkpoint written before positions were saved).
+      purge_step: TensorBoard drops events at or after this step (the resumed step + 1).
     """
 
     def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True,
-                 enabled: Optional[bool] = None):
+                 enabled: Optional[bool] = None,
+                 resume: Optional[Mapping[str, AuditPosition]] = None,
+                 purge_step: Optional[int] = None):
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.workdir = os.fspath(workdir)
         self._metrics = self._groups = self._tb = None
         if not self.enabled:
             return
         os.makedirs(self.workdir, exist_ok=True)
+        for name, position in (resume or {}).items():
+            truncate_to(os.path.join(self.workdir, name), position)
         # Append: a resumed run continues the same files.
-        self._metrics = open(os.path.join(self.workdir, "metrics.jsonl"), "a")
-        self._groups = open(os.path.join(self.workdir, "groups.jsonl"), "a")
+        self._metrics = self._open("metrics.jsonl")
+        self._groups = self._open("groups.jsonl")
         if tensorboard:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(logdir=os.path.join(self.workdir, "tensorboard"))
+            self._tb = SummaryWriter(logdir=os.path.join(self.workdir, "tensorboard"),
+                                     purge_step=purge_step)
+
+    def _open(self, name: str):
+        path = os.path.join(self.workdir, name)
+        try:
+            return open(path, "a")
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, path) from e
+
+    def _io(self, f, fn, *args) -> None:
+        try:
+            fn(*args)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, f.name) from e
 
     def write(self, step: int, scalars: Mapping[str, float], *, wall_time: Optional[float] = None):
         """Writes one step's scalar metrics (non-finite values: null + listed in "nonfinite")."""
@@ -239,22 +337,38 @@ class MetricsWriter:
                 bad.append(name)
         if bad:
             record["nonfinite"] = sorted(bad)
-        self._metrics.write(_json_line(record))
+        self._io(self._metrics, self._metrics.write, _json_line(record))
 
     def write_groups(self, records: Sequence[Mapping[str, Any]]) -> None:
         """Appends `group_records(...)` output to groups.jsonl."""
         if not self.enabled:
             return
         for record in records:
-            self._groups.write(_json_line(record))
+            self._io(self._groups, self._groups.write, _json_line(record))
 
     def flush(self) -> None:
+        """Hands buffered lines to the OS (the trainer calls this after every step)."""
         if not self.enabled:
             return
-        self._metrics.flush()
-        self._groups.flush()
+        self._io(self._metrics, self._metrics.flush)
+        self._io(self._groups, self._groups.flush)
         if self._tb is not None:
             self._tb.flush()
+
+    def sync(self) -> dict:
+        """Flushes and fsyncs the JSONL files; returns their positions for a checkpoint.
+
+        Returns:
+          {file name: AuditPosition.to_json()} ({} on processes that do not write).
+        """
+        if not self.enabled:
+            return {}
+        self.flush()
+        out = {}
+        for name, f in zip(AUDIT_FILES, (self._metrics, self._groups)):
+            self._io(f, os.fsync, f.fileno())
+            out[name] = AuditPosition("", f.tell()).to_json()
+        return out
 
     def close(self) -> None:
         if not self.enabled:

@@ -6,6 +6,12 @@ One step consumes one feed batch. The loop dispatches step N+1 before it reads s
 (so the host never waits on the device for logging), saves the train state together with the
 feed position (exact resume), writes a checkpoint and exits 0 on SIGTERM (preemption), and ends
 when `train.steps` are done or a finite feed is exhausted.
+
+Audit logs are exactly-once: metrics.jsonl and groups.jsonl are flushed after every step,
+fsync'ed before each checkpoint with their positions saved in it, and cut back to those
+positions on resume. While the feed is idle, the finished step is read back at once, so its
+lines appear without waiting for the next batch. A fatal error stops the checkpoint writer
+(bounded by ABORT_TIMEOUT_S) before it propagates.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from gagar_jax import hf, metrics as metrics_lib, publish
+from gagar_jax import hf, metrics as metrics_lib, publish, workdir_lock
 from gagar_jax.checkpoint import Checkpointer
 from gagar_jax.config import ConfigError, TrainConfig
 from gagar_jax.feed.batcher import Feed, make_source
@@ -31,6 +37,7 @@ from gagar_jax.sharding import batch_shardings, make_mesh
 from gagar_jax.train_step import StepConfig, init_train_state, make_train_step
 
 log = logging.getLogger("gagar_jax.train")
+ABORT_TIMEOUT_S = 10.0      # longest wait for background writers after a fatal error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +140,8 @@ class _StepLog:
             step, info.group_ids, traj_ids, batch_np.group_ids_T, batch_np.factors_T,
             a["audit/advantages_T"], a["audit/lam_G"], a["audit/capped_G"],
             a["audit/fallback_G"], valid_T=batch_np.valid_T, rewards_T=batch_np.rewards_T,
-            outcome_advantages_T=a["audit/outcome_advantages_T"], mixed_G=a["audit/mixed_G"]))
+            outcome_advantages_T=a["audit/outcome_advantages_T"], mixed_G=a["audit/mixed_G"],
+            hacked_T=batch_np.hacked_T, infra_ids=info.infra_ids))
         s = dict(m.scalars)
         load_LxE = a.get("expert_load_LxE")
         if load_LxE is not None and load_LxE.size:
@@ -156,6 +164,7 @@ class _StepLog:
         if step % self.log_every == 0:
             self.writer.write(step, {**s, "feed/packing_efficiency": info.packing_efficiency,
                                      "perf/tokens_per_s": tok_s})
+        self.writer.flush()       # every step: a crash loses no finished step's lines
         self.progress.update(1, tokens_per_s=tok_s, loss=s["loss"], lam=s["lam_mean"],
                              groups=int(s["groups"]))
         return m
@@ -172,13 +181,47 @@ def run(cfg, workdir: str, *, source: Any = None) -> Optional[dict]:
     Returns:
       The summary dict (also written to `workdir/summary.json` by process 0).
     """
+    # One learner per workdir (the CLI took the lock already, before JAX started).
+    if jax.process_index() == 0:
+        workdir_lock.acquire(workdir)
     # SIGTERM at any point of the run becomes a checkpoint and a clean exit.
     with _Preemption() as preemption:
         return _run(cfg, workdir, source, preemption)
 
 
+class _Resources:
+    """What a fatal error must stop before it propagates: the checkpoint writer's threads and
+    the open audit files."""
+
+    def __init__(self):
+        self.ckpt: Optional[Checkpointer] = None
+        self.writer: Optional[metrics_lib.MetricsWriter] = None
+        self.progress = None
+
+    def abort(self) -> None:
+        if self.ckpt is not None and not self.ckpt.abort(ABORT_TIMEOUT_S):
+            log.warning("checkpoint writer still busy after %.0f s; leaving it", ABORT_TIMEOUT_S)
+        for closer in (self.writer, self.progress):
+            try:
+                if closer is not None:
+                    closer.close()
+            except Exception:  # noqa: BLE001 -- e.g. the same full disk: already reported
+                pass
+
+
 def _run(cfg, workdir: str, source: Any, preemption: "_Preemption") -> Optional[dict]:
-    """`run` with the SIGTERM flag installed."""
+    """`run` with the SIGTERM flag installed and background writers stopped on failure."""
+    res = _Resources()
+    try:
+        return _train(cfg, workdir, source, preemption, res)
+    except BaseException:
+        res.abort()
+        raise
+
+
+def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
+           res: _Resources) -> Optional[dict]:
+    """The run itself; registers what it opens in `res`."""
     rc = RunConfig.from_config(cfg)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.makedirs(workdir, exist_ok=True)
@@ -204,25 +247,32 @@ def _run(cfg, workdir: str, source: Any, preemption: "_Preemption") -> Optional[
         state = state.replace(ref_params=_load_hf_params(
             rc.train.reference_from, rc.step, state.params, shardings.params))
 
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"),
-                        save_interval_steps=max(rc.train.checkpoint_every, 1),
-                        max_to_keep=rc.train.keep_checkpoints)
+    ckpt = res.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"),
+                                   save_interval_steps=max(rc.train.checkpoint_every, 1),
+                                   max_to_keep=rc.train.keep_checkpoints)
     if source is None:  # SIGTERM must also end an idle wait on a live spool
         source = make_source(rc.feed, process_count=pcount, stop=lambda: preemption.requested)
     feed = Feed(rc.feed, workdir, vocab_size=model_cfg.vocab_size,
                 num_moe_layers=model_cfg.num_moe_layers, top_k=model_cfg.top_k,
                 num_experts=model_cfg.num_experts, source=source, process_index=pidx,
                 process_count=pcount)
+    audit = None
     if ckpt.latest_step() is not None:
         restored = ckpt.restore(_abstract(state, shardings))
         state = restored.state
         feed.restore(restored.feed)
+        audit = restored.audit or None
         log.info("resumed from checkpoint step %d in %s", restored.step, ckpt.directory)
+        if audit is None:
+            log.info("checkpoint has no audit-log positions: appending without truncating")
 
     step = int(jax.device_get(state.step))
     start_step = step
-    writer = metrics_lib.MetricsWriter(workdir)
-    progress = metrics_lib.Progress(total=rc.train.steps, initial=step)
+    writer = res.writer = metrics_lib.MetricsWriter(
+        workdir, purge_step=step + 1 if step else None,
+        resume=None if audit is None else {
+            k: metrics_lib.AuditPosition.from_json(v) for k, v in audit.items()})
+    progress = res.progress = metrics_lib.Progress(total=rc.train.steps, initial=step)
     steplog = _StepLog(feed, writer, progress, rc.train.log_every)
     step_fn, batch_sh = None, None
     pending = None            # (step, BatchInfo, numpy Batch, device metrics) not yet read back
@@ -235,6 +285,16 @@ def _run(cfg, workdir: str, source: Any, preemption: "_Preemption") -> Optional[
         if pending is not None:
             steplog.finish_step(*pending)
             pending = None
+
+    def save(force: bool) -> None:
+        # The audit logs and dead-letter file reach the disk before the step that points at
+        # their lengths can commit.
+        positions = writer.sync()
+        feed.dead_letter.sync()
+        ckpt.save(step, state, feed.state(), cfg_json, force=force,
+                  audit=positions if pidx == 0 else None)
+
+    feed.on_idle = drain            # an idle feed: show the finished step now
 
     while step < rc.train.steps:
         item = feed.next_batch(step)
@@ -255,7 +315,7 @@ def _run(cfg, workdir: str, source: Any, preemption: "_Preemption") -> Optional[
         if preempted or ckpt.should_save(step) or publish_now:
             drain()                   # the ledger must include this step before saving
         if preempted or (rc.train.checkpoint_every and ckpt.should_save(step)):
-            ckpt.save(step, state, feed.state(), cfg_json, force=preempted)
+            save(force=preempted)
         if publish_now:
             # Publishing gathers shards with collectives: let the in-flight step finish first.
             jax.block_until_ready(state)
@@ -269,7 +329,7 @@ def _run(cfg, workdir: str, source: Any, preemption: "_Preemption") -> Optional[
     preempted = preempted or preemption.requested   # also while idle on a spool
     jax.block_until_ready(state)  # before the collectives of the final save and hashes
     if step > start_step:  # end of run, or SIGTERM while idle (a step saved already is kept)
-        ckpt.save(step, state, feed.state(), cfg_json, force=True)
+        save(force=True)
     ckpt.close()
     progress.close()
     ledger = feed.finish() if not preempted else feed.ledger

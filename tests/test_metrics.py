@@ -202,9 +202,20 @@ def test_group_records_contents():
         outcome_advantages_T=np.array([0.4, -0.5, 0.4, 0.5, -0.6, 0.0], np.float32))
     assert [r["mixed"] for r in extra] == [True, False]
     assert extra[0]["trajectories"][1] == {
-        **EXPECTED_GROUPS[0]["trajectories"][1], "reward": 1.0,
+        **EXPECTED_GROUPS[0]["trajectories"][1], "reward": 1.0, "outcome": "pass",
         "outcome_advantage": float(np.float32(0.4))}
     assert [t["reward"] for t in extra[1]["trajectories"]] == [0.0, 1.0]
+    # A hacked pass: outcome "pass", hacked true, effective reward 0; infra errors listed.
+    hacked = metrics.group_records(
+        **_audit_inputs(), rewards_T=np.array([1, 0, 1, 1, 0, 0], np.float32),
+        hacked_T=np.array([False, False, True, False, False, False]),
+        infra_ids=[["a9"], []])
+    t = hacked[0]["trajectories"]
+    assert [(x["id"], x["outcome"], x.get("hacked"), x.get("reward")) for x in t] == [
+        ("a1", "pass", False, 1.0), ("a2", "pass", True, 0.0), ("a3", "fail", False, 0.0),
+        ("a9", "infra_error", None, None)]
+    assert t[-1] == {"id": "a9", "outcome": "infra_error", "valid": False, "advantage": 0.0}
+    assert all(x["id"] != "a9" for x in hacked[1]["trajectories"])
     with pytest.raises(ValueError, match="advantage"):
         metrics.group_records(**{**_audit_inputs(), "advantages_T": np.zeros(5)})
     with pytest.raises(ValueError, match="group_ids"):
