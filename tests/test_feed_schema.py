@@ -103,3 +103,99 @@ def test_decode_errors_are_classified():
         schema.decode(json.dumps(rec).encode(), "json")
     err = classify_decode_error(e.value)
     assert err.reason == Reason.SCHEMA and "$.trajectories[0].tokens" in err.detail
+
+
+# -- the published JSON Schema, checked with a real validator -----------------------------------
+
+# Rules the learner checks that JSON Schema cannot express (docs/feed.md, "learner-only rules"):
+# matching lengths, limits from the config, duplicate ids, and the decoder's nesting limit.
+LEARNER_ONLY = {Reason.LENGTH_MISMATCH, Reason.RECORD_TOO_LARGE, Reason.TOO_MANY_TRAJECTORIES,
+                Reason.TOO_LONG, Reason.TOKEN_OUT_OF_VOCAB, Reason.ROUTED_EXPERTS,
+                Reason.GROUP_TOO_LARGE, Reason.DUPLICATE_GROUP, Reason.DUPLICATE_TRAJECTORY,
+                Reason.TOO_DEEPLY_NESTED}
+
+
+@pytest.fixture(scope="module")
+def validator():
+    import jsonschema   # a test dependency (pyproject [test])
+    doc = json.loads((ROOT / "docs" / "feed_schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(doc)
+    return jsonschema.Draft202012Validator(doc)
+
+
+def _parsed(payload, encoding):
+    try:
+        return True, schema.decode_untyped(payload, encoding)
+    except (msgspec.DecodeError, RecursionError):
+        return False, None
+
+
+def test_schema_accepts_exactly_the_learner_only_malformed_records(validator):
+    accepted, rejected = set(), set()
+    for reason, payload, encoding in synthetic.malformed_records(seed=0):
+        ok, obj = _parsed(payload, encoding)
+        if reason == Reason.TOO_DEEPLY_NESTED:
+            assert not ok        # our decoder's limit; another validator may parse it
+            continue
+        (accepted if ok and validator.is_valid(obj) else rejected).add(reason)
+    assert accepted == LEARNER_ONLY & (accepted | rejected)
+    assert rejected == {r for r, _, _ in synthetic.malformed_records()} - LEARNER_ONLY
+
+
+def test_schema_accepts_every_valid_record(validator):
+    for line in (ROOT / "data" / "sample_feed.jsonl").read_text().splitlines()[:40]:
+        assert validator.is_valid(json.loads(line))
+
+
+_MUTATIONS = [
+    ("schema_version", [0, 2, -1, 1]), ("policy_version", [-5, 0, 3]),
+    ("group_id", ["g", "x" * 257, "y" * 256]), ("trajectories", [[]]),
+]
+_TRAJ_MUTATIONS = [
+    ("loss_mask", [[0, 1, 2], [1, 1, 1], [0, 0, 0], [0, -1, 1], [0, 1, 1]]),
+    ("quality", [None, {}, {"tier": "strong"}, {"rank": 1}, {"factor": 0.5, "tier": "strong"},
+                 {"factor": 0.5, "rank": None}, {"tier": "strong", "rank": 2}, {"factor": 7.0}]),
+    ("outcome", ["pass", "fail", "infra_error"]),
+    ("adjustment", [0.5, float("inf"), -float("inf")]),
+    ("trajectory_id", ["t" * 300, "ok"]),
+    ("tokens", [[1, 2, 3], [-1, 2, 3]]),
+]
+
+
+def test_schema_agrees_with_the_learner_on_mutated_records(validator):
+    """Property: for records differing from a valid one in a few fields, the schema accepts
+    a record iff the learner does, except for learner-only rules."""
+    import numpy as np
+    from gagar_jax.feed.validate import ModelShape, Rejected, validate_group
+    from gagar_jax.feed.config import FeedConfig
+
+    cfg, shape = FeedConfig(max_group_trajectories=64), ModelShape(vocab_size=256)
+    base = schema.to_builtins(synthetic.make_groups(1, seed=11)[0])
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        rec = msgspec.msgpack.decode(msgspec.msgpack.encode(base))
+        for _ in range(int(rng.integers(1, 3))):
+            if rng.random() < 0.3:
+                field, values = _MUTATIONS[rng.integers(len(_MUTATIONS))]
+                rec[field] = values[rng.integers(len(values))]
+            elif rec["trajectories"]:
+                t = rec["trajectories"][rng.integers(len(rec["trajectories"]))]
+                field, values = _TRAJ_MUTATIONS[rng.integers(len(_TRAJ_MUTATIONS))]
+                value = values[rng.integers(len(values))]
+                t[field] = value
+                if field in ("loss_mask", "tokens"):   # keep lengths equal: not the point here
+                    for other in ("tokens", "loss_mask", "logprobs"):
+                        t[other] = (t[other] * 3)[:len(value)] if t[other] else [0] * len(value)
+        payload = msgspec.msgpack.encode(rec)
+        try:
+            validate_group(schema.decode(payload, "msgpack"), cfg, shape)
+            learner = None
+        except Rejected as e:
+            learner = e.reason
+        except msgspec.DecodeError as e:
+            from gagar_jax.feed.validate import classify_decode_error
+            learner = classify_decode_error(e).reason
+        ok = validator.is_valid(msgspec.msgpack.decode(payload))
+        if learner in LEARNER_ONLY:
+            continue
+        assert ok == (learner is None), (learner, rec)

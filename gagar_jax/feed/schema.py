@@ -125,9 +125,54 @@ def from_builtins(obj: Any) -> Group:
     return msgspec.convert(obj, Group)
 
 
+_FLOAT_MAX = 1.7976931348623157e308     # bounds that reject +-inf (msgpack can carry them)
+_FINITE = {"type": "number", "minimum": -_FLOAT_MAX, "maximum": _FLOAT_MAX}
+
+
+def _present(name: str) -> dict:
+    return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+
+
+def _add_learner_rules(defs: dict) -> None:
+    """Adds to msgspec's type-only schema every validation rule JSON Schema can express.
+
+    Learner-only (docs/feed.md lists them): equal lengths, limits from the config (record
+    bytes, trajectories per group, tokens per trajectory, vocabulary, routing shape, batch
+    fit), duplicate ids, and the decoder's nesting limit.
+    """
+    group = defs["Group"]["properties"]
+    group["schema_version"].update(enum=list(SUPPORTED_SCHEMA_VERSIONS))
+    for field in ("group_id", "task_id"):
+        group[field]["maxLength"] = MAX_ID_CHARS
+    group["policy_version"]["minimum"] = 0
+    # At least one trajectory that is not an infra error (no_valid_trajectory).
+    group["trajectories"].update(minItems=1, contains={
+        "properties": {"outcome": {"enum": ["pass", "fail"]}}, "required": ["outcome"]})
+    traj = defs["Trajectory"]
+    traj["properties"]["trajectory_id"]["maxLength"] = MAX_ID_CHARS
+    # The learner reads nothing else of an infra_error trajectory; all others must have:
+    traj["if"] = {"properties": {"outcome": {"const": "infra_error"}}}
+    traj["else"] = {"properties": {
+        "tokens": {"items": {"type": "integer", "minimum": 0}},
+        # 0/1, the first token 0 (nothing predicts it), at least one generated token.
+        "loss_mask": {"prefixItems": [{"const": 0}], "items": {"enum": [0, 1]},
+                      "contains": {"const": 1}},
+        "logprobs": {"items": _FINITE},
+        "adjustment": _FINITE,
+        "routed_experts": {"anyOf": [{"type": "null"}, {"items": {"items": {"items": {
+            "type": "integer", "minimum": -1}}}}]},
+        # A tier and a rank, or a factor alone (null = no quality: the grading fallback).
+        "quality": {"anyOf": [{"type": "null"}, {"oneOf": [
+            {"allOf": [_present("factor")],
+             "not": {"anyOf": [_present("tier"), _present("rank")]}},
+            {"allOf": [_present("tier"), _present("rank")], "not": _present("factor")}]}]},
+    }}
+
+
 def json_schema() -> dict:
-    """The JSON Schema (draft 2020-12) of one feed record."""
+    """The JSON Schema (draft 2020-12) of one feed record, with every rule it can express."""
     schema = msgspec.json.schema(Group)
+    _add_learner_rules(schema["$defs"])
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "gagar_jax feed record (one graded group)"
     schema["description"] = (
