@@ -14,6 +14,7 @@ MODEL = dict(vocab_size=256, num_moe_layers=2, top_k=2, num_experts=8)
 
 
 def spool_cfg(spool, **kw):
+    kw.setdefault("spool_settle_s", 0.0)    # these writers publish by rename
     return FeedConfig(spool_dir=str(spool), spool_poll_s=0.01, spool_timeout_s=0.0,
                       rows_per_batch=8, seq_len=128, max_trajectories=24, groups_per_batch=3,
                       max_staleness=1000, **kw)

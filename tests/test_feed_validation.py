@@ -108,8 +108,12 @@ def test_truncate_long_option(tmp_path):
 
 _BASE = schema.to_builtins(synthetic.make_groups(
     1, seed=4, spec=synthetic.SyntheticSpec(p_uniform=0.0, p_routed=1.0))[0])
+# Junk values: every class of hostile input (non-finite and huge numbers, long ids, nesting).
 _JUNK = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(),
-                  st.text(max_size=5), st.lists(st.integers(-3, 300), max_size=3),
+                  st.sampled_from([float("nan"), float("inf"), -float("inf"), -1, -2**63]),
+                  st.text(max_size=5), st.integers(200, 5000).map(lambda n: "x" * n),
+                  st.lists(st.integers(-3, 300), max_size=3),
+                  st.integers(1, 300).map(lambda n: json.loads("[" * n + "]" * n)),
                   st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 
 
@@ -149,7 +153,7 @@ def test_fuzzed_records_never_crash_and_are_all_accounted(tmp_path_factory, data
     workdir = tmp_path_factory.mktemp("fuzz")
     records = []
     for _ in range(data.draw(st.integers(1, 5))):
-        kind = data.draw(st.sampled_from(["mutate", "truncate", "bytes", "good"]))
+        kind = data.draw(st.sampled_from(["mutate", "truncate", "bytes", "good", "deep", "huge"]))
         rec = _mutate(data, _BASE) if kind == "mutate" else _BASE
         enc = data.draw(st.sampled_from(["json", "msgpack"]))
         try:
@@ -161,6 +165,11 @@ def test_fuzzed_records_never_crash_and_are_all_accounted(tmp_path_factory, data
             payload = payload[:data.draw(st.integers(0, len(payload) - 1))]
         elif kind == "bytes":
             payload = data.draw(st.binary(max_size=64))
+        elif kind == "deep":        # nesting past any decoder, in an unknown field
+            n = data.draw(st.integers(1, 60_000))
+            payload, enc = b'{"junk": ' + b"[" * n + b"]" * n + b', "group_id": "d"}', "json"
+        elif kind == "huge":        # over max_record_bytes
+            payload = payload + b" " * (CFG.max_record_bytes + 1 - len(payload))
         records.append((payload, enc))
     feed = Feed(CFG, workdir, **MODEL, source=ListSource(records))
     ledger = run_all(feed)
@@ -170,7 +179,8 @@ def test_fuzzed_records_never_crash_and_are_all_accounted(tmp_path_factory, data
     assert sorted(ledger.quarantined_by_reason.elements()) == sorted(e["reason"] for e in entries)
     for e in entries:
         assert e["reason"] in Reason.all()
-        assert "record" in e or "raw_base64" in e
+        assert "record" in e or "raw_base64" in e or "oversized" in e
+        assert len(json.dumps(e)) < 3 * CFG.max_record_bytes     # entries are bounded
 
 
 def test_non_object_payloads_from_iterators_are_dead_lettered(tmp_path):

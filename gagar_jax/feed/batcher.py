@@ -194,10 +194,10 @@ class Feed:
         except Exception as e:  # noqa: BLE001 -- no record content may crash the learner
             self._reject(raw, Reason.INVALID, f"{type(e).__name__}: {str(e)[:500]}", group_id)
             return None
-        self.seen_group_ids[group_id] = pg.policy_version
-        if self._stale(pg, learner_step):
+        if self._stale(pg, learner_step):   # a copy of it would be stale too: not remembered
             self.ledger.filtered_stale += 1
             return None
+        self.seen_group_ids[group_id] = pg.policy_version
         if not pg.mixed:
             self.ledger.filtered_uniform += 1
             return None
