@@ -312,9 +312,10 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
         pending = (step, info, batch_np, device_metrics)
         preempted = preemption.agreed(step)
         publish_now = rc.train.publish_every and step % rc.train.publish_every == 0
-        if preempted or ckpt.should_save(step) or publish_now:
+        save_now = bool(rc.train.checkpoint_every) and ckpt.should_save(step)
+        if preempted or save_now or publish_now:
             drain()                   # the ledger must include this step before saving
-        if preempted or (rc.train.checkpoint_every and ckpt.should_save(step)):
+        if preempted or save_now:
             save(force=preempted)
         if publish_now:
             # Publishing gathers shards with collectives: let the in-flight step finish first.
