@@ -118,6 +118,13 @@ def test_round_trip_bit_exact(tmp_path, state8, mesh8):
     assert out.config == CONFIG
     assert sorted(os.listdir(tmp_path / "2")) == sorted(
         ["_CHECKPOINT_METADATA", "commit_success.txt", "state", "feed", "config"])
+    assert out.audit is None        # saved without audit positions: resume does not truncate
+    # With positions: stored as their own item, restored as saved.
+    positions = {"metrics.jsonl": {"segment": "", "length": 123}}
+    assert mgr.save(4, state8, FEED, CONFIG, audit=positions)
+    mgr.wait_until_finished()
+    out = mgr.restore(_abstract(state8, mesh8))
+    assert out.step == 4 and out.audit == positions
     mgr.close()
 
 

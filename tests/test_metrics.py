@@ -287,3 +287,52 @@ def test_progress_line():
     off.update(1, tokens_per_s=1.0, loss=0.5, lam=1.0, groups=3)
     off.close()
     assert quiet.getvalue() == ""
+
+
+def test_audit_files_are_cut_back_to_checkpointed_positions(tmp_path, caplog, monkeypatch):
+    seen = {}
+
+    class FakeTB:
+        def __init__(self, **kw):
+            seen.update(kw)
+
+        def add_scalar(self, *a, **k):
+            pass
+
+        flush = close = lambda self: None
+
+    import tensorboardX
+    monkeypatch.setattr(tensorboardX, "SummaryWriter", FakeTB)
+    w = metrics.MetricsWriter(tmp_path, enabled=True)
+    w.write(1, {"loss": 1.0})
+    w.write_groups([{"step": 1, "group_id": "a"}])
+    positions = {k: metrics.AuditPosition.from_json(v) for k, v in w.sync().items()}
+    assert positions["metrics.jsonl"].length == os.path.getsize(tmp_path / "metrics.jsonl")
+    w.write(2, {"loss": float("nan")})
+    w.write_groups([{"step": 2, "group_id": "b", "factor": float("inf")}])
+    w.close()
+    kept = (tmp_path / "metrics.jsonl").read_text()
+    # No positions (an old checkpoint): append, never cut.
+    metrics.MetricsWriter(tmp_path, enabled=True, resume=None).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == kept
+    assert json.loads(kept.splitlines()[1])["loss"] is None
+    # Positions: everything after them goes; TensorBoard purges from the next step.
+    metrics.MetricsWriter(tmp_path, enabled=True, resume=positions, purge_step=2).close()
+    assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1]
+    assert [json.loads(x)["group_id"] for x in open(tmp_path / "groups.jsonl")] == ["a"]
+    assert seen["purge_step"] == 2
+    # A file shorter than its position is logged and never extended.
+    os.truncate(tmp_path / "groups.jsonl", 3)
+    with caplog.at_level("WARNING"):
+        metrics.MetricsWriter(tmp_path, enabled=True, tensorboard=False, resume=positions).close()
+    assert os.path.getsize(tmp_path / "groups.jsonl") == 3
+    assert "shorter than the checkpointed" in caplog.text
+
+
+def test_a_broken_destination_is_named_at_once(tmp_path):
+    os.symlink("/dev/full", tmp_path / "groups.jsonl")
+    w = metrics.MetricsWriter(tmp_path, enabled=True, tensorboard=False)
+    w.write_groups([{"step": 1, "group_id": "a"}])
+    with pytest.raises(OSError) as info:
+        w.flush()
+    assert info.value.errno == 28 and info.value.filename == str(tmp_path / "groups.jsonl")

@@ -184,3 +184,20 @@ def test_cli_fatal_error_is_one_line_exit_1_and_no_libtpu_noise(tmp_path):
     assert "INVALID_ARGUMENT" not in proc.stderr
     assert "Traceback" in (tmp_path / "fatal_error.txt").read_text()
     assert time.monotonic() - t0 < 240
+
+
+def test_cpu_only_machines_never_probe_libtpu(monkeypatch):
+    from gagar_jax import cli
+    nodes = []
+    monkeypatch.setattr(cli.glob, "glob", lambda pattern: [p for p in nodes
+                                                           if p.startswith(pattern[:8])])
+    env = {}
+    cli._default_platform(env)
+    assert env == {"JAX_PLATFORMS": "cpu"}            # no accelerator: CPU, libtpu untouched
+    env = {"JAX_PLATFORMS": "tpu"}
+    cli._default_platform(env)
+    assert env == {"JAX_PLATFORMS": "tpu"}            # an explicit choice is kept
+    nodes.append("/dev/accel0")
+    env = {}
+    cli._default_platform(env)
+    assert env == {}                                  # a TPU VM: JAX picks the accelerator
