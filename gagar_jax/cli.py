@@ -104,14 +104,27 @@ def _default_platform(env=os.environ) -> None:
         env["JAX_PLATFORMS"] = "cpu"
 
 
-def _process_index_hint(fv, env=os.environ) -> int:
-    """This process's index before JAX starts: flags, JAX's variables, or the scheduler's."""
+def _process_index_hint(fv, env=os.environ):
+    """This process's index before JAX starts (flags, JAX's or the scheduler's variables), or
+    None when only JAX's auto-detection will know."""
     if fv.process_id is not None:
         return fv.process_id
     for var in ("JAX_PROCESS_ID", "SLURM_PROCID", "CLOUD_TPU_TASK_ID", "TPU_WORKER_ID"):
         if env.get(var, "").isdigit():
             return int(env[var])
-    return 0
+    return None
+
+
+def _take_lock(workdir: str, wait_s: float):
+    """(error line or None from taking the workdir lock, exit code if it cannot be tried)."""
+    from gagar_jax import workdir_lock   # no JAX: a refused learner exits before importing it
+    try:
+        workdir_lock.acquire(workdir, wait_s=wait_s)
+    except workdir_lock.LockHeld as e:
+        return str(e)
+    except OSError as e:
+        return f"cannot lock the workdir: {e.strerror or e}: {e.filename}"
+    return None
 
 
 def _fatal(err: BaseException, workdir: str) -> None:
@@ -204,29 +217,23 @@ def main(argv=None) -> int:
     if not fv.workdir:
         return _error("--workdir is required")
 
-    from gagar_jax import workdir_lock   # no JAX: a refused learner exits before importing it
-
-    lock_error = None
-    if _process_index_hint(fv) == 0:
-        try:
-            workdir_lock.acquire(fv.workdir, wait_s=fv.lock_wait_s)
-        except workdir_lock.LockHeld as e:
-            lock_error = str(e)
-        except OSError as e:
-            return _error(f"cannot lock the workdir: {e.strerror or e}: {e.filename}")
     distributed = bool(fv.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
                        or fv.distributed)
+    hint = _process_index_hint(fv) if distributed else 0
+    lock_error = _take_lock(fv.workdir, fv.lock_wait_s) if hint == 0 else None
     if lock_error and not distributed:
         return _error(lock_error)
     _default_platform()
 
-    from gagar_jax import train
+    from gagar_jax import train, workdir_lock
     from gagar_jax.config import ConfigError
 
     try:
         _init_distributed(fv)
         if distributed:   # every process exits 2 when process 0 could not take the lock
             import jax
+            if hint is None and jax.process_index() == 0:   # known only now
+                lock_error = _take_lock(fv.workdir, fv.lock_wait_s)
             lock_error = workdir_lock.agree(lock_error, jax.process_index())
         if lock_error:
             return _error(lock_error)
