@@ -80,6 +80,7 @@ def _usage(argv, path) -> str:
              "  --coordinator_address HOST:PORT, --num_processes N, --process_id I",
              "                           join a multi-process run (jax.distributed)",
              "  --distributed            jax.distributed.initialize() with auto-detection",
+             "  --lock_wait_s S          wait up to S s for another learner to free the workdir",
              "  -h, --help               this text", ""]
     if path is not None and os.path.isfile(path):
         def walk(prefix, node):
@@ -90,7 +91,7 @@ def _usage(argv, path) -> str:
                     yield f"  {prefix}{key} = {value!r}"
         lines += [f"Config keys of {path}:", *walk("", load_config_file(path).to_dict()), ""]
     lines.append("Docs: README.md, docs/ (feed.md for graders, loss.md, scaling.md, "
-                 "checkpoints.md).")
+                 "checkpoints.md, reliability.md: exit codes).")
     return "\n".join(lines)
 
 
