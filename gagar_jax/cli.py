@@ -117,14 +117,15 @@ def _process_index_hint(fv, env=os.environ):
 
 
 def _take_lock(workdir: str, wait_s: float):
-    """(error line or None from taking the workdir lock, exit code if it cannot be tried)."""
+    """The error line if another learner holds the workdir, else None (the lock is held).
+
+    An unusable workdir (read-only, missing permissions) raises OSError: a fatal error.
+    """
     from gagar_jax import workdir_lock   # no JAX: a refused learner exits before importing it
     try:
         workdir_lock.acquire(workdir, wait_s=wait_s)
     except workdir_lock.LockHeld as e:
         return str(e)
-    except OSError as e:
-        return f"cannot lock the workdir: {e.strerror or e}: {e.filename}"
     return None
 
 
@@ -221,7 +222,11 @@ def main(argv=None) -> int:
     distributed = bool(fv.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
                        or fv.distributed)
     hint = _process_index_hint(fv) if distributed else 0
-    lock_error = _take_lock(fv.workdir, fv.lock_wait_s) if hint == 0 else None
+    try:
+        lock_error = _take_lock(fv.workdir, fv.lock_wait_s) if hint == 0 else None
+    except OSError as e:        # e.g. a read-only workdir: fatal (exit 1), nothing to stop yet
+        print(f"gagar-train: fatal: {e.strerror or e}: {e.filename}", file=sys.stderr)
+        return 1
     if lock_error and not distributed:
         return _error(lock_error)
     _default_platform()

@@ -118,3 +118,23 @@ def test_every_process_learns_process_0s_result(monkeypatch, error):
     for w in workers:
         w.join(10)
     assert results == {0: error, 1: error, 2: error}
+
+
+def test_a_read_only_workdir_at_start_is_fatal_naming_the_lock_file(tmp_path, monkeypatch,
+                                                                     capsys):
+    import errno
+
+    from gagar_jax import cli
+    real_open = os.open
+
+    def erofs(path, *a, **k):     # as root, chmod cannot make a directory read-only: inject
+        if str(path).endswith(workdir_lock.LOCK_NAME):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return real_open(path, *a, **k)
+    monkeypatch.setattr(os, "open", erofs)
+    code = cli.main(["gagar-train", "--workdir", str(tmp_path / "ro"),
+                     "--config", os.path.join(REPO, "configs", "tiny_cpu.py")])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert err == (f"gagar-train: fatal: {os.strerror(errno.EROFS)}: "
+                   f"{tmp_path / 'ro' / workdir_lock.LOCK_NAME}")
