@@ -150,6 +150,7 @@ def test_sigterm_while_idle_on_spool_saves_the_last_step(tmp_path):
     proc = subprocess.Popen(
         _cmd(tmp_path, "--config.feed.path=", f"--config.feed.spool_dir={spool}",
              "--config.feed.spool_poll_s=0.1", "--config.feed.spool_log_every_s=0.2",
+             "--config.feed.spool_settle_s=0",   # the shard is complete before the start
              "--config.train.steps=100", "--config.train.checkpoint_every=0"),
         cwd=REPO, env=_env(), stdout=out, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600

@@ -217,8 +217,10 @@ class SpoolSource:
                 self.log(f"feed: stop requested while waiting on spool {self.dir}")
                 return None
             if now - last_log >= self.log_every_s:
+                settling = ", a shard settling (spool_settle_s)" if view["settling"] else ""
                 self.log(f"feed: waiting for the feed (spool {self.dir}, idle "
-                         f"{now - idle_since:.0f} s, {len(self.consumed)} shards consumed)")
+                         f"{now - idle_since:.0f} s, {len(self.consumed)} shards consumed"
+                         f"{settling})")
                 last_log = now
             self.events.idle()
             time.sleep(self.poll_s)
