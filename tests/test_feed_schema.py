@@ -172,7 +172,7 @@ def test_schema_agrees_with_the_learner_on_mutated_records(validator):
     cfg, shape = FeedConfig(max_group_trajectories=64), ModelShape(vocab_size=256)
     base = schema.to_builtins(synthetic.make_groups(1, seed=11)[0])
     rng = np.random.default_rng(0)
-    for _ in range(300):
+    for _ in range(200):
         rec = msgspec.msgpack.decode(msgspec.msgpack.encode(base))
         for _ in range(int(rng.integers(1, 3))):
             if rng.random() < 0.3:
