@@ -291,8 +291,9 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
         # their lengths can commit.
         positions = writer.sync()
         feed.dead_letter.sync()
-        ckpt.save(step, state, feed.state(), cfg_json, force=force,
-                  audit=positions if pidx == 0 else None)
+        # Every process passes the item (the same checkpoint structure everywhere); only
+        # process 0 writes files, so its positions are the ones stored.
+        ckpt.save(step, state, feed.state(), cfg_json, force=force, audit=positions)
 
     feed.on_idle = drain            # an idle feed: show the finished step now
 
