@@ -1,25 +1,24 @@
-"""MiMo-V2.6-Flash-like MoE (308.5B total, 15.2B active) on a TPU v5p-1024 slice (512 chips).
+"""MiMo-V2-Flash architecture (the paper's MiMo-V2.6-Flash family: 308.8B total, 15.4B active) on a
+TPU v5p-1024 slice (512 chips).
 
-The paper gives only 310B total / 15B active. The public MiMo-V2-Flash release (same family)
-gives the rest, taken here: 48 layers, D = 4096, the first layer dense (MLP width 16384), 47 MoE
-layers of 256 experts (F = 2048), top-8 with sigmoid scores and a bias for aux-loss-free
-balancing, 64 query heads, 4 KV heads, vocab 152576, rope_theta 5e6. What our model does not
-have, approximated so parameters and matmul FLOPs still match:
-  * attention: MiMo uses q/k head_dim 192, v head_dim 128; we use 80 heads x 128
-    (q + o parameters 2*4096*80*128 = 2*4096*64*(192+128)/2 exactly) with 4 KV heads;
-  * MiMo interleaves sliding-window (128 tokens) and global attention 5:1; we run global causal
-    attention in all layers (an upper bound on attention FLOPs and memory);
-  * no multi-token-prediction head and no attention-sink bias (neither trains in RL).
-Details: docs/scaling.md. Derived from `configs/tiny_cpu.py`.
+The paper gives only 310B total / 15B active. The shapes are transformers' `MiMoV2FlashConfig`
+defaults (the public XiaomiMiMo/MiMo-V2-Flash release): 48 layers, D = 4096, the first layer
+dense (MLP width 16384), 47 MoE layers of 256 experts (F = 2048), top-8 with sigmoid scores and
+an `e_score_correction_bias` (aux-loss-free balancing), 64 query heads of q/k width 192 and value
+width 128 (values scaled by 0.707), partial rotary over 64 dims; full attention (4 KV heads,
+rope_theta 5e6) at layer 0 and every 6th layer, sliding-window attention (window 128 + the query,
+8 KV heads, attention sinks, rope_theta 1e4) in the other 39; vocab 152576. It exports as
+`mimo_v2_flash` (docs/model.md). The multi-token-prediction head is not trained (RL does not
+use it); its weights are carried from `init_from` into published directories.
 
 Run:  gagar-train --config configs/flash_310b.py --workdir gs://BUCKET/runs/flash \
-        --config.feed.spool_dir=gs://BUCKET/spool
+        --config.feed.spool_dir=gs://BUCKET/spool --config.train.init_from=/ckpt/MiMo-V2-Flash
 AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/flash_310b.py --topology v5p:8x8x8
-Numbers (gagar_jax/flops.py, checked by tests/test_configs.py): 308.5B total, 15.2B active
+Numbers (gagar_jax/flops.py, checked by tests/test_configs.py): 308.8B total, 15.4B active
 params. Global batch: 256 rows x 32768 tokens = 8.4M tokens, two micro-batches of 128 rows.
-Compiled for v5p:8x8x8 (fsdp 16 x expert 8 x tensor 4, `ep_a2a`): 38.9 GiB per chip
-(docs/aot/flash_310b_ep_a2a_v5p_8x8x8.json; the former fsdp 128 x tensor 4 `ep` layout: 44.5 GiB,
-docs/aot/flash_310b_v5p_8x8x8.json).
+Compiled for v5p:8x8x8 (fsdp 16 x expert 8 x tensor 4, `ep_a2a`): see docs/scaling.md and
+docs/aot/flash_310b_mimo_v5p_8x8x8.json (the former global-attention stand-in:
+docs/aot/flash_310b_ep_a2a_v5p_8x8x8.json, 38.9 GiB per chip).
 """
 import pathlib
 
@@ -35,9 +34,24 @@ def get_config() -> ml_collections.ConfigDict:
     m.vocab_size = 152_576
     m.hidden_size = 4_096             # D
     m.num_layers = 48
-    m.num_heads = 80                  # parameter-matched to 64 heads of (192 + 128) / 2
-    m.num_kv_heads = 4
-    m.head_dim = 128
+    # MiMo-V2-Flash attention: full at layer 0 and every 6th layer, sliding (window 128 + 1)
+    # elsewhere: 9 full + 39 sliding layers.
+    m.layer_types = tuple("full" if i == 0 or (i + 1) % 6 == 0 else "sliding" for i in range(48))
+    m.sliding_window = 129            # a query sees 128 previous tokens and itself
+    m.num_heads = 64
+    m.num_kv_heads = 4                # full layers
+    m.sliding_num_kv_heads = 8        # sliding layers: twice the KV heads
+    m.attention_sinks = True          # per-head sink logit on sliding layers
+    m.head_dim = 192                  # q/k head width
+    m.v_head_dim = 128                # value head width
+    m.attention_value_scale = 0.707
+    m.partial_rotary_factor = 0.334   # RoPE on the first 64 of 192 q/k dims
+    m.sliding_rope_theta = 10_000.0   # full layers: rope_theta below
+    m.qk_norm = False
+    m.n_group = 1                     # MiMo-V2-Flash does not group-limit its routing
+    m.topk_group = 1
+    m.routed_scaling_factor = 1.0
+    m.hf_family = "mimo_v2_flash"     # refuse at build time anything the family cannot express
     m.moe_intermediate_size = 2_048   # F, per expert
     m.intermediate_size = 16_384      # the dense first layer's MLP width
     m.num_dense_layers = 1
@@ -45,7 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.top_k = 8                       # K
     m.norm_topk_prob = True
     m.router = "sigmoid_bias"         # sigmoid scores + bias, aux-loss-free balancing
-    m.rope_theta = 5_000_000.0
+    m.rope_theta = 5_000_000.0        # full layers
     m.rms_norm_eps = 1e-5
     m.tie_embeddings = False
     m.param_dtype = "float32"         # f32 master weights; Adam moments f32

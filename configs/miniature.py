@@ -30,6 +30,7 @@ def get_config() -> ml_collections.ConfigDict:
     t.checkpoint_every = 10
     t.publish_every = 1             # the producer samples with the newest published weights
     t.keep_published = 3
+    t.publish_dtype = "float32"     # the producer samples exactly the learner's weights
     t.micro_batches = 1
 
     c.loss.mode = "sum_preserving"  # sum_preserving | downweight_only | binary

@@ -37,6 +37,20 @@ def get_config() -> ml_collections.ConfigDict:
     m.router_aux_loss_coef = 1e-3
     m.router_z_loss_coef = 1e-4
     m.router_bias_update_rate = 1e-3
+    # MiMo-V2-Flash family features (docs/model.md); these defaults are the Qwen3-MoE layout.
+    m.layer_types = ()              # per layer "full" | "sliding"; () = all full
+    m.sliding_window = 0            # sliding layers: a query sees W keys counting itself
+    m.sliding_num_kv_heads = 0      # KV heads of sliding layers (0 = num_kv_heads)
+    m.attention_sinks = False       # per-head sink logit on sliding layers
+    m.v_head_dim = 0                # value head width (0 = head_dim)
+    m.attention_value_scale = 1.0   # values scaled before attention
+    m.partial_rotary_factor = 1.0   # RoPE on the first int(head_dim * factor) q/k dims
+    m.sliding_rope_theta = 0.0      # RoPE base of sliding layers (0 = rope_theta)
+    m.qk_norm = True                # per-head RMSNorm of q and k
+    m.n_group = 1                   # group-limited routing: expert groups ...
+    m.topk_group = 1                # ... of which a token's top_k come from the best topk_group
+    m.routed_scaling_factor = 1.0   # gate weights x this factor
+    m.hf_family = "auto"            # export family: auto | qwen3_moe | mimo_v2_flash
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1                # -1 = all remaining devices
@@ -50,8 +64,9 @@ def get_config() -> ml_collections.ConfigDict:
     t.keep_checkpoints = 3          # keep the last K checkpoints
     t.publish_every = 0             # publish HF-format weights every N steps (0 = never)
     t.keep_published = 2            # keep the last K published weight sets
+    t.publish_dtype = "bfloat16"    # published weights' dtype (router + its bias stay fp32 in MiMo)
     t.log_every = 1                 # metrics.jsonl / TensorBoard interval, in steps
-    t.init_from = ""                # Hugging Face Qwen3-MoE directory to start from ("" = random init)
+    t.init_from = ""                # HF Qwen3-MoE / MiMo-V2-Flash directory to start from ("" = random init)
     t.reference_from = ""           # KL reference policy directory ("" = the initial weights)
 
     # Steps inside one train step (gagar_jax/train_step.py): epochs x mini_batches optimizer

@@ -13,7 +13,20 @@ more than one [block, block] tile of scores per head, so memory grows linearly w
 autodiff through a scan would save every tile). Key blocks strictly above the diagonal are
 skipped (the loops run to the diagonal only), halving the work of a dense causal mask.
 
-Shapes: q [B, S, H, Dh], k/v [B, S, Kv, Dh] with H a multiple of Kv (grouped-query attention).
+Sliding-window layers (`window` = W > 0, the Hugging Face convention): a query at row index q
+also needs q - k < W, i.e. it sees W keys counting itself (`transformers`' `sliding_window`:
+`kv_idx > q_idx - W`). The blockwise loops start at the first key block the window reaches and
+the backward key loop stops at the last query block that sees the key block, so a sliding layer
+costs O(S * W), not O(S^2). Within a packed row the window is measured in row positions; since
+segments are contiguous that equals the distance inside the segment, and the segment mask keeps
+a window from crossing into the previous segment.
+
+Attention sinks (`sinks_H`, gpt-oss / MiMo-V2-Flash): one learned logit per head that joins every
+softmax denominator and contributes no value: p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k)).
+
+Shapes: q [B, S, H, Dh], k [B, S, Kv, Dh], v [B, S, Kv, Dv] with H a multiple of Kv (grouped-query
+attention); the value head width Dv may differ from the q/k width Dh (MiMo: 192 / 128). Scores
+are scaled by Dh ** -0.5.
 """
 from __future__ import annotations
 
@@ -25,61 +38,92 @@ import jax.numpy as jnp
 _NEG = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of inf - inf
 
 
-def _check(q, k, v, segment_ids_BxS):
-    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
-        raise ValueError(f"q must be [B,S,H,Dh] and k, v [B,S,Kv,Dh]; got {q.shape}, {k.shape}, {v.shape}")
+def _check(q, k, v, segment_ids_BxS, window=0, sinks_H=None):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"q must be [B,S,H,Dh], k [B,S,Kv,Dh] and v [B,S,Kv,Dv]; "
+                         f"got {q.shape}, {k.shape}, {v.shape}")
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0 = full attention), got {window}")
+    if sinks_H is not None and sinks_H.shape != (q.shape[2],):
+        raise ValueError(f"sinks_H shape {sinks_H.shape} must be (H={q.shape[2]},)")
     if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
         raise ValueError(f"q {q.shape} and k {k.shape} disagree (H must be a multiple of Kv)")
     if segment_ids_BxS.shape != q.shape[:2]:
         raise ValueError(f"segment_ids_BxS {segment_ids_BxS.shape} must be {q.shape[:2]}")
 
 
-def _mask(seg_q_BxQ, seg_k_BxK, idx_q_Q, idx_k_K):
-    """[B, Q, K] bool: same segment and key not after query."""
+def _mask(seg_q_BxQ, seg_k_BxK, idx_q_Q, idx_k_K, window=0):
+    """[B, Q, K] bool: same segment, key not after query, and (window > 0) q - k < window."""
     same = seg_q_BxQ[:, :, None] == seg_k_BxK[:, None, :]
-    return same & (idx_q_Q[:, None] >= idx_k_K[None, :])[None]
+    diff = idx_q_Q[:, None] - idx_k_K[None, :]
+    ok = diff >= 0
+    if window:
+        ok = ok & (diff < window)
+    return same & ok[None]
 
 
-def plain_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS):
+def plain_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, window: int = 0,
+                    sinks_H=None):
     """Reference attention materializing [B, H, S, S] scores (tests and short sequences).
 
     Args:
-      q_BxSxHxD, k_BxSxKxD, v_BxSxKxD: queries, keys, values (any float dtype).
+      q_BxSxHxD, k_BxSxKxD, v_BxSxKxD: queries, keys, values (any float dtype); v may have its
+        own head width Dv.
       segment_ids_BxS: int segment ids, 0 = padding.
+      window: sliding window W (a query sees W keys counting itself); 0 = full causal.
+      sinks_H: optional per-head sink logits (denominator only).
     Returns:
-      [B, S, H, Dh] attention output in q's dtype (softmax in float32).
+      [B, S, H, Dv] attention output in q's dtype (softmax in float32).
     """
-    _check(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS)
+    _check(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, window, sinks_H)
     B, S, H, Dh = q_BxSxHxD.shape
-    Kv = k_BxSxKxD.shape[2]
+    Kv, Dv = k_BxSxKxD.shape[2], v_BxSxKxD.shape[3]
     q = q_BxSxHxD.reshape(B, S, Kv, H // Kv, Dh)
     s = jnp.einsum("bqkgd,bskd->bkgqs", q, k_BxSxKxD, preferred_element_type=jnp.float32)
     s = s * (Dh ** -0.5)
     idx = jnp.arange(S)
-    m = _mask(segment_ids_BxS, segment_ids_BxS, idx, idx)
+    m = _mask(segment_ids_BxS, segment_ids_BxS, idx, idx, window)
     s = jnp.where(m[:, None, None], s, _NEG)
-    p = jax.nn.softmax(s, axis=-1)
+    if sinks_H is None:
+        p = jax.nn.softmax(s, axis=-1)
+    else:
+        sink = jnp.broadcast_to(sinks_H.astype(jnp.float32).reshape(1, Kv, H // Kv, 1, 1),
+                                s.shape[:-1] + (1,))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
     o = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v_BxSxKxD.dtype), v_BxSxKxD,
                    preferred_element_type=jnp.float32)
-    return o.reshape(B, S, H, Dh).astype(q_BxSxHxD.dtype)
+    return o.reshape(B, S, H, Dv).astype(q_BxSxHxD.dtype)
 
 
 # ----------------------------------------------------------------------------- blockwise
 # Internal layout: the block index leads so loops can index it dynamically.
-#   q: [N, B, blk, Kv, G, Dh]   k, v: [N, B, blk, Kv, Dh]   seg: [N, B, blk]
-#   o: [N, B, Kv, G, blk, Dh] (f32 accumulators)   lse / delta: [N, B, Kv, G, blk]
+#   q: [N, B, blk, Kv, G, Dh]   k: [N, B, blk, Kv, Dh]   v: [N, B, blk, Kv, Dv]   seg: [N, B, blk]
+#   o: [N, B, Kv, G, blk, Dv] (f32 accumulators)   lse / delta: [N, B, Kv, G, blk]   sink: [Kv, G]
 
 
-def _tile(q_i, k_j, seg_i, seg_j, i, j, blk, scale):
+def _tile(q_i, k_j, seg_i, seg_j, i, j, blk, scale, window):
     """Masked f32 scores of query block i against key block j: [B, Kv, G, blk, blk] and mask."""
     s = jnp.einsum("bqkgd,bskd->bkgqs", q_i, k_j, preferred_element_type=jnp.float32) * scale
     ar = jnp.arange(blk)
-    m = _mask(seg_i, seg_j, i * blk + ar, j * blk + ar)[:, None, None]
+    m = _mask(seg_i, seg_j, i * blk + ar, j * blk + ar, window)[:, None, None]
     return jnp.where(m, s, _NEG), m
 
 
-def _fwd_blocks(q, k, v, seg, blk):
+def _key_block_range(i, blk, window):
+    """Key blocks [lo, i] that query block i can see (causal, and inside the window)."""
+    lo = 0 if not window else jnp.maximum(i * blk - (window - 1), 0) // blk
+    return lo, i + 1
+
+
+def _query_block_range(j, n, blk, window):
+    """Query blocks [j, hi) that can see key block j."""
+    hi = n if not window else jnp.minimum((j * blk + blk - 1 + window - 1) // blk + 1, n)
+    return j, hi
+
+
+def _fwd_blocks(q, k, v, seg, sink, blk, window, has_sink):
     n, B, _, Kv, G, Dh = q.shape
+    Dv = v.shape[-1]
     scale = Dh ** -0.5
 
     def one_query_block(args):
@@ -88,7 +132,7 @@ def _fwd_blocks(q, k, v, seg, blk):
         def body(j, carry):
             o, m_run, l_run = carry
             k_j, v_j, seg_j = k[j], v[j], seg[j]
-            s, mask = _tile(q_i, k_j, seg_i, seg_j, i, j, blk, scale)
+            s, mask = _tile(q_i, k_j, seg_i, seg_j, i, j, blk, scale, window)
             m_new = jnp.maximum(m_run, s.max(-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             corr = jnp.exp(m_run - m_new)
@@ -97,22 +141,26 @@ def _fwd_blocks(q, k, v, seg, blk):
                             preferred_element_type=jnp.float32)
             return o * corr[..., None] + pv, m_new, l_run
 
-        init = (jnp.zeros((B, Kv, G, blk, Dh), jnp.float32),
-                jnp.full((B, Kv, G, blk), _NEG, jnp.float32),
-                jnp.zeros((B, Kv, G, blk), jnp.float32))
-        o, m_run, l_run = jax.lax.fori_loop(0, i + 1, body, init)  # causal: keys up to diagonal
+        # A sink starts the online softmax as one extra score: max = sink, sum = exp(0) = 1.
+        m0 = (jnp.broadcast_to(sink[None, :, :, None], (B, Kv, G, blk)) if has_sink
+              else jnp.full((B, Kv, G, blk), _NEG, jnp.float32))
+        l0 = jnp.full((B, Kv, G, blk), 1.0 if has_sink else 0.0, jnp.float32)
+        init = (jnp.zeros((B, Kv, G, blk, Dv), jnp.float32), m0, l0)
+        lo, hi = _key_block_range(i, blk, window)
+        o, m_run, l_run = jax.lax.fori_loop(lo, hi, body, init)
         return o / l_run[..., None], m_run + jnp.log(l_run)
 
     return jax.lax.map(one_query_block, (jnp.arange(n), q, seg))
 
 
-def _bwd_blocks(q, k, v, seg, o, lse, do, blk):
+def _bwd_blocks(q, k, v, seg, sink, o, lse, do, blk, window, has_sink):
     n, B, _, Kv, G, Dh = q.shape
+    Dv = v.shape[-1]
     scale = Dh ** -0.5
     delta = jnp.sum(do * o, axis=-1)  # [N, B, Kv, G, blk]: rowsum(dO * O), the softmax-jacobian term
 
     def probs_and_ds(i, j):
-        s, mask = _tile(q[i], k[j], seg[i], seg[j], i, j, blk, scale)
+        s, mask = _tile(q[i], k[j], seg[i], seg[j], i, j, blk, scale, window)
         p = jnp.where(mask, jnp.exp(s - lse[i][..., None]), 0.0)
         dp = jnp.einsum("bkgqd,bskd->bkgqs", do[i], v[j], preferred_element_type=jnp.float32)
         return p, p * (dp - delta[i][..., None])
@@ -121,7 +169,8 @@ def _bwd_blocks(q, k, v, seg, o, lse, do, blk):
         def body(j, dq):
             _, ds = probs_and_ds(i, j)
             return dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, k[j].astype(jnp.float32)) * scale
-        return jax.lax.fori_loop(0, i + 1, body, jnp.zeros((B, blk, Kv, G, Dh), jnp.float32))
+        lo, hi = _key_block_range(i, blk, window)
+        return jax.lax.fori_loop(lo, hi, body, jnp.zeros((B, blk, Kv, G, Dh), jnp.float32))
 
     def dkv_block(j):
         def body(i, carry):
@@ -130,12 +179,15 @@ def _bwd_blocks(q, k, v, seg, o, lse, do, blk):
             dv = dv + jnp.einsum("bkgqs,bkgqd->bskd", p, do[i])
             dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, q[i].astype(jnp.float32)) * scale
             return dk, dv
-        zeros = jnp.zeros((B, blk, Kv, Dh), jnp.float32)
-        return jax.lax.fori_loop(j, n, body, (zeros, zeros))  # causal: queries from the diagonal on
+        init = (jnp.zeros((B, blk, Kv, Dh), jnp.float32), jnp.zeros((B, blk, Kv, Dv), jnp.float32))
+        lo, hi = _query_block_range(j, n, blk, window)
+        return jax.lax.fori_loop(lo, hi, body, init)
 
     dq = jax.lax.map(dq_block, jnp.arange(n))
     dk, dv = jax.lax.map(dkv_block, jnp.arange(n))
-    return dq, dk, dv
+    # d lse / d sink = p_sink = exp(sink - lse); d out / d sink = -p_sink * (rowsum(dO * O)).
+    dsink = -jnp.sum(jnp.exp(sink[None, None, :, :, None] - lse) * delta, axis=(0, 1, 4))
+    return dq, dk, dv, jnp.where(has_sink, dsink, 0.0)
 
 
 def _to_blocks(x, n, blk):
@@ -146,52 +198,58 @@ def _from_blocks(x):
     return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, seg, blk):
-    return _flash_fwd(q, k, v, seg, blk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash(q, k, v, seg, sink, blk, window, has_sink):
+    return _flash_fwd(q, k, v, seg, sink, blk, window, has_sink)[0]
 
 
-def _flash_fwd(q, k, v, seg, blk):
+def _flash_fwd(q, k, v, seg, sink, blk, window, has_sink):
     B, S, H, Dh = q.shape
-    Kv = k.shape[2]
+    Kv, Dv = k.shape[2], v.shape[3]
     n = S // blk
     qb = _to_blocks(q.reshape(B, S, Kv, H // Kv, Dh), n, blk)
-    o, lse = _fwd_blocks(qb, _to_blocks(k, n, blk), _to_blocks(v, n, blk), _to_blocks(seg, n, blk), blk)
-    out = _from_blocks(jnp.moveaxis(o, 4, 2)).reshape(B, S, H, Dh).astype(q.dtype)
-    return out, (q, k, v, seg, o, lse)
+    sink_kg = sink.astype(jnp.float32).reshape(Kv, H // Kv)
+    o, lse = _fwd_blocks(qb, _to_blocks(k, n, blk), _to_blocks(v, n, blk), _to_blocks(seg, n, blk),
+                         sink_kg, blk, window, has_sink)
+    out = _from_blocks(jnp.moveaxis(o, 4, 2)).reshape(B, S, H, Dv).astype(q.dtype)
+    return out, (q, k, v, seg, sink, o, lse)
 
 
-def _flash_bwd(blk, res, dout):
-    q, k, v, seg, o, lse = res
+def _flash_bwd(blk, window, has_sink, res, dout):
+    q, k, v, seg, sink, o, lse = res
     B, S, H, Dh = q.shape
-    Kv = k.shape[2]
+    Kv, Dv = k.shape[2], v.shape[3]
     n = S // blk
-    do = _to_blocks(dout.astype(jnp.float32).reshape(B, S, Kv, H // Kv, Dh), n, blk)
-    do = jnp.moveaxis(do, 2, 4)  # to the accumulator layout [N, B, Kv, G, blk, Dh]
-    dq, dk, dv = _bwd_blocks(_to_blocks(q.reshape(B, S, Kv, H // Kv, Dh), n, blk),
-                             _to_blocks(k, n, blk), _to_blocks(v, n, blk), _to_blocks(seg, n, blk),
-                             o, lse, do, blk)
+    do = _to_blocks(dout.astype(jnp.float32).reshape(B, S, Kv, H // Kv, Dv), n, blk)
+    do = jnp.moveaxis(do, 2, 4)  # to the accumulator layout [N, B, Kv, G, blk, Dv]
+    sink_kg = sink.astype(jnp.float32).reshape(Kv, H // Kv)
+    dq, dk, dv, dsink = _bwd_blocks(_to_blocks(q.reshape(B, S, Kv, H // Kv, Dh), n, blk),
+                                    _to_blocks(k, n, blk), _to_blocks(v, n, blk),
+                                    _to_blocks(seg, n, blk), sink_kg, o, lse, do, blk, window,
+                                    has_sink)
     dq = _from_blocks(dq).reshape(B, S, H, Dh).astype(q.dtype)
-    return dq, _from_blocks(dk).astype(k.dtype), _from_blocks(dv).astype(v.dtype), None
+    return (dq, _from_blocks(dk).astype(k.dtype), _from_blocks(dv).astype(v.dtype), None,
+            dsink.reshape(H).astype(sink.dtype))
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def blockwise_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, block: int = 512):
+def blockwise_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, block: int = 512,
+                        window: int = 0, sinks_H=None):
     """Flash-style attention in pure JAX; same contract as `plain_attention`.
 
     Args:
-      q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS: as in `plain_attention`.
+      q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, window, sinks_H: as in `plain_attention`.
       block: query/key block length; S is padded up to a multiple of it (padding sits after
         every real token, so causality hides it from real queries).
     Returns:
-      [B, S, H, Dh] attention output in q's dtype.
+      [B, S, H, Dv] attention output in q's dtype.
     """
-    _check(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS)
+    _check(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, window, sinks_H)
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
-    S = q_BxSxHxD.shape[1]
+    S, H = q_BxSxHxD.shape[1], q_BxSxHxD.shape[2]
     blk = min(block, S)
     pad = -S % blk
     q, k, v, seg = q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS
@@ -199,14 +257,18 @@ def blockwise_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, blo
         widths = ((0, 0), (0, pad), (0, 0), (0, 0))
         q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
         seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
-    return _flash(q, k, v, seg, blk)[:, :S]
+    has_sink = sinks_H is not None
+    sink = sinks_H if has_sink else jnp.zeros((H,), jnp.float32)
+    return _flash(q, k, v, seg, sink, blk, int(window), has_sink)[:, :S]
 
 
 def attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, impl: str = "blockwise",
-              block: int = 512):
-    """Dispatch on `impl` ("blockwise" | "plain")."""
+              block: int = 512, window: int = 0, sinks_H=None):
+    """Dispatch on `impl` ("blockwise" | "plain"); `window` and `sinks_H` as in `plain_attention`."""
     if impl == "blockwise":
-        return blockwise_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, block=block)
+        return blockwise_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, block=block,
+                                   window=window, sinks_H=sinks_H)
     if impl == "plain":
-        return plain_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS)
+        return plain_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, window=window,
+                               sinks_H=sinks_H)
     raise ValueError(f"attention impl must be 'blockwise' or 'plain', got {impl!r}")

@@ -26,8 +26,9 @@ class TrainConfig:
     keep_checkpoints: int      # keep the last K checkpoints
     publish_every: int         # publish HF weights every N steps (0 = never)
     keep_published: int        # keep the last K published weight sets
+    publish_dtype: str         # dtype of published weights ("bfloat16" | "float32" | "float16")
     log_every: int             # metrics interval in steps
-    init_from: str             # HF Qwen3-MoE directory to start from ("" = random init)
+    init_from: str             # HF Qwen3-MoE / MiMo-V2-Flash directory to start from ("" = random)
     reference_from: str        # KL reference policy directory ("" = initial weights)
 
     @classmethod
@@ -39,6 +40,9 @@ class TrainConfig:
         for name in ("checkpoint_every", "publish_every"):
             if getattr(out, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(out, name)}")
+        if out.publish_dtype not in ("bfloat16", "float32", "float16"):
+            raise ConfigError(f"train.publish_dtype must be bfloat16, float32 or float16, "
+                              f"got {out.publish_dtype!r}")
         for name in ("init_from", "reference_from"):
             path = getattr(out, name)
             if path and not os.path.isdir(path):

@@ -1,7 +1,8 @@
 """Parameter counts, model FLOPs and memory worked out on paper from a model config.
 
-The counts follow the Qwen3-MoE layout the model implements (see `model.py`): per layer GQA
-attention with q/k RMS norms, two RMSNorms, and either a SwiGLU dense MLP (the first
+The counts follow the layouts the model implements (see `model.py`): per layer GQA attention
+(full or sliding-window, with the MiMo-V2-Flash options: value head width, sliding-layer KV heads
+and sinks, optional q/k RMS norms), two RMSNorms, and either a SwiGLU dense MLP (the first
 `num_dense_layers` layers) or a softmax/sigmoid router over `num_experts` SwiGLU experts of which
 `top_k` run per token. `cfg` is anything with the attributes of the `model` section of
 `configs/tiny_cpu.py` (a `ModelConfig` or the ConfigDict itself).
@@ -46,6 +47,23 @@ class ParamCounts:
         return self.active - self.embedding - self.norms
 
 
+def _get(cfg, name, default):
+    """A model field that older ConfigDicts may lack (the MiMo-family fields)."""
+    try:
+        return getattr(cfg, name)
+    except (AttributeError, KeyError):
+        return default
+
+
+def _attention_layout(cfg):
+    """Per layer (sliding, KV heads, value head width) for the model's layer types."""
+    types = tuple(_get(cfg, "layer_types", ()))
+    kv_s = _get(cfg, "sliding_num_kv_heads", 0) or cfg.num_kv_heads
+    dv = _get(cfg, "v_head_dim", 0) or cfg.head_dim
+    return [(bool(types) and types[i] == "sliding", kv_s if types and types[i] == "sliding"
+             else cfg.num_kv_heads, dv) for i in range(cfg.num_layers)]
+
+
 def num_moe_layers(cfg) -> int:
     """Layers with a routed-expert MLP."""
     return cfg.num_layers - cfg.num_dense_layers
@@ -62,12 +80,16 @@ def param_counts(cfg) -> ParamCounts:
     D, V = cfg.hidden_size, cfg.vocab_size
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     L, L_moe = cfg.num_layers, num_moe_layers(cfg)
-    per_layer_attn = D * H * hd + 2 * D * KV * hd + H * hd * D + 2 * hd
+    del KV  # per layer type below
+    qk_norm, sinks = _get(cfg, "qk_norm", True), _get(cfg, "attention_sinks", False)
+    attention = sum(D * H * hd + D * kv * (hd + dv) + H * dv * D + (2 * hd if qk_norm else 0)
+                    + (H if sliding and sinks else 0)
+                    for sliding, kv, dv in _attention_layout(cfg))
     per_expert = 3 * D * cfg.moe_intermediate_size
     return ParamCounts(
         embedding=V * D,
         lm_head=0 if cfg.tie_embeddings else V * D,
-        attention=L * per_layer_attn,
+        attention=attention,
         dense_mlp=cfg.num_dense_layers * 3 * D * cfg.intermediate_size,
         router=L_moe * D * cfg.num_experts,
         experts=L_moe * cfg.num_experts * per_expert,
@@ -76,13 +98,24 @@ def param_counts(cfg) -> ParamCounts:
     )
 
 
+def mean_keys_per_query(seq_len: int, window: int = 0) -> float:
+    """Keys a causal query sees on average over a row: (S + 1) / 2, or with a window W < S,
+    (W (W + 1) / 2 + (S - W) W) / S (a query at t sees min(t + 1, W) keys)."""
+    if not window or window >= seq_len:
+        return (seq_len + 1) / 2.0
+    return (window * (window + 1) / 2.0 + (seq_len - window) * window) / seq_len
+
+
 def attention_flops_per_token(cfg, seq_len: int) -> float:
     """Forward FLOPs per token of the score and value matmuls (QK^T and PV), causal.
 
-    A causal token attends to (seq_len + 1) / 2 keys on average; each key costs 2 matmuls of
-    2 * H * head_dim FLOPs.
+    Per layer and key: 2 * H * head_dim (scores) + 2 * H * v_head_dim (values); a full layer's
+    query sees (seq_len + 1) / 2 keys on average, a sliding layer's at most its window.
     """
-    return cfg.num_layers * 4.0 * cfg.num_heads * cfg.head_dim * (seq_len + 1) / 2.0
+    window = _get(cfg, "sliding_window", 0)
+    return sum(2.0 * cfg.num_heads * (cfg.head_dim + dv)
+               * mean_keys_per_query(seq_len, window if sliding else 0)
+               for sliding, _, dv in _attention_layout(cfg))
 
 
 def train_flops_per_token(cfg, seq_len: int) -> float:

@@ -1,4 +1,4 @@
-"""Transformer building blocks of the Qwen3-MoE layout: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+"""Transformer building blocks: RMSNorm, RoPE, GQA attention (full or sliding), SwiGLU MLP.
 
 Parameters are stored in `param_dtype` and cast to `compute_dtype` at use; norms, softmax and
 RoPE angles run in float32. Parameter leaf names are the keys of `sharding.PARAM_AXES`.
@@ -32,40 +32,73 @@ class RMSNorm(nnx.Module):
         return scale * y.astype(x.dtype)  # HF casts to the input dtype before scaling
 
 
-def rope(x_BxSxHxD, positions_BxS, theta: float):
-    """Rotary embedding, half-split ("rotate_half") convention of Llama/Qwen."""
-    d = x_BxSxHxD.shape[-1]
+def rope(x_BxSxHxD, positions_BxS, theta: float, rotary_dim: int = 0):
+    """Rotary embedding, half-split ("rotate_half") convention of Llama/Qwen.
+
+    With `rotary_dim` d < head width (partial rotary, MiMo), the first d dims rotate with
+    frequencies theta^(-2j/d) and the rest pass through, as transformers' `apply_rotary_pos_emb`.
+    """
+    d = rotary_dim or x_BxSxHxD.shape[-1]
     inv_freq = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
-    ang = positions_BxS.astype(jnp.float32)[..., None] * inv_freq[None, None]  # [B, S, D/2]
+    ang = positions_BxS.astype(jnp.float32)[..., None] * inv_freq[None, None]  # [B, S, d/2]
     cos = jnp.cos(ang)[:, :, None, :]
     sin = jnp.sin(ang)[:, :, None, :]
-    x1, x2 = jnp.split(x_BxSxHxD.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x32 = x_BxSxHxD.astype(jnp.float32)
+    x1, x2 = jnp.split(x32[..., :d], 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x32[..., d:]], axis=-1)
     return out.astype(x_BxSxHxD.dtype)
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with per-head RMS q/k norm and RoPE, over packed rows."""
+    """Grouped-query self-attention with RoPE over packed rows: full or sliding-window.
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        D, H, Kv, Dh, pd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
+    Optional per-head RMS q/k norm (Qwen3), partial rotary, a value head width and value scale of
+    their own and, on sliding layers, KV heads and attention sinks of their own (MiMo-V2-Flash).
+    """
+
+    def __init__(self, cfg, sliding: bool = False, *, rngs: nnx.Rngs):
+        D, H, Dh, pd = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.param_dtype
+        Kv = cfg.sliding_kv_heads if sliding else cfg.num_kv_heads
+        Dv = cfg.value_head_dim
         self.wq = nnx.Param(normal_init(rngs, (D, H, Dh), D, pd))
         self.wk = nnx.Param(normal_init(rngs, (D, Kv, Dh), D, pd))
-        self.wv = nnx.Param(normal_init(rngs, (D, Kv, Dh), D, pd))
-        self.wo = nnx.Param(normal_init(rngs, (H, Dh, D), H * Dh, pd))
-        self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps, pd)
-        self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps, pd)
+        self.wv = nnx.Param(normal_init(rngs, (D, Kv, Dv), D, pd))
+        self.wo = nnx.Param(normal_init(rngs, (H, Dv, D), H * Dv, pd))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps, pd)
+            self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps, pd)
+        if sliding and cfg.attention_sinks:  # transformers initializes sinks ~ N(0, 0.02)
+            self.sinks = nnx.Param((jax.random.normal(rngs.params(), (H,)) * 0.02).astype(pd))
         self.cfg = cfg
+        self.window = cfg.sliding_window if sliding else 0
+        self.theta = (cfg.sliding_rope_theta or cfg.rope_theta) if sliding else cfg.rope_theta
 
-    def __call__(self, x_BxSxD, segment_ids_BxS, positions_BxS):
+    def project_qkv(self, x_BxSxD, positions_BxS):
+        """q [B, S, H, Dh], k [B, S, Kv, Dh], v [B, S, Kv, Dv]: projected, q/k-normed, v scaled,
+        RoPE applied (also used by the KV-cache sampler)."""
         cfg, dt = self.cfg, x_BxSxD.dtype
         q = jnp.einsum("bsd,dhk->bshk", x_BxSxD, self.wq[...].astype(dt))
         k = jnp.einsum("bsd,dhk->bshk", x_BxSxD, self.wk[...].astype(dt))
         v = jnp.einsum("bsd,dhk->bshk", x_BxSxD, self.wv[...].astype(dt))
-        q = constrain(rope(self.q_norm(q), positions_BxS, cfg.rope_theta), "batch", None, "heads", None)
-        k = constrain(rope(self.k_norm(k), positions_BxS, cfg.rope_theta), "batch", None, "kv_heads", None)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.attention_value_scale != 1.0:
+            v = v * jnp.asarray(cfg.attention_value_scale, dt)
+        return (rope(q, positions_BxS, self.theta, cfg.rotary_dim),
+                rope(k, positions_BxS, self.theta, cfg.rotary_dim), v)
+
+    def sinks_H(self):
+        """The per-head sink logits, or None (full layers, or sinks off)."""
+        return self.sinks[...] if hasattr(self, "sinks") else None
+
+    def __call__(self, x_BxSxD, segment_ids_BxS, positions_BxS):
+        cfg, dt = self.cfg, x_BxSxD.dtype
+        q, k, v = self.project_qkv(x_BxSxD, positions_BxS)
+        q = constrain(q, "batch", None, "heads", None)
+        k = constrain(k, "batch", None, "kv_heads", None)
         v = constrain(v, "batch", None, "kv_heads", None)
-        o = attention.attention(q, k, v, segment_ids_BxS, impl=cfg.attention, block=cfg.attn_block)
+        o = attention.attention(q, k, v, segment_ids_BxS, impl=cfg.attention, block=cfg.attn_block,
+                                window=self.window, sinks_H=self.sinks_H())
         return jnp.einsum("bshk,hkd->bsd", o, self.wo[...].astype(dt))
 
 

@@ -1,11 +1,15 @@
-"""The policy: a decoder-only MoE transformer in the Qwen3-MoE layout (Flax NNX).
+"""The policy: a decoder-only MoE transformer, Qwen3-MoE or MiMo-V2-Flash layout (Flax NNX).
 
     tokens -> embedding -> [dense blocks] -> [MoE blocks] -> RMSNorm -> lm_head (or tied) -> logits
-    block:  x + attn(norm(x)),  then  h + mlp(norm(h))   (mlp = SwiGLU, or the MoE layer)
+    block:  x + attn(norm(x)),  then  h + mlp(norm(h))   (mlp = SwiGLU, or the MoE layer;
+            attn = full or sliding-window attention, per `layer_types`)
 
-The first `num_dense_layers` blocks use a dense MLP, the rest the MoE layer. Each kind is one
-homogeneous stack of parameters with a leading layer axis, run by `jax.lax.scan`, so compile
-time does not grow with depth; the scan body is rematerialized per `remat`.
+The first `num_dense_layers` blocks use a dense MLP, the rest the MoE layer. Layers are grouped
+into `LayerStack`s (`layer_stacks`): a pattern of layer kinds repeated R times, one stack of
+parameters with a leading axis of R per pattern position, run by `jax.lax.scan` over R. A
+uniform Qwen3 model is two stacks of pattern length 1 (`dense_layers`, `moe_layers`); MiMo's
+"4 sliding + 1 full" interleave is scanned over its period. So compile time depends on the
+pattern, not on depth; every block is rematerialized per `remat`.
 """
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gagar_jax.layers import Attention, DenseMLP, RMSNorm, normal_init
 from gagar_jax.config import section_dict
+from gagar_jax.layer_pattern import LayerStack, layer_stacks  # noqa: F401  (re-exported)
+from gagar_jax.layers import Attention, DenseMLP, RMSNorm, normal_init
 from gagar_jax.moe import EXPERT_BACKENDS, MoE
 from gagar_jax.sharding import constrain
 
@@ -52,6 +57,22 @@ class ModelConfig:
       logprob_vocab_chunk: vocab chunk of the log-prob / entropy computation.
       router_aux_loss_coef, router_z_loss_coef: loss weights (read by the loss).
       router_bias_update_rate: step of the sigmoid_bias router's balancing-bias update.
+
+    MiMo-V2-Flash family features (defaults keep the Qwen3-MoE layout; see docs/model.md):
+      layer_types: per-layer "full" | "sliding" attention; () = every layer full.
+      sliding_window: W of sliding layers: a query sees W keys counting itself (HF semantics).
+      sliding_num_kv_heads: KV heads of sliding layers (0 = num_kv_heads).
+      attention_sinks: sliding layers carry a learned per-head sink logit (softmax denominator).
+      v_head_dim: value head width (0 = head_dim); q/k keep head_dim.
+      attention_value_scale: values are multiplied by it before attention.
+      partial_rotary_factor: RoPE rotates the first int(head_dim * factor) q/k dims only.
+      sliding_rope_theta: RoPE base of sliding layers (0 = rope_theta).
+      qk_norm: per-head RMSNorm of q and k (Qwen3 yes, MiMo no).
+      n_group, topk_group: group-limited top-k: keep the topk_group groups (of n_group) whose
+        two best selection scores sum highest, then pick top_k experts inside them.
+      routed_scaling_factor: gate weights are multiplied by it (after normalization).
+      hf_family: checkpoint family to export to: "auto" (the first of `hf_families.FAMILIES`
+        that can express this config, or none) or a family name, which must express it.
     """
     vocab_size: int
     hidden_size: int
@@ -79,8 +100,22 @@ class ModelConfig:
     router_aux_loss_coef: float = 1e-3
     router_z_loss_coef: float = 0.0
     router_bias_update_rate: float = 1e-3
+    layer_types: tuple = ()
+    sliding_window: int = 0
+    sliding_num_kv_heads: int = 0
+    attention_sinks: bool = False
+    v_head_dim: int = 0
+    attention_value_scale: float = 1.0
+    partial_rotary_factor: float = 1.0
+    sliding_rope_theta: float = 0.0
+    qk_norm: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    hf_family: str = "auto"
 
     def __post_init__(self):
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "moe_intermediate_size", "intermediate_size", "num_experts", "top_k",
                      "attn_block", "logprob_vocab_chunk"):
@@ -104,6 +139,74 @@ class ModelConfig:
                 raise ValueError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError("model.rope_theta and model.rms_norm_eps must be > 0")
+        self._check_family_features()
+
+    def _check_family_features(self):
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"model.layer_types has {len(self.layer_types)} entries for "
+                                 f"num_layers={self.num_layers}")
+            bad = sorted(set(self.layer_types) - {"full", "sliding"})
+            if bad:
+                raise ValueError(f"model.layer_types entries must be 'full' or 'sliding', got {bad}")
+        if self.has_sliding and self.sliding_window < 1:
+            raise ValueError("model.sliding_window must be >= 1 when layer_types has sliding layers")
+        for name in ("sliding_window", "sliding_num_kv_heads", "v_head_dim"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model.{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_heads % self.sliding_kv_heads:
+            raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of "
+                             f"model.sliding_num_kv_heads={self.sliding_kv_heads}")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"model.partial_rotary_factor must be in (0, 1], "
+                             f"got {self.partial_rotary_factor}")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"int(head_dim * partial_rotary_factor) = {self.rotary_dim} must be "
+                             "even and >= 2")
+        if self.sliding_rope_theta < 0 or self.attention_value_scale <= 0:
+            raise ValueError("model.sliding_rope_theta must be >= 0 and "
+                             "model.attention_value_scale > 0")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(f"model.n_group={self.n_group} must divide "
+                             f"num_experts={self.num_experts}")
+        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ValueError("model.n_group > 1 needs >= 2 experts per group (groups are scored "
+                             "by their two best experts)")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"model.topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(f"model.top_k={self.top_k} exceeds the experts of topk_group="
+                             f"{self.topk_group} groups")
+        if self.routed_scaling_factor <= 0:
+            raise ValueError("model.routed_scaling_factor must be > 0")
+        from gagar_jax import hf_families  # plain data + checks; imports nothing of ours
+        hf_families.resolve_family(self)  # raises for an explicit family that cannot express it
+
+    # Derived shapes and layer kinds.
+    @property
+    def has_sliding(self) -> bool:
+        return "sliding" in self.layer_types
+
+    @property
+    def sliding_kv_heads(self) -> int:
+        return self.sliding_num_kv_heads or self.num_kv_heads
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding"
+
+    @property
+    def export_family(self):
+        """The HF family `save_pretrained` writes this config as, or None if none can."""
+        from gagar_jax import hf_families
+        return hf_families.resolve_family(self)
 
     @property
     def num_moe_layers(self) -> int:
@@ -133,11 +236,11 @@ class ModelAux:
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: attention, then a dense MLP or the MoE layer."""
+    """Pre-norm decoder block: attention (full or sliding), then a dense MLP or the MoE layer."""
 
-    def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, moe: bool, sliding: bool = False, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = Attention(cfg, sliding, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
         self.mlp = MoE(cfg, rngs=rngs) if moe else DenseMLP(cfg, rngs=rngs)
         self.is_moe = moe
@@ -151,13 +254,21 @@ class Block(nnx.Module):
         return h + self.mlp(self.mlp_norm(h)), None
 
 
-def _stack(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs) -> Block:
+def _stack(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs, sliding: bool = False) -> Block:
     """n Blocks whose parameters carry a leading layer axis."""
     @nnx.split_rngs(splits=n)
     @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=n)
     def make(r):
-        return Block(cfg, moe, rngs=r)
+        return Block(cfg, moe, sliding, rngs=r)
     return make(rngs)
+
+
+class PatternStack(nnx.Module):
+    """One Block stack per position of a layer pattern (attributes p0, p1, ...)."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerStack, rngs: nnx.Rngs):
+        for k, sliding in enumerate(spec.pattern):
+            setattr(self, f"p{k}", _stack(cfg, spec.moe, spec.repeats, rngs, sliding))
 
 
 class Transformer(nnx.Module):
@@ -167,8 +278,13 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         D, V, pd = cfg.hidden_size, cfg.vocab_size, cfg.param_dtype
         self.embedding = nnx.Param((jax.random.normal(rngs.params(), (V, D)) * 0.02).astype(pd))
-        self.dense_layers = _stack(cfg, False, cfg.num_dense_layers, rngs) if cfg.num_dense_layers else None
-        self.moe_layers = _stack(cfg, True, cfg.num_moe_layers, rngs) if cfg.num_moe_layers else None
+        self.stacks = layer_stacks(cfg)
+        for spec in self.stacks:
+            setattr(self, spec.name, _stack(cfg, spec.moe, spec.repeats, rngs, spec.pattern[0])
+                    if len(spec.pattern) == 1 else PatternStack(cfg, spec, rngs))
+        for name in ("dense_layers", "moe_layers"):
+            if not hasattr(self, name):
+                setattr(self, name, None)
         self.final_norm = RMSNorm(D, cfg.rms_norm_eps, pd)
         self.lm_head = None if cfg.tie_embeddings else nnx.Param(normal_init(rngs, (D, V), D, pd))
 
@@ -183,6 +299,49 @@ class Transformer(nnx.Module):
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
         return jax.lax.scan(body, x, (state, routed_LxBxSxK))
+
+    def _scan_pattern(self, spec: LayerStack, x, segment_ids_BxS, positions_BxS, routed_RxPxBxSxK):
+        """Scans a PatternStack; MoE stats come back stacked in layer order [R * P, ...]."""
+        mod, p = getattr(self, spec.name), len(spec.pattern)
+        splits = [nnx.split(getattr(mod, f"p{k}")) for k in range(p)]
+        graphdefs = [g for g, _ in splits]
+
+        def one(k):
+            def apply(x, layer_state, routed):
+                return nnx.merge(graphdefs[k], layer_state)(x, segment_ids_BxS, positions_BxS, routed)
+            if self.cfg.remat != "none":
+                apply = jax.checkpoint(apply, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+            return apply
+
+        applies = [one(k) for k in range(p)]
+
+        def body(x, inputs):
+            states, routed = inputs
+            stats = []
+            for k in range(p):
+                x, st = applies[k](x, states[k], None if routed is None else routed[k])
+                stats.append(st)
+            if not spec.moe:
+                return x, None
+            return x, jax.tree.map(lambda *a: jnp.stack(a), *stats)
+
+        x, stats = jax.lax.scan(body, x, ([s for _, s in splits], routed_RxPxBxSxK))
+        if stats is not None:
+            stats = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stats)
+        return x, stats
+
+    def moe_router_biases(self):
+        """(RouterBias variable [R, E], MoE-layer rows it holds) per MoE block stack."""
+        out = []
+        for spec in self.stacks:
+            if not spec.moe:
+                continue
+            mod = getattr(self, spec.name)
+            for k in range(len(spec.pattern)):
+                blocks = mod if len(spec.pattern) == 1 else getattr(mod, f"p{k}")
+                rows = [i - self.cfg.num_dense_layers for i in spec.layers(k)]
+                out.append((blocks.mlp.router_bias, rows))
+        return out
 
     def hidden_states(self, tokens_BxS, *, segment_ids_BxS=None, positions_BxS=None,
                       routed_experts_BxSxLxK=None):
@@ -214,10 +373,22 @@ class Transformer(nnx.Module):
             routed = jnp.moveaxis(routed_experts_BxSxLxK.astype(jnp.int32), 2, 0)
 
         x = self.embedding[...].astype(cfg.compute_dtype)[tokens_BxS]
-        if self.dense_layers is not None:
-            x, _ = self._scan(self.dense_layers, x, segment_ids_BxS, positions_BxS, None)
-        if self.moe_layers is not None:
-            x, stats = self._scan(self.moe_layers, x, segment_ids_BxS, positions_BxS, routed)
+        moe_stats = []
+        for spec in self.stacks:
+            r_in = None
+            if routed is not None and spec.moe:
+                m0 = spec.first - cfg.num_dense_layers
+                r_in = routed[m0:m0 + spec.repeats * len(spec.pattern)]
+                r_in = r_in.reshape(spec.repeats, len(spec.pattern), *r_in.shape[1:])
+            if len(spec.pattern) == 1:
+                x, st = self._scan(getattr(self, spec.name), x, segment_ids_BxS, positions_BxS,
+                                   None if r_in is None else r_in[:, 0])
+            else:
+                x, st = self._scan_pattern(spec, x, segment_ids_BxS, positions_BxS, r_in)
+            if spec.moe:
+                moe_stats.append(st)
+        if moe_stats:
+            stats = jax.tree.map(lambda *a: jnp.concatenate(a), *moe_stats)
             aux = ModelAux(aux_loss=jnp.mean(stats.aux_loss), z_loss=jnp.mean(stats.z_loss),
                            expert_load_LxE=stats.expert_load_E,
                            routed_experts_BxSxLxK=jnp.moveaxis(stats.routed_BxSxK, 0, 2))

@@ -126,7 +126,9 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         D, E, F, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.param_dtype
-        self.router = nnx.Param(normal_init(rngs, (D, E), D, jnp.float32).astype(pd))
+        # transformers keeps the sigmoid router (and its bias) in float32 in any model dtype.
+        rd = jnp.float32 if cfg.router == "sigmoid_bias" else pd
+        self.router = nnx.Param(normal_init(rngs, (D, E), D, jnp.float32).astype(rd))
         self.router_bias = RouterBias(jnp.zeros((E,), jnp.float32))
         self.expert_gate = nnx.Param(normal_init(rngs, (E, D, F), D, pd))
         self.expert_up = nnx.Param(normal_init(rngs, (E, D, F), D, pd))
@@ -150,7 +152,8 @@ class MoE(nnx.Module):
         bias = self.router_bias[...] if cfg.router == "sigmoid_bias" else None
         out = router_lib.route(
             logits_TxE, top_k=cfg.top_k, router=cfg.router, norm_topk_prob=cfg.norm_topk_prob,
-            bias_E=bias, token_mask_T=token_mask_BxS.reshape(B * S),
+            bias_E=bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
+            routed_scaling_factor=cfg.routed_scaling_factor, token_mask_T=token_mask_BxS.reshape(B * S),
             replay_idx_TxK=None if routed_BxSxK is None else routed_BxSxK.reshape(B * S, cfg.top_k))
         # Padding tokens get expert id -1 ("no expert"): they cost no expert FLOPs.
         idx_TxK = jnp.where(token_mask_BxS.reshape(B * S, 1), out.idx_TxK, -1)
@@ -166,8 +169,6 @@ class MoE(nnx.Module):
 def update_router_bias(model, expert_load_LxE: jax.Array, rate: float) -> None:
     """Auxiliary-loss-free balancing (DeepSeek-V3): nudges every MoE layer's `RouterBias`
     toward under-loaded experts, in place. `expert_load_LxE` is `ModelAux.expert_load_LxE`."""
-    layers = model.moe_layers
-    if layers is None:
-        return
-    bias = layers.mlp.router_bias
-    bias[...] = jax.vmap(router_lib.update_bias, in_axes=(0, 0, None))(bias[...], expert_load_LxE, rate)
+    for bias, rows in model.moe_router_biases():  # one per MoE block stack, rows in layer order
+        load = expert_load_LxE[jnp.asarray(rows)]
+        bias[...] = jax.vmap(router_lib.update_bias, in_axes=(0, 0, None))(bias[...], load, rate)

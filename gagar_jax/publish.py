@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional
 
 import jax
 
+from gagar_jax import hf
+
 log = logging.getLogger(__name__)
 
 PUBLISH_DIR = "published"
@@ -139,6 +141,32 @@ def publish_weights(model: Any, step: int, workdir: str | os.PathLike,
         log.info("published weights for step %d at %s", step, final)
     _barrier(f"gagar_publish_done_{step}")
     return final
+
+
+# Files a rollout engine needs beside the weights, copied from the `init_from` directory.
+SERVING_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                 "chat_template.jinja", "generation_config.json")
+
+
+def copy_serving_files(src: str, dst: str) -> list:
+    """Copies the tokenizer files and generation_config.json present in `src` into `dst`."""
+    copied = []
+    for name in SERVING_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+            copied.append(name)
+    return copied
+
+
+def hf_save_fn(init_from: str = "", dtype: str = "bfloat16") -> Callable[[Any, str], None]:
+    """`save_fn` for `publish_weights`: HF weights in `dtype` (the model's export family), with
+    the tokenizer files, generation_config.json and carried tensors (MiMo MTP) of `init_from`."""
+    def save(model, directory: str) -> None:
+        hf.save_pretrained(model, directory, dtype=dtype, carry_from=init_from)
+        if init_from and _is_primary():
+            copy_serving_files(init_from, directory)
+    return save
 
 
 def _fsync_tree(path: str) -> None:

@@ -81,8 +81,20 @@ def router_z_loss(logits_TxE: jax.Array, token_mask_T: jax.Array) -> jax.Array:
     return _mean_over((lse_T * lse_T)[:, None], token_mask_T)[0]
 
 
+def _group_limit(select_TxE: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+    """Selection scores with every expert outside the topk_group best groups set to -inf."""
+    t, e = select_TxE.shape
+    grouped = select_TxE.reshape(t, n_group, e // n_group)
+    group_score_TxG = jax.lax.top_k(grouped, 2)[0].sum(-1)
+    _, gidx = jax.lax.top_k(group_score_TxG, topk_group)
+    keep_TxG = jax.nn.one_hot(gidx, n_group, dtype=jnp.float32).sum(1) > 0
+    keep_TxE = jnp.repeat(keep_TxG, e // n_group, axis=1)
+    return jnp.where(keep_TxE, select_TxE, -jnp.inf)
+
+
 def route(logits_TxE: jax.Array, *, top_k: int, router: str = "softmax",
           norm_topk_prob: bool = True, bias_E: Optional[jax.Array] = None,
+          n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
           token_mask_T: Optional[jax.Array] = None,
           replay_idx_TxK: Optional[jax.Array] = None) -> RouterOutput:
     """Selects K experts per token and their gate weights (all in fp32).
@@ -94,6 +106,10 @@ def route(logits_TxE: jax.Array, *, top_k: int, router: str = "softmax",
       norm_topk_prob: renormalize the K gate weights to sum to 1.
       bias_E: selection bias for `sigmoid_bias` (non-trainable; zeros if None). Ignored
         (must be None) for `softmax`.
+      n_group, topk_group: group-limited selection (DeepSeek-V3 / MiMo): experts form n_group
+        contiguous groups; a group scores the sum of its two best selection scores; only the
+        topk_group best groups compete for the top_k.
+      routed_scaling_factor: multiplies the (normalized) gate weights.
       token_mask_T: 1 for real tokens, 0 for padding (excluded from load and losses);
         default all ones.
       replay_idx_TxK: recorded expert ids; a row is replayed iff all K ids lie in [0, E),
@@ -123,7 +139,11 @@ def route(logits_TxE: jax.Array, *, top_k: int, router: str = "softmax",
     select_TxE = scores_TxE
     if uses_bias and bias_E is not None:
         select_TxE = scores_TxE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))[None, :]
-    _, idx_TxK = jax.lax.top_k(jax.lax.stop_gradient(select_TxE), top_k)
+    select_TxE = jax.lax.stop_gradient(select_TxE)
+    if n_group > 1:
+        select_TxE = _group_limit(select_TxE, n_group, topk_group)
+    # Ties (equal scores) go to the lower expert id (lax.top_k); torch.topk leaves them unspecified.
+    _, idx_TxK = jax.lax.top_k(select_TxE, top_k)
 
     replayed_T = jnp.zeros((t,), bool)
     if replay_idx_TxK is not None:
@@ -137,7 +157,9 @@ def route(logits_TxE: jax.Array, *, top_k: int, router: str = "softmax",
     # Gate weights gathered from the unbiased scores: differentiable, also for replayed ids.
     weights_TxK = jnp.take_along_axis(scores_TxE, idx_TxK, axis=-1)
     if norm_topk_prob:
-        weights_TxK = weights_TxK / jnp.maximum(weights_TxK.sum(-1, keepdims=True), 1e-20)
+        weights_TxK = weights_TxK / (weights_TxK.sum(-1, keepdims=True) + 1e-20)
+    if routed_scaling_factor != 1.0:
+        weights_TxK = weights_TxK * routed_scaling_factor
 
     counts_E = expert_counts(idx_TxK, e, mask_T)
     # The balancing loss wants a distribution over experts: normalize sigmoid scores.

@@ -45,6 +45,7 @@ PARAM_AXES: dict[str, tuple] = {
     "wk": ("embed", "kv_heads", None),        # [D, Kv, Dh]
     "wv": ("embed", "kv_heads", None),
     "wo": ("heads", None, "embed"),           # [H, Dh, D]
+    "sinks": ("heads",),                      # [H] attention-sink logits (sliding layers)
     "router": ("embed", None),                # [D, E], small: replicated over experts
     "router_bias": (None,),                   # [E]
     "expert_gate": ("expert", "embed", "mlp"),  # [E, D, F]
@@ -161,7 +162,7 @@ def param_logical_axes(path: Sequence[str], ndim: int) -> tuple:
     if leaf not in PARAM_AXES:
         raise KeyError(f"no logical axes for parameter {'/'.join(names)}; add it to PARAM_AXES")
     axes = PARAM_AXES[leaf]
-    if any(c in names for c in STACKED_CONTAINERS):
+    if any(n.startswith(c) for n in names for c in STACKED_CONTAINERS):  # also "moe_layers_1"
         axes = ("layers",) + axes
     if len(axes) != ndim:
         raise ValueError(f"parameter {'/'.join(names)} has {ndim} dims, axes {axes}")

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from gagar_jax import hf, metrics as metrics_lib, publish, workdir_lock
+from gagar_jax import hf, hf_families, metrics as metrics_lib, publish, workdir_lock
 from gagar_jax.checkpoint import Checkpointer
 from gagar_jax.config import ConfigError, TrainConfig
 from gagar_jax.feed.batcher import Feed, make_source
@@ -96,18 +96,21 @@ class _Preemption:
         return multihost_utils.reached_preemption_sync_point(step)
 
 
-def _load_hf_params(path: str, step_cfg: StepConfig, like: Any, shardings: Any) -> Any:
-    """Parameters of a HF Qwen3-MoE directory, checked against the configured model, sharded."""
+def _load_hf_params(path: str, step_cfg: StepConfig, like: Any, shardings: Any,
+                    with_router_bias: bool = False) -> Any:
+    """Parameters of a HF checkpoint directory, checked against the configured model, sharded
+    (with `with_router_bias`: (params, router bias), the bias on the default device)."""
     model_cfg = step_cfg.model
     model, _ = hf.from_pretrained(path, dtype=model_cfg.param_dtype)
     from gagar_jax.train_step import split_model
-    _, params, _ = split_model(model)
+    _, params, bias = split_model(model)
     want = jax.tree.map(lambda x: (x.shape, x.dtype), like)
     got = jax.tree.map(lambda x: (x.shape, x.dtype), params)
     if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
         raise ConfigError(f"{path}: checkpoint architecture does not match the config's model "
                           "section (set model.* to the checkpoint's shapes)")
-    return jax.device_put(params, shardings)
+    params = jax.device_put(params, shardings)
+    return (params, bias) if with_router_bias else params
 
 
 def _abstract(state: Any, shardings: Any) -> Any:
@@ -237,11 +240,16 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from e
     model_cfg = rc.step.model
+    if rc.train.publish_every and model_cfg.export_family is None:  # fail before compiling
+        raise ConfigError(f"train.publish_every={rc.train.publish_every}: "
+                          f"{hf_families.export_error(model_cfg)}")
 
     state, graphdef, shardings = init_train_state(rc.step, mesh, jax.random.PRNGKey(rc.seed))
     if rc.train.init_from:
-        params = _load_hf_params(rc.train.init_from, rc.step, state.params, shardings.params)
-        state = state.replace(params=params, opt_state=state.opt_state,
+        params, bias = _load_hf_params(rc.train.init_from, rc.step, state.params,
+                                       shardings.params, with_router_bias=True)
+        bias = jax.device_put(bias, shardings.router_bias)  # MiMo: e_score_correction_bias
+        state = state.replace(params=params, opt_state=state.opt_state, router_bias=bias,
                               ref_params=params if state.ref_params is not None else None)
     if rc.train.reference_from and state.ref_params is not None:
         state = state.replace(ref_params=_load_hf_params(
@@ -268,6 +276,7 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
 
     step = int(jax.device_get(state.step))
     start_step = step
+    save_fn = publish.hf_save_fn(rc.train.init_from, rc.train.publish_dtype)
     writer = res.writer = metrics_lib.MetricsWriter(
         workdir, purge_step=step + 1 if step else None,
         resume=None if audit is None else {
@@ -322,8 +331,7 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
             # Publishing gathers shards with collectives: let the in-flight step finish first.
             jax.block_until_ready(state)
             publish.publish_weights(nnx.merge(graphdef, state.params, state.router_bias),
-                                    step, workdir, hf.save_pretrained,
-                                    keep=rc.train.keep_published)
+                                    step, workdir, save_fn, keep=rc.train.keep_published)
         if preempted:
             log.info("SIGTERM: checkpoint written at step %d; exiting", step)
             break

@@ -120,3 +120,66 @@ def test_any_segment_layout_blockwise_equals_numpy(lengths, pad):
     seg = jnp.array([row, row[::-1]], jnp.int32)  # reversed: ids decrease, padding first
     q, k, v, _ = _inputs(5)
     np.testing.assert_allclose(_blk_jit(q, k, v, seg), _numpy_attention(q, k, v, seg), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- sliding window, sinks
+DV = 6  # a value head width of its own (MiMo: q/k 192, v 128)
+
+
+def _numpy_window_sink(q, k, v, seg, window, sink):
+    """Per-query float64 loop: keys u with t - window < u <= t in t's segment; a sink logit
+    joins the denominator only (transformers' MiMo-V2-Flash eager attention)."""
+    q, k, v, seg, sink = (np.asarray(a, np.float64) for a in (q, k, v, seg, sink))
+    out = np.zeros(q.shape[:3] + (v.shape[-1],))
+    g = H // KV
+    for b in range(q.shape[0]):
+        for t in range(q.shape[1]):
+            keys = [u for u in range(max(0, t - window + 1), t + 1) if seg[b, u] == seg[b, t]]
+            for h in range(H):
+                s = np.array([q[b, t, h] @ k[b, u, h // g] for u in keys]) / np.sqrt(DH)
+                m = max(s.max(), sink[h])
+                p = np.exp(s - m) / (np.exp(s - m).sum() + np.exp(sink[h] - m))
+                out[b, t, h] = sum(pi * v[b, u, h // g] for pi, u in zip(p, keys))
+    return out
+
+
+def test_window_sinks_and_value_width_match_numpy_and_plain_grads():
+    q, k, _, w = _inputs(6)
+    v = jax.random.normal(jax.random.key(7), (B, S, KV, DV))
+    w = w[..., :DV]
+    sink = jnp.array([0.5, -1.0, 2.0, 0.0])
+    want = _numpy_window_sink(q, k, v, SEG, 5, sink)
+    plain = lambda q, k, v, s: plain_attention(q, k, v, SEG, window=5, sinks_H=s)  # noqa: E731
+    blk = lambda q, k, v, s: blockwise_attention(q, k, v, SEG, block=8, window=5, sinks_H=s)  # noqa: E731
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a) * w)  # noqa: E731
+
+    @jax.jit
+    def run(q, k, v, sink):
+        # boundary (transformers: kv_idx > q_idx - window): query 30 sees key 26, not key 25.
+        dk = jax.grad(lambda k: plain(q, k, v, sink)[:, 30].sum())(k)
+        o_blk, vjp = jax.vjp(blk, q, k, v, sink)
+        return (plain(q, k, v, sink), o_blk, jax.grad(loss(plain), (0, 1, 2, 3))(q, k, v, sink),
+                vjp(w), dk)
+
+    o_plain, o_blk, g_plain, g_blk, dk = run(q, k, v, sink)
+    np.testing.assert_allclose(o_plain, want, atol=1e-5)
+    np.testing.assert_allclose(o_blk, want, atol=1e-5)
+    for a, b in zip(g_blk, g_plain):
+        assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) <= 1e-5
+    assert float(jnp.abs(dk[0, 26]).max()) > 0 and float(jnp.abs(dk[0, 25]).max()) == 0.0
+
+
+@settings(max_examples=40)
+@given(st.integers(1, 12), st.integers(1, 9), st.integers(1, 40))
+def test_window_block_ranges_are_exactly_the_blocks_with_visible_keys(n, blk, window):
+    """The loops visit exactly the (query block, key block) pairs holding a visible pair: a
+    sliding layer does O(S * W) work."""
+    from gagar_jax.attention import _key_block_range, _query_block_range
+    visible = lambda i, j: any(0 <= qi - kj < window for qi in range(i * blk, (i + 1) * blk)  # noqa: E731
+                               for kj in range(j * blk, (j + 1) * blk))
+    for i in range(n):
+        lo, hi = (int(x) for x in _key_block_range(i, blk, window))
+        assert [j for j in range(n) if visible(i, j)] == list(range(lo, hi))
+    for j in range(n):
+        lo, hi = (int(x) for x in _query_block_range(j, n, blk, window))
+        assert [i for i in range(n) if visible(i, j)] == list(range(lo, hi))

@@ -4,6 +4,7 @@ Parameter counts come from `gagar_jax.flops` (analytic), which is itself checked
 model's real parameter tree (`nnx.eval_shape`, nothing allocated) for every config.
 """
 import glob
+import json
 import os
 import re
 
@@ -17,7 +18,7 @@ from gagar_jax.config import load_config_file
 from gagar_jax.model import ModelConfig, Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAMES = ["tiny_cpu", "small", "qwen3_30b_a3b", "flash_310b", "pro_1t"]
+NAMES = ["tiny_cpu", "small", "qwen3_30b_a3b", "flash_310b", "pro_1t", "tiny_mimo"]
 # (total, active) parameters the paper / model card states, and the tolerance we hold them to.
 PUBLISHED = {
     "qwen3_30b_a3b": (30.5e9, 3.3e9, 0.02),   # Qwen3-30B-A3B model card: 30.5B / 3.3B
@@ -87,7 +88,7 @@ def test_tiny_counts_by_hand():
     assert flops.train_flops_per_token(ModelConfig.from_config(_load("tiny_cpu").model), S) == 3 * fwd
 
 
-@pytest.mark.parametrize("name", NAMES[1:])
+@pytest.mark.parametrize("name", ["small", "qwen3_30b_a3b", "flash_310b", "pro_1t"])
 def test_docstring_states_the_counts(name):
     p = flops.param_counts(ModelConfig.from_config(_load(name).model))
     total, active = _docstring_claim(name)
@@ -117,3 +118,45 @@ def test_pod_meshes_fill_their_slice_and_divide_shapes(name, chips):
     micro_rows = cfg.feed.rows_per_batch // (cfg.train.mini_batches * cfg.train.micro_batches)
     assert micro_rows % batch_shards == 0, "every batch shard gets whole rows"
 
+
+
+@pytest.mark.parametrize("name", ["flash_310b", "pro_1t", "tiny_mimo"])
+def test_mimo_configs_export_as_mimo(name):
+    mc = ModelConfig.from_config(_load(name).model)
+    assert mc.export_family == "mimo_v2_flash"
+
+
+def test_flash_is_transformers_mimo_v2_flash_default():
+    """configs/flash_310b.py has the shapes of transformers' MiMoV2FlashConfig() defaults."""
+    from transformers import MiMoV2FlashConfig
+
+    from gagar_jax import hf_config
+
+    ref = MiMoV2FlashConfig().to_dict()
+    ours = hf_config.config_to_hf(ModelConfig.from_config(_load("flash_310b").model))
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "v_head_dim",
+                "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group",
+                "topk_group", "norm_topk_prob", "routed_scaling_factor", "layer_types",
+                "mlp_layer_types", "sliding_window", "attention_value_scale", "rms_norm_eps",
+                "rope_parameters", "tie_word_embeddings"):
+        assert ours[key] == ref[key], key
+
+
+def test_tiny_mimo_trains_and_publishes_on_the_sample_feed(tmp_path):
+    """The tiny MiMo-family config trains a few steps on the sample feed and publishes."""
+    from gagar_jax import hf, train
+
+    cfg = _load("tiny_mimo")
+    with cfg.unlocked():
+        cfg.feed.path = os.path.join(ROOT, "data", "sample_feed.jsonl")
+        cfg.train.steps, cfg.train.checkpoint_every, cfg.train.publish_every = 2, 0, 2
+        cfg.train.micro_batches = 1
+        cfg.model.attention, cfg.model.expert_backend = "plain", "dense"  # cheapest compile
+    summary = train.run(cfg, str(tmp_path))
+    assert summary["steps"] == 2 and np.isfinite(summary["final_loss"])
+    published = os.path.join(str(tmp_path), "published", "step_00000002")
+    with open(os.path.join(published, "config.json")) as f:
+        assert json.load(f)["model_type"] == "mimo_v2_flash"
+    model, mc = hf.from_pretrained(published)
+    assert mc.layer_types == ("full", "sliding", "sliding", "full") and mc.n_group == 4

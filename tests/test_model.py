@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 from flax import nnx
 
 from configs.tiny_cpu import get_config
@@ -189,3 +190,43 @@ def test_program_size_does_not_grow_with_depth():
         return len(fn.lower(state, TOKENS).as_text())
 
     assert hlo_size(6) < 1.05 * hlo_size(2)
+
+
+def test_layer_pattern_scanned_and_program_size_flat_with_depth():
+    """MiMo's interleave (full at layer 0 and every 6th) scans over its period: 48 layers lower to
+    no bigger a program than 24, and the stacks are the period, a tail and the dense layer."""
+    from gagar_jax.model import layer_stacks
+
+    def cfg_of(n):
+        types = tuple("full" if i == 0 or (i + 1) % 6 == 0 else "sliding" for i in range(n))
+        return dataclasses.replace(CFG, num_layers=n, num_dense_layers=1, layer_types=types,
+                                   sliding_window=4, sliding_num_kv_heads=4, attention_sinks=True)
+
+    assert [(s.name, len(s.pattern), s.repeats) for s in layer_stacks(cfg_of(48))] == [
+        ("dense_layers", 1, 1), ("moe_layers", 6, 7), ("moe_layers_1", 1, 4), ("moe_layers_2", 1, 1)]
+
+    def hlo_size(n):
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg_of(n), rngs=nnx.Rngs(0))))
+        fn = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t)[0])
+        return len(fn.lower(state, TOKENS).as_text())
+
+    assert hlo_size(48) < 1.05 * hlo_size(24)
+
+
+@given(st.lists(st.booleans(), min_size=1, max_size=40), st.integers(0, 3))
+def test_layer_stacks_cover_every_layer_once_in_order(sliding, dense):
+    import types
+
+    from gagar_jax.layer_pattern import layer_stacks
+    n = len(sliding)
+    dense = min(dense, n)
+    cfg = types.SimpleNamespace(num_layers=n, num_dense_layers=dense,
+                                is_sliding=lambda i: sliding[i])
+    order = []
+    for spec in layer_stacks(cfg):
+        for r in range(spec.repeats):
+            for k, sl in enumerate(spec.pattern):
+                layer = spec.first + r * len(spec.pattern) + k
+                assert sl == sliding[layer] and spec.moe == (layer >= dense)
+                order.append(layer)
+    assert order == list(range(n))

@@ -196,3 +196,19 @@ def test_bad_arguments_raise_clear_errors(logits):
         router.route(logits, top_k=K, bias_E=jnp.zeros(E))
     with pytest.raises(ValueError, match="replay_idx_TxK shape"):
         router.route(logits, top_k=K, replay_idx_TxK=jnp.zeros((T, 3), jnp.int32))
+
+
+def test_group_limited_top_k_and_routed_scaling_by_hand():
+    """8 experts in 4 groups of 2; a group scores the sum of its two best biased scores."""
+    s = np.array([[0.9, 0.0, 0.5, 0.5, 0.6, 0.6, 0.1, 0.1]], np.float32)   # sigmoid scores
+    logits = jnp.asarray(np.log(s + 1e-12) - np.log1p(-s))  # sigmoid^-1
+    bias = jnp.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0])
+    # biased group scores: g0 0.9, g1 1.0, g2 1.2, g3 2.2 -> best 2 groups: g3, g2.
+    out = router.route(logits, top_k=2, router="sigmoid_bias", bias_E=bias, n_group=4, topk_group=2,
+                routed_scaling_factor=2.5)
+    assert sorted(np.asarray(out.idx_TxK)[0].tolist()) in ([4, 7], [5, 7])  # 0.6 tie in g2
+    # expert 0 (score 0.9, the best) is outside the chosen groups; weights from unbiased scores.
+    w = np.sort(np.asarray(out.weights_TxK)[0])
+    np.testing.assert_allclose(w, np.sort(np.array([0.6, 0.1]) / 0.7 * 2.5), rtol=1e-5)
+    plain = router.route(logits, top_k=2, router="sigmoid_bias", bias_E=bias)
+    assert 0 in np.asarray(plain.idx_TxK)[0]  # without groups the best expert wins

@@ -172,18 +172,23 @@ def test_bad_arguments(model):
                          stop_tokens=STOP)
 
 
-def test_dense_then_moe_layers():
-    """A model whose first layer is dense: both cached stacks, routing from the MoE stack only."""
-    c = tiny_cpu.get_config().model
-    c.num_dense_layers = 1
-    model = Transformer(ModelConfig.from_config(c), rngs=nnx.Rngs(1))
-    ctx = np.random.default_rng(4).integers(13, 200, (B, C)).astype(np.int32)
-    lengths = np.arange(2, 2 + 6 * B, 6).astype(np.int32)
-    gen = jax.device_get(sampler.generate(model, ctx, lengths, jax.random.key(2), max_new=M,
+def test_mimo_family_sampler_matches_learner():
+    """MiMo-V2-Flash features in the KV-cache sampler: sliding window (32 < the longest row),
+    sinks, own sliding KV heads, value width, partial rotary, no q/k norm, the layer pattern,
+    and a dense first layer (both kinds of cached stacks, routing from the MoE layers only)."""
+    from configs import tiny_mimo
+    c = tiny_mimo.get_config().model
+    model = Transformer(ModelConfig.from_config(c), rngs=nnx.Rngs(5))
+    assert model.cfg.sliding_window < 54
+    ctx = np.random.default_rng(6).integers(13, 200, (B, C)).astype(np.int32)
+    lengths = np.arange(2, 2 + 7 * B, 7).astype(np.int32)
+    gen = jax.device_get(sampler.generate(model, ctx, lengths, jax.random.key(3), max_new=M,
                                           stop_tokens=STOP))
-    assert gen.new_experts_BxMxLxK.shape == (B, M, 1, model.cfg.top_k)
+    assert gen.new_experts_BxMxLxK.shape == (B, M, 3, model.cfg.top_k)
     nm = [(lengths[b], int(gen.num_new_B[b])) for b in range(B)]
     seqs = [np.concatenate([ctx[b, :n], gen.tokens_BxM[b, :m]]) for b, (n, m) in enumerate(nm)]
-    for b, lp in enumerate(learner_logprobs(model, seqs)):
+    experts = [np.concatenate([gen.prefill_experts_BxCxLxK[b, :n], gen.new_experts_BxMxLxK[b, :m]])
+               for b, (n, m) in enumerate(nm)]
+    for b, lp in enumerate(learner_logprobs(model, seqs, experts)):
         n, m = nm[b]
         np.testing.assert_allclose(gen.logprobs_BxM[b, :m], lp[n:], atol=1e-5, rtol=0)

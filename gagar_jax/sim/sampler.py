@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gagar_jax.layers import rope
 
 _NEG = -1e30
 
@@ -55,76 +54,104 @@ class Generation:
 
 
 # ----------------------------------------------------------------------------- model pieces
-def _attend(attn, x_BxNxD, positions_BxN, k_BxCxKxD, v_BxCxKxD, write_B):
+def _attend(attn, x_BxNxD, positions_BxN, k_BxCxKxD, v_BxCxKxV, write_B):
     """The model's attention over a KV cache. N = C (prefill: the cache is this pass's keys) or
-    N = 1 (decode: the new key/value is written at each row's position `write_B`)."""
-    cfg, dt = attn.cfg, x_BxNxD.dtype
-    q = jnp.einsum("bsd,dhk->bshk", x_BxNxD, attn.wq[...].astype(dt))
-    k = jnp.einsum("bsd,dhk->bshk", x_BxNxD, attn.wk[...].astype(dt))
-    v = jnp.einsum("bsd,dhk->bshk", x_BxNxD, attn.wv[...].astype(dt))
-    q = rope(attn.q_norm(q), positions_BxN, cfg.rope_theta)
-    k = rope(attn.k_norm(k), positions_BxN, cfg.rope_theta)
+    N = 1 (decode: the new key/value is written at each row's position `write_B`). Full or
+    sliding-window layers, with sinks where the layer has them."""
+    dt = x_BxNxD.dtype
+    q, k, v = attn.project_qkv(x_BxNxD, positions_BxN)
     if write_B is None:
-        k_BxCxKxD, v_BxCxKxD = k, v
+        k_BxCxKxD, v_BxCxKxV = k, v
     else:
         rows = jnp.arange(k.shape[0])
         k_BxCxKxD = k_BxCxKxD.at[rows, write_B].set(k[:, 0])
-        v_BxCxKxD = v_BxCxKxD.at[rows, write_B].set(v[:, 0])
+        v_BxCxKxV = v_BxCxKxV.at[rows, write_B].set(v[:, 0])
     B, N, H, Dh = q.shape
-    C, Kv = k_BxCxKxD.shape[1], k_BxCxKxD.shape[2]
+    C, Kv, Dv = k_BxCxKxD.shape[1], k_BxCxKxD.shape[2], v_BxCxKxV.shape[3]
     qg = q.reshape(B, N, Kv, H // Kv, Dh)
     s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k_BxCxKxD, preferred_element_type=jnp.float32)
     s = s * (Dh ** -0.5)
     # Causal over the row: the cache index of a key is its position (one segment per row).
-    visible = jnp.arange(C)[None, None, :] <= positions_BxN[:, :, None]
+    ago = positions_BxN[:, :, None] - jnp.arange(C)[None, None, :]
+    visible = (ago >= 0) & ((ago < attn.window) if attn.window else True)
     s = jnp.where(visible[:, None, None], s, _NEG)
-    p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v_BxCxKxD.dtype), v_BxCxKxD,
-                   preferred_element_type=jnp.float32).reshape(B, N, H, Dh).astype(dt)
-    return jnp.einsum("bshk,hkd->bsd", o, attn.wo[...].astype(dt)), k_BxCxKxD, v_BxCxKxD
+    sinks = attn.sinks_H()
+    if sinks is None:
+        p = jax.nn.softmax(s, axis=-1)
+    else:  # the sink logit joins the denominator only
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, Kv, H // Kv, 1, 1),
+                                s.shape[:-1] + (1,))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+    o = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v_BxCxKxV.dtype), v_BxCxKxV,
+                   preferred_element_type=jnp.float32).reshape(B, N, H, Dv).astype(dt)
+    return jnp.einsum("bshk,hkd->bsd", o, attn.wo[...].astype(dt)), k_BxCxKxD, v_BxCxKxV
 
 
-def _run_stack(layers, x_BxNxD, positions_BxN, cache, write_B, routed_LxBxNxK):
-    """Scans a stacked layer group; returns x, the new cache (k, v: [L, B, C, Kv, Dh]) and the
-    experts chosen per MoE layer ([L, B, N, K], or None for dense layers)."""
-    graphdef, state = nnx.split(layers)
+def _blocks(model, spec):
+    """The Block stacks of a `LayerStack`, one per pattern position."""
+    mod = getattr(model, spec.name)
+    return [mod] if len(spec.pattern) == 1 else [getattr(mod, f"p{k}") for k in range(len(spec.pattern))]
+
+
+def _run_stack(model, spec, x_BxNxD, positions_BxN, cache, write_B, routed_RxPxBxNxK):
+    """Scans one `LayerStack` (its layer pattern per scan step); returns x, the new cache (per
+    pattern position k, v: [R, B, C, Kv, D]) and the experts chosen per MoE layer in layer order
+    ([R * P, B, N, K], or None for dense layers)."""
+    splits = [nnx.split(b) for b in _blocks(model, spec)]
     mask_BxN = jnp.ones(positions_BxN.shape, jnp.bool_)
 
     def body(x, inputs):
-        layer_state, k_c, v_c, routed = inputs
-        block = nnx.merge(graphdef, layer_state)
-        a, k_c, v_c = _attend(block.attn, block.attn_norm(x), positions_BxN, k_c, v_c, write_B)
-        h = x + a
-        if block.is_moe:
-            y, stats = block.mlp(block.mlp_norm(h), mask_BxN, routed)
-            return h + y, (k_c, v_c, stats.routed_BxSxK)
-        return h + block.mlp(block.mlp_norm(h)), (k_c, v_c, None)
+        states, k_cs, v_cs, routed = inputs
+        new_k, new_v, ids = [], [], []
+        for pos, (graphdef, _) in enumerate(splits):
+            block = nnx.merge(graphdef, states[pos])
+            a, k_c, v_c = _attend(block.attn, block.attn_norm(x), positions_BxN, k_cs[pos],
+                                  v_cs[pos], write_B)
+            h = x + a
+            if block.is_moe:
+                y, stats = block.mlp(block.mlp_norm(h), mask_BxN, None if routed is None else routed[pos])
+                x = h + y
+                ids.append(stats.routed_BxSxK)
+            else:
+                x = h + block.mlp(block.mlp_norm(h))
+            new_k.append(k_c)
+            new_v.append(v_c)
+        return x, (new_k, new_v, jnp.stack(ids) if ids else None)
 
     k_L, v_L = cache
-    x, (k_L, v_L, ids) = jax.lax.scan(body, x_BxNxD, (state, k_L, v_L, routed_LxBxNxK))
+    x, (k_L, v_L, ids) = jax.lax.scan(body, x_BxNxD, ([s for _, s in splits], k_L, v_L,
+                                                       routed_RxPxBxNxK))
+    if ids is not None:
+        ids = ids.reshape(-1, *ids.shape[2:])
     return x, (k_L, v_L), ids
 
 
 def _forward(model, tokens_BxN, positions_BxN, caches, write_B, routed_LxBxNxK):
     """Final-normed hidden states [B, N, D], updated caches, MoE experts [L, B, N, K]."""
-    x = model.embedding[...].astype(model.cfg.compute_dtype)[tokens_BxN]
-    new_caches, ids = {}, None
-    for name in ("dense_layers", "moe_layers"):
-        layers = getattr(model, name)
-        if layers is None:
-            continue
-        routed = routed_LxBxNxK if name == "moe_layers" else None
-        x, new_caches[name], got = _run_stack(layers, x, positions_BxN, caches[name], write_B,
-                                              routed)
-        ids = got if name == "moe_layers" else ids
-    return model.final_norm(x), new_caches, ids
+    cfg = model.cfg
+    x = model.embedding[...].astype(cfg.compute_dtype)[tokens_BxN]
+    new_caches, ids = {}, []
+    for spec in model.stacks:
+        routed = None
+        if routed_LxBxNxK is not None and spec.moe:
+            m0 = spec.first - cfg.num_dense_layers
+            routed = routed_LxBxNxK[m0:m0 + spec.repeats * len(spec.pattern)]
+            routed = routed.reshape(spec.repeats, len(spec.pattern), *routed.shape[1:])
+        x, new_caches[spec.name], got = _run_stack(model, spec, x, positions_BxN,
+                                                   caches[spec.name], write_B, routed)
+        if spec.moe:
+            ids.append(got)
+    return model.final_norm(x), new_caches, (jnp.concatenate(ids) if ids else None)
 
 
 def _empty_caches(model, B: int, C: int):
     cfg, dt = model.cfg, model.cfg.compute_dtype
-    shapes = {"dense_layers": cfg.num_dense_layers, "moe_layers": cfg.num_moe_layers}
-    return {name: tuple(jnp.zeros((n, B, C, cfg.num_kv_heads, cfg.head_dim), dt) for _ in range(2))
-            for name, n in shapes.items() if n}
+    caches = {}
+    for spec in model.stacks:
+        kv = [cfg.sliding_kv_heads if sl else cfg.num_kv_heads for sl in spec.pattern]
+        caches[spec.name] = ([jnp.zeros((spec.repeats, B, C, n, cfg.head_dim), dt) for n in kv],
+                             [jnp.zeros((spec.repeats, B, C, n, cfg.value_head_dim), dt) for n in kv])
+    return caches
 
 
 # ----------------------------------------------------------------------------- generation

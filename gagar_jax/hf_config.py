@@ -1,0 +1,177 @@
+"""config.json <-> ModelConfig for each Hugging Face family (`hf_families.FAMILIES`).
+
+Qwen3-MoE: both the layout current transformers writes (`num_local_experts`, `rope_parameters`)
+and the one published with Hub checkpoints (`num_experts`, `rope_theta`).
+MiMo-V2-Flash: transformers' `MiMoV2FlashConfig` (absent keys take its defaults, `MIMO_DEFAULTS`),
+including the Hub's `sliding_window_size` (= sliding_window - 1) and null `routed_scaling_factor`.
+"""
+from __future__ import annotations
+
+from gagar_jax import hf_families
+from gagar_jax.model import ModelConfig
+
+# transformers 5.24 MiMoV2FlashConfig defaults (read from its configuration file).
+MIMO_DEFAULTS = dict(
+    vocab_size=152576, hidden_size=4096, intermediate_size=16384, num_hidden_layers=48,
+    num_attention_heads=64, num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    moe_intermediate_size=2048, num_experts_per_tok=8, n_routed_experts=256,
+    routed_scaling_factor=1.0, n_group=1, topk_group=1, norm_topk_prob=True, head_dim=192,
+    v_head_dim=128, sliding_window=129, attention_value_scale=0.707, max_position_embeddings=131072)
+MIMO_ROPE_DEFAULTS = {
+    "full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.334},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.334},
+}
+_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def _common_checks(hf: dict) -> None:
+    if hf.get("attention_bias", False):
+        raise ValueError("config.json attention_bias=true is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act={hf['hidden_act']!r}; only 'silu' is supported")
+
+
+def _dense_prefix(is_moe: list, why: str) -> int:
+    num_dense = is_moe.index(True) if any(is_moe) else len(is_moe)
+    if any(is_moe[:num_dense]) or not all(is_moe[num_dense:]):
+        raise ValueError(f"dense layers must come first; {why} gives MoE layers {is_moe}")
+    return num_dense
+
+
+def _qwen3_from_hf(hf: dict) -> dict:
+    if hf.get("use_sliding_window", False):
+        raise ValueError("config.json use_sliding_window=true is not supported by the Qwen3-MoE port")
+    rope = hf.get("rope_parameters") or {}
+    if (rope.get("rope_type") or "default") != "default" or hf.get("rope_scaling"):
+        raise ValueError(f"only default RoPE is supported, got rope_parameters={rope}, "
+                         f"rope_scaling={hf.get('rope_scaling')}")
+    n_layers = hf["num_hidden_layers"]
+    num_experts = hf.get("num_local_experts", hf.get("num_experts"))
+    if not num_experts:
+        raise ValueError("config.json has neither num_local_experts nor num_experts")
+    mlp_only, step = set(hf.get("mlp_only_layers") or []), hf.get("decoder_sparse_step", 1)
+    is_moe = [i not in mlp_only and (i + 1) % step == 0 for i in range(n_layers)]
+    heads = hf["num_attention_heads"]
+    return dict(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=n_layers,
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        moe_intermediate_size=hf["moe_intermediate_size"], intermediate_size=hf["intermediate_size"],
+        num_dense_layers=_dense_prefix(is_moe, f"mlp_only_layers={sorted(mlp_only)}, "
+                                               f"decoder_sparse_step={step}"),
+        num_experts=num_experts, top_k=hf["num_experts_per_tok"],
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 1e-3)),
+        hf_family="qwen3_moe")
+
+
+def _mimo_from_hf(hf: dict) -> dict:
+    h = {**MIMO_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+    n = h["num_hidden_layers"]
+    types = hf.get("layer_types") or ["full_attention" if i == 0 or (i + 1) % 6 == 0
+                                      else "sliding_attention" for i in range(n)]
+    bad = sorted(set(types) - set(_TYPES))
+    if bad or len(types) != n:
+        raise ValueError(f"config.json layer_types must list {n} of {sorted(_TYPES)}, got {types}")
+    mlp_types = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
+    rope = hf.get("rope_parameters") or MIMO_ROPE_DEFAULTS
+    for t in set(types):
+        r = rope.get(t) or {}
+        if (r.get("rope_type") or "default") != "default":
+            raise ValueError(f"only default RoPE is supported, got rope_parameters[{t!r}]={r}")
+    factors = {float((rope.get(t) or {}).get("partial_rotary_factor", 0.334)) for t in set(types)}
+    if len(factors) != 1:
+        raise ValueError(f"full and sliding layers with different partial_rotary_factor {factors} "
+                         "are not supported")
+    window = h["sliding_window"]
+    if hf.get("sliding_window_size") is not None:  # SGLang's convention: keys before the query
+        window = hf["sliding_window_size"] + 1
+    has_sliding = "sliding_attention" in types
+    theta = lambda t: float((rope.get(t) or MIMO_ROPE_DEFAULTS[t])["rope_theta"])  # noqa: E731
+    return dict(
+        vocab_size=h["vocab_size"], hidden_size=h["hidden_size"], num_layers=n,
+        num_heads=h["num_attention_heads"], num_kv_heads=h["num_key_value_heads"],
+        sliding_num_kv_heads=2 * h["num_key_value_heads"] if has_sliding else 0,
+        head_dim=h["head_dim"], v_head_dim=h["v_head_dim"],
+        moe_intermediate_size=h["moe_intermediate_size"], intermediate_size=h["intermediate_size"],
+        num_dense_layers=_dense_prefix([t == "sparse" for t in mlp_types], "mlp_layer_types"),
+        num_experts=hf.get("n_routed_experts", hf.get("num_local_experts", h["n_routed_experts"])),
+        top_k=h["num_experts_per_tok"], norm_topk_prob=bool(h["norm_topk_prob"]),
+        router="sigmoid_bias", n_group=h["n_group"], topk_group=h["topk_group"],
+        routed_scaling_factor=float(h["routed_scaling_factor"]),
+        layer_types=tuple(_TYPES[t] for t in types), sliding_window=window if has_sliding else 0,
+        attention_sinks=has_sliding, qk_norm=False,
+        attention_value_scale=float(h["attention_value_scale"]),
+        partial_rotary_factor=factors.pop(), rope_theta=theta("full_attention"),
+        sliding_rope_theta=theta("sliding_attention") if has_sliding else 0.0,
+        rms_norm_eps=float(h["rms_norm_eps"]), tie_embeddings=bool(h["tie_word_embeddings"]),
+        hf_family="mimo_v2_flash")
+
+
+def config_from_hf(hf: dict, **overrides) -> ModelConfig:
+    """ModelConfig from a config.json dict; `overrides` set our runtime-only fields."""
+    model_type = hf.get("model_type", "qwen3_moe")
+    readers = {"qwen3_moe": _qwen3_from_hf, "mimo_v2_flash": _mimo_from_hf}
+    if model_type not in readers:
+        raise ValueError(f"config.json model_type is {model_type!r}, expected one of {sorted(readers)}")
+    _common_checks(hf)
+    kw = readers[model_type](hf)
+    kw.update(overrides)
+    return ModelConfig(**kw)
+
+
+def _qwen3_to_hf(cfg: ModelConfig) -> dict:
+    return {
+        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "num_local_experts": cfg.num_experts, "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.top_k, "norm_topk_prob": cfg.norm_topk_prob,
+        "mlp_only_layers": list(range(cfg.num_dense_layers)), "decoder_sparse_step": 1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta, "use_sliding_window": False, "max_position_embeddings": 32768,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+    }
+
+
+def _mimo_to_hf(cfg: ModelConfig) -> dict:
+    rope = lambda theta: {"rope_type": "default", "rope_theta": theta,  # noqa: E731
+                          "partial_rotary_factor": cfg.partial_rotary_factor}
+    types = [cfg.is_sliding(i) for i in range(cfg.num_layers)]
+    return {
+        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "v_head_dim": cfg.value_head_dim, "n_routed_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.top_k, "norm_topk_prob": cfg.norm_topk_prob,
+        "n_group": cfg.n_group, "topk_group": cfg.topk_group,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "layer_types": ["sliding_attention" if t else "full_attention" for t in types],
+        "mlp_layer_types": ["dense"] * cfg.num_dense_layers + ["sparse"] * cfg.num_moe_layers,
+        "sliding_window": cfg.sliding_window or MIMO_DEFAULTS["sliding_window"],
+        "attention_value_scale": cfg.attention_value_scale,
+        "rope_parameters": {"full_attention": rope(cfg.rope_theta),
+                            "sliding_attention": rope(cfg.sliding_rope_theta or cfg.rope_theta)},
+        "max_position_embeddings": MIMO_DEFAULTS["max_position_embeddings"],
+    }
+
+
+def config_to_hf(cfg: ModelConfig, dtype: str = "") -> dict:
+    """config.json dict of `cfg`'s export family, in the layout transformers writes.
+
+    Raises:
+      ValueError: no family can express `cfg` (the message says why for each).
+    """
+    family = cfg.export_family
+    if family is None:
+        raise ValueError(hf_families.export_error(cfg))
+    writer = {"qwen3_moe": _qwen3_to_hf, "mimo_v2_flash": _mimo_to_hf}[family]
+    return {
+        "architectures": [hf_families.FAMILIES[family].architecture], "model_type": family,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu", "attention_bias": False, "dtype": dtype or cfg.param_dtype,
+        **writer(cfg),
+    }
