@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gagar_jax import hf_families
 from gagar_jax.config import section_dict
 from gagar_jax.layer_pattern import LayerStack, layer_stacks  # noqa: F401  (re-exported)
 from gagar_jax.layers import Attention, DenseMLP, RMSNorm, normal_init
@@ -179,7 +180,6 @@ class ModelConfig:
                              f"{self.topk_group} groups")
         if self.routed_scaling_factor <= 0:
             raise ValueError("model.routed_scaling_factor must be > 0")
-        from gagar_jax import hf_families  # plain data + checks; imports nothing of ours
         hf_families.resolve_family(self)  # raises for an explicit family that cannot express it
 
     # Derived shapes and layer kinds.
@@ -205,7 +205,6 @@ class ModelConfig:
     @property
     def export_family(self):
         """The HF family `save_pretrained` writes this config as, or None if none can."""
-        from gagar_jax import hf_families
         return hf_families.resolve_family(self)
 
     @property
