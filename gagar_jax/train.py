@@ -96,12 +96,27 @@ class _Preemption:
         return multihost_utils.reached_preemption_sync_point(step)
 
 
+# ModelConfig fields that change the model's math (the rest are runtime choices or loss weights).
+ARCHITECTURE_FIELDS = (
+    "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+    "moe_intermediate_size", "intermediate_size", "num_experts", "top_k", "num_dense_layers",
+    "norm_topk_prob", "router", "rope_theta", "rms_norm_eps", "tie_embeddings", "layer_types",
+    "sliding_window", "sliding_kv_heads", "attention_sinks", "value_head_dim",
+    "attention_value_scale", "partial_rotary_factor", "sliding_rope_theta", "qk_norm", "n_group",
+    "topk_group", "routed_scaling_factor")
+
+
 def _load_hf_params(path: str, step_cfg: StepConfig, like: Any, shardings: Any,
                     with_router_bias: bool = False) -> Any:
     """Parameters of a HF checkpoint directory, checked against the configured model, sharded
     (with `with_router_bias`: (params, router bias), the bias on the default device)."""
     model_cfg = step_cfg.model
-    model, _ = hf.from_pretrained(path, dtype=model_cfg.param_dtype)
+    model, ckpt_cfg = hf.from_pretrained(path, dtype=model_cfg.param_dtype)
+    # Same shapes are not enough: a softmax checkpoint must not load into a sigmoid config.
+    differ = [f for f in ARCHITECTURE_FIELDS if getattr(ckpt_cfg, f) != getattr(model_cfg, f)]
+    if differ:
+        raise ConfigError(f"{path}: checkpoint architecture does not match the config's model "
+                          f"section: checkpoint has {', '.join(f'{f}={getattr(ckpt_cfg, f)!r}' for f in differ)}")
     from gagar_jax.train_step import split_model
     _, params, bias = split_model(model)
     want = jax.tree.map(lambda x: (x.shape, x.dtype), like)

@@ -305,3 +305,19 @@ def test_routing_replay_and_bias_update_follow_the_layer_pattern(loaded):
         delta = np.asarray(bias[...]) - before[id(bias)]
         for r, layer in enumerate(rows):
             assert delta[r, layer] == pytest.approx(-0.1) and np.all(np.delete(delta[r], layer) > 0)
+
+
+def test_init_from_refuses_a_checkpoint_of_another_router(tmp_path):
+    """Same parameter shapes are not enough: a softmax (Qwen3) checkpoint must not load into a
+    sigmoid-router config."""
+    from gagar_jax import train
+    from gagar_jax.config import ConfigError, load_config_file
+    from gagar_jax.model import ModelConfig
+    from gagar_jax.train_step import StepConfig
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config_file(os.path.join(root, "configs", "tiny_cpu.py"))
+    hf.save_pretrained(Transformer(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(0)), str(tmp_path))
+    with cfg.unlocked():
+        cfg.model.router = "sigmoid_bias"
+    with pytest.raises(ConfigError, match="does not match.*router='softmax'"):
+        train._load_hf_params(str(tmp_path), StepConfig.from_config(cfg), None, None)
