@@ -20,7 +20,8 @@ pod scale (an expert axis of 64+ devices, long packed rows) that may not fit. Th
 is an all-to-all dispatch, `ep_a2a_ffn` (backend `ep_a2a`): sort each device's assignments by
 destination device, exchange the per-device counts, send every row only to the device owning
 its expert with `jax.lax.ragged_all_to_all`, run the local grouped matmul on the received rows,
-and send the results back with a second ragged all-to-all. It moves about K / n_expert of the
+and send the results back with a second ragged all-to-all. Its local FFN is the megablox
+kernel when compiling for TPU (`experts_megablox.py`), the grouped matmul elsewhere. It moves about K / n_expert of the
 gathered traffic. Being dropless it sizes its receive buffer for the worst case (every row
 sent to one device: n_expert * T_local * K rows), so it exchanges the local tokens in n_expert
 chunks, one after another, each chunk's buffers rematerialized in the backward pass: the
@@ -33,6 +34,7 @@ all_gather-based emulation of the collective (`emulated_ragged_all_to_all`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -40,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gagar_jax import dispatch, experts, sharding
+from gagar_jax import dispatch, experts, experts_megablox, sharding
 
 
 def _spec(axes: tuple) -> Optional[object]:
@@ -149,9 +151,26 @@ def _chunks(num_tokens: int, requested: Optional[int], n_dev: int) -> int:
     return max(c for c in range(1, min(want, num_tokens) + 1) if num_tokens % c == 0)
 
 
+LOCAL_FFNS = ("auto", "grouped", "megablox")   # ep_a2a's per-device expert FFN
+
+
+def _local_ffn(local: str, platform: str, block: int, big_block: int,
+               interpret: Optional[bool]):
+    """The per-device FFN of `ep_a2a`: "auto" = megablox when compiling for TPU, else grouped."""
+    if local not in LOCAL_FFNS:
+        raise ValueError(f"ep_a2a local={local!r}; expected one of {LOCAL_FFNS}")
+    if local == "auto":
+        local = "megablox" if platform == "tpu" else "grouped"
+    if local == "megablox":
+        return functools.partial(experts_megablox.local_ffn,
+                                 interpret=platform != "tpu" if interpret is None else interpret)
+    return functools.partial(experts.grouped_ffn, block=block, big_block=big_block)
+
+
 def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
                mesh=None, block: int = 32, big_block: int = 256, chunks: Optional[int] = None,
-               exchange=jax.lax.ragged_all_to_all) -> jax.Array:
+               exchange=jax.lax.ragged_all_to_all, local: str = "auto",
+               interpret: Optional[bool] = None) -> jax.Array:
     """Expert-parallel routed SwiGLU, all-to-all design (TPU/GPU; see the module docstring).
 
     Each device's tokens go through the exchange in `chunks` slices, one after another (a
@@ -162,12 +181,17 @@ def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
     Args:
       as `ep_ffn`, plus chunks: slices of the local tokens (default: the expert-axis size,
         lowered to a divisor of the local token count); exchange: the ragged all-to-all
-        collective (tests pass `emulated_ragged_all_to_all` to run on CPU).
+        collective (tests pass `emulated_ragged_all_to_all` to run on CPU); local: the
+        per-device expert FFN on the received rows, "grouped" (`experts.grouped_ffn`),
+        "megablox" (`experts_megablox.local_ffn`) or "auto" (megablox when compiling for TPU);
+        interpret: Pallas interpret mode of megablox (None: unless compiling for TPU).
     Returns:
       y_TxD, sharded like the tokens.
     """
     lay = _layout(mesh, x_TxD.shape[0], gate_ExDxF, "ep_a2a")
     ax = lay.expert_axis
+    expert_ffn = _local_ffn(local, sharding.device_platform(lay.mesh), block, big_block,
+                            interpret)
 
     def one_chunk(x, wg, wu, wd, idx, w):
         t, k = idx.shape
@@ -197,8 +221,7 @@ def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
                           axis_name=ax, **fwd)
         e_recv = exchange((key_s - dest_s * e_local)[:, None].astype(jnp.int32),
                           jnp.full((rows_R, 1), -1, jnp.int32), axis_name=ax, **fwd)
-        y_recv = experts.grouped_ffn(x_recv, wg, wu, wd, e_recv, jnp.ones((rows_R, 1), x.dtype),
-                                     block=block, big_block=big_block)
+        y_recv = expert_ffn(x_recv, wg, wu, wd, e_recv, jnp.ones((rows_R, 1), x.dtype))
         y_sorted = exchange(y_recv, jnp.zeros((n_rows, d), y_recv.dtype), axis_name=ax, **back)
         y = dispatch.combine(y_sorted, plan, w)
         # Partial sums over F's 'tensor' shards: add them on the t tokens, not on the

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gagar_jax import hf_families
+from gagar_jax.attention import IMPLS as ATTENTION_IMPLS
 from gagar_jax.config import section_dict
 from gagar_jax.layer_pattern import LayerStack, layer_stacks  # noqa: F401  (re-exported)
 from gagar_jax.layers import Attention, DenseMLP, RMSNorm, normal_init
@@ -50,8 +51,10 @@ class ModelConfig:
       tie_embeddings: the output head reuses the embedding matrix.
       param_dtype, compute_dtype: "float32" | "bfloat16".
       remat: "none" | "full" | "save_matmuls" (activation rematerialization of each layer).
-      attention: "blockwise" (memory-linear, custom VJP) | "plain" (reference).
-      attn_block: query/key block of the blockwise path.
+      attention: "auto" (the default: splash on TPU, blockwise elsewhere, from the mesh's
+        devices; `attention.resolve_impl`) | "blockwise" (memory-linear pure JAX, custom VJP) |
+        "splash" (Pallas TPU kernel; interpreted elsewhere) | "plain" (reference).
+      attn_block: query/key block of the blockwise and splash paths.
       expert_backend: the expert FFN implementation, a key of `moe.BACKENDS`, or "auto" (the
         default): the fastest exact backend for the mesh's devices (`moe.resolve_backend`;
         grouped / ep on CPU, ragged / ep_a2a on TPU and GPU).
@@ -94,7 +97,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
-    attention: str = "blockwise"
+    attention: str = "auto"
     attn_block: int = 512
     expert_backend: str = "auto"
     logprob_vocab_chunk: int = 8192
@@ -133,7 +136,7 @@ class ModelConfig:
             raise ValueError(f"model.num_dense_layers must be in [0, num_layers], "
                              f"got {self.num_dense_layers}")
         checks = {"router": ("softmax", "sigmoid_bias"), "param_dtype": DTYPES, "compute_dtype": DTYPES,
-                  "remat": tuple(REMAT_POLICIES), "attention": ("blockwise", "plain"),
+                  "remat": tuple(REMAT_POLICIES), "attention": ATTENTION_IMPLS,
                   "expert_backend": EXPERT_BACKENDS}
         for name, allowed in checks.items():
             if getattr(self, name) not in allowed:

@@ -1,7 +1,8 @@
 """The NNX MoE layer: fp32 router + routed SwiGLU experts, and the table of expert backends.
 
 Routing math lives in the pure functions of `router.py`, the expert FFNs in `experts.py`
-(single-shard backends) and `experts_ep.py` (expert parallelism); this module picks one by name
+(single-shard backends), `experts_megablox.py` (Pallas TPU kernels) and `experts_ep.py`
+(expert parallelism); this module picks one by name
 (`BACKENDS`, or "auto": `resolve_backend`). The layer owns the parameters (router kernel [D, E],
 stacked experts [E, D, F] / [E, F, D]) and the non-trainable `RouterBias` [E] of the
 `sigmoid_bias` router, and wires them together, honouring routing replay.
@@ -16,10 +17,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gagar_jax import experts, experts_ep
+from gagar_jax import experts, experts_ep, experts_megablox
 from gagar_jax import router as router_lib
 from gagar_jax.layers import normal_init
-from gagar_jax.sharding import constrain, mesh_axes
+from gagar_jax.sharding import constrain, device_platform, mesh_axes
 
 ExpertFn = Callable[..., jax.Array]
 
@@ -35,6 +36,7 @@ BACKENDS: Mapping[str, ExpertFn] = {
     "capacity": _capacity_y,           # fixed capacity; DROPS overflow tokens
     "ep": experts_ep.ep_ffn,           # expert parallelism, all-gather dispatch (any platform)
     "ep_a2a": experts_ep.ep_a2a_ffn,   # expert parallelism, ragged_all_to_all (TPU/GPU only)
+    "megablox": experts_megablox.megablox_ffn,  # Pallas gmm/tgmm kernels (TPU; interpreted elsewhere)
 }
 EXPERT_BACKENDS = ("auto",) + tuple(BACKENDS)   # the values `model.expert_backend` accepts
 
@@ -42,7 +44,7 @@ EXPERT_BACKENDS = ("auto",) + tuple(BACKENDS)   # the values `model.expert_backe
 AUTO_BACKENDS: Mapping[str, tuple[str, str]] = {
     "cpu": ("grouped", "ep"),
     "gpu": ("ragged", "ep_a2a"),
-    "tpu": ("ragged", "ep_a2a"),
+    "tpu": ("megablox", "ep_a2a"),     # ep_a2a's local FFN is megablox on TPU
 }
 
 
@@ -51,10 +53,10 @@ def resolve_backend(backend: str, mesh=None, num_experts: int = 0) -> str:
 
     Args:
       backend: a key of `BACKENDS`, or "auto".
-      mesh: a concrete `Mesh`: its devices' platform decides (an ahead-of-time compile for TPU
-        on a CPU host gets the TPU choice), and an `expert` axis larger than 1 that divides
-        `num_experts` selects expert parallelism. None: the ambient (abstract) mesh's expert
-        axis and the default backend's platform (a model used outside the trainer).
+      mesh: a `Mesh` (default: the ambient one): its devices' platform decides
+        (`sharding.device_platform`: an ahead-of-time compile for TPU on a CPU host gets the TPU
+        choice), and an `expert` axis larger than 1 that divides `num_experts` selects expert
+        parallelism. No mesh at all: the default backend's platform, one expert shard.
       num_experts: E (0 = do not check divisibility).
     Returns:
       A key of `BACKENDS`.
@@ -63,11 +65,8 @@ def resolve_backend(backend: str, mesh=None, num_experts: int = 0) -> str:
         if backend not in BACKENDS:
             raise ValueError(f"expert_backend={backend!r}; expected one of {EXPERT_BACKENDS}")
         return backend
-    if mesh is not None and hasattr(mesh, "devices"):
-        platform = mesh.devices.flat[0].platform
-    else:
-        mesh, platform = jax.sharding.get_abstract_mesh(), jax.default_backend()
-    platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    platform = device_platform(mesh)
     single, parallel = AUTO_BACKENDS.get(platform, AUTO_BACKENDS["cpu"])
     n_expert = 1 if mesh is None or mesh.empty else math.prod(
         mesh.shape[a] for a in mesh_axes("expert", mesh))
@@ -86,7 +85,8 @@ def expert_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
       weights_TxK: gate weights (differentiable).
       backend: a key of `BACKENDS`, or "auto" (`resolve_backend` on the ambient mesh).
       **options: backend options (`block` for grouped/ep, `capacity_factor` for capacity,
-        `mesh` and `chunks` for ep / ep_a2a).
+        `mesh` for ep / ep_a2a / megablox, `chunks` and `local` for ep_a2a, `tiling` and
+        `interpret` for megablox).
     Returns:
       y_TxD in x's dtype.
     """

@@ -118,6 +118,26 @@ def mesh_axes(name: Optional[str], mesh=None) -> tuple:
     return axes if mesh is None else tuple(a for a in axes if a in mesh.axis_names)
 
 
+def device_platform(mesh=None) -> str:
+    """"cpu", "gpu" or "tpu": the platform of the mesh's devices, else of the default backend.
+
+    Args:
+      mesh: a concrete `Mesh` or an `AbstractMesh`; default the ambient mesh (under `jax.jit`
+        too: an abstract mesh remembers its devices' platform). An ahead-of-time compile for TPU
+        on a CPU host thus answers "tpu". Without a mesh: `jax.default_backend()`.
+    """
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    platform = None
+    if mesh is not None and not mesh.empty:
+        if isinstance(mesh, Mesh):
+            platform = mesh.devices.flat[0].platform
+        else:
+            device = getattr(mesh, "abstract_device", None)
+            platform = None if device is None else device.platform
+    platform = platform or jax.default_backend()
+    return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+
+
 def logical_to_spec(axes: Sequence, shape: Optional[Sequence[int]] = None, mesh=None) -> P:
     """PartitionSpec for logical `axes`; with `shape` and `mesh`, drops non-dividing mesh axes."""
     spec = []

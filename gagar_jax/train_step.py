@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from gagar_jax import loss as loss_lib
 from gagar_jax import sharding as shd
 from gagar_jax.advantage import check_invariants
+from gagar_jax.attention import resolve_impl
 from gagar_jax.batch import Batch
 from gagar_jax.logprobs import token_logprobs
 from gagar_jax.model import ModelConfig, Transformer
@@ -133,14 +134,15 @@ def abstract_train_state(cfg: StepConfig, mesh=None):
 
     Args:
       cfg: the StepConfig.
-      mesh: the mesh the step runs on; an "auto" expert backend is resolved for its devices
-        (`moe.resolve_backend`) and fixed in the graphdef.
+      mesh: the mesh the step runs on; "auto" expert backend and attention are resolved for
+        its devices (`moe.resolve_backend`, `attention.resolve_impl`) and fixed in the graphdef.
     Returns:
       (abstract TrainState of jax.ShapeDtypeStruct, graphdef).
     """
     m = cfg.model
     model_cfg = dataclasses.replace(
-        m, expert_backend=resolve_backend(m.expert_backend, mesh, m.num_experts))
+        m, expert_backend=resolve_backend(m.expert_backend, mesh, m.num_experts),
+        attention=resolve_impl(m.attention, mesh))
     graphdef = split_model(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))[0]
     abstract = jax.eval_shape(functools.partial(_init_state, cfg=cfg), jax.random.PRNGKey(0))
     return abstract, graphdef

@@ -1,0 +1,128 @@
+"""The `megablox` expert backend: Pallas TPU grouped matmuls (`gmm` forward, `tgmm` for weights).
+
+    rows sorted by expert -> gmm(x, gate) , gmm(x, up) -> silu(.) * (.) -> gmm(h, down) -> combine
+
+`jax.experimental.pallas.ops.tpu.megablox.ops.gmm` multiplies each expert's run of rows by that
+expert's matrix, tile by tile, visiting only the tiles the runs occupy (dropless, no padding per
+expert); its custom VJP computes the input gradient with another `gmm` and the weight gradient
+with `tgmm`. The sort, gather and combine are the shared plan of `dispatch.py`.
+
+Row buffer: the T*K assignments sorted by expert, then zero rows up to a multiple of the row
+tile. Rows past the routed ones (invalid ids, tile padding) belong to no group: the kernel
+leaves them unwritten (garbage on TPU, NaN in interpret mode), and they are masked before the
+combine and never read by it.
+
+Platforms: the kernels compile for TPU only. Elsewhere they run in Pallas interpret mode (plain
+JAX ops, slow: for tests on CPU). `interpret=None` decides from the platform the code is being
+compiled for (`sharding.device_platform`), so an ahead-of-time TPU compile on a CPU host gets the
+real kernels.
+
+Under a mesh whose token axes are larger than 1, the kernel runs per shard inside `shard_map`
+(a Pallas call has no SPMD partitioning rule: left to the partitioner it would gather every
+token onto every device): tokens stay on their shard, experts are whole on each shard except F
+split over 'tensor', whose partial sums are added with a psum. Expert parallelism is
+`ep_a2a` with this function as its local FFN (`moe.BACKENDS["ep_a2a_megablox"]`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops
+from jax.sharding import PartitionSpec as P
+
+from gagar_jax import dispatch, sharding
+
+# (rows, contraction, output) tile sizes; each is clamped to its dimension.
+DEFAULT_TILING = (512, 1024, 1024)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _gmm(lhs, rhs, sizes, tiling, interpret):
+    m, k = lhs.shape
+    tiles = (tiling[0], min(tiling[1], k), min(tiling[2], rhs.shape[-1]))
+    return megablox_ops.gmm(lhs, rhs, sizes, lhs.dtype, tiles, None, None, False, interpret)
+
+
+def grouped_swiglu(x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E, *,
+                   tiling=DEFAULT_TILING, interpret: Optional[bool] = None) -> jax.Array:
+    """SwiGLU of each expert's run of rows (rows sorted by expert, `sizes_E` rows each).
+
+    Args:
+      x_SxD: rows sorted by expert; rows past sum(sizes_E) are ignored (output 0).
+      gate_ExDxF, up_ExDxF, down_ExFxD: expert weights.
+      sizes_E: int32 rows per expert.
+      tiling: (rows, contraction, output) tile sizes of the kernels.
+      interpret: run the kernels in Pallas interpret mode (None: unless compiling for TPU).
+    Returns:
+      y_SxD in x's dtype.
+    """
+    if interpret is None:
+        interpret = sharding.device_platform() != "tpu"
+    s, _ = x_SxD.shape
+    tm = min(tiling[0], _round_up(s, 8))
+    rows = _round_up(s, tm)
+    x = jnp.pad(x_SxD, ((0, rows - s), (0, 0)))
+    tiles = (tm,) + tuple(tiling[1:])
+    sizes = sizes_E.astype(jnp.int32)
+    h = jax.nn.silu(_gmm(x, gate_ExDxF, sizes, tiles, interpret)) * _gmm(
+        x, up_ExDxF, sizes, tiles, interpret)
+    y = _gmm(h, down_ExFxD, sizes, tiles, interpret)[:s]
+    # Rows of no group are never written by the kernel: zero them (where, not multiply: NaN).
+    routed = jnp.arange(s) < jnp.sum(sizes)
+    return jnp.where(routed[:, None], y, jnp.zeros((), y.dtype))
+
+
+def local_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
+              tiling=DEFAULT_TILING, interpret: Optional[bool] = None) -> jax.Array:
+    """`megablox_ffn` on the tokens of one shard (no mesh handling; e.g. inside `shard_map`)."""
+    plan = dispatch.padded_plan(idx_TxK, gate_ExDxF.shape[0], block=1)
+    xs_NxD = dispatch.gather_tokens(x_TxD, plan, idx_TxK.shape[1])
+    ys_NxD = grouped_swiglu(xs_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, plan.sizes_E,
+                            tiling=tiling, interpret=interpret)
+    return dispatch.combine(ys_NxD, plan, weights_TxK)
+
+
+def megablox_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
+                 mesh=None, tiling=DEFAULT_TILING, interpret: Optional[bool] = None) -> jax.Array:
+    """Dropless routed SwiGLU with the megablox kernels (same math as `experts.dense_ffn`).
+
+    Args:
+      x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK: as `moe.expert_ffn`.
+      mesh: the mesh (default the ambient one); token axes > 1 run the kernel per shard.
+      tiling: (rows, contraction, output) tile sizes of the kernels.
+      interpret: Pallas interpret mode (None: unless compiling for TPU).
+    Returns:
+      y_TxD in x's dtype.
+    """
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if interpret is None:
+        interpret = sharding.device_platform(mesh) != "tpu"
+    local = lambda *a: local_ffn(*a, tiling=tiling, interpret=interpret)  # noqa: E731
+    if mesh is None or mesh.empty:
+        return local(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK)
+    tok_axes = tuple(a for a in sharding.mesh_axes("batch", mesh)
+                     if mesh.shape[a] > 1 and x_TxD.shape[0] % mesh.shape[a] == 0)
+    while tok_axes and x_TxD.shape[0] % math.prod(mesh.shape[a] for a in tok_axes):
+        tok_axes = tok_axes[:-1]
+    f = gate_ExDxF.shape[-1]
+    tensor = tuple(a for a in sharding.mesh_axes("mlp", mesh)
+                   if mesh.shape[a] > 1 and f % mesh.shape[a] == 0)
+    if not tok_axes and not tensor:
+        return local(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK)
+    tok = tok_axes or None
+    mlp = tensor or None
+
+    def per_shard(x, wg, wu, wd, idx, w):
+        y = local(x, wg, wu, wd, idx, w)
+        return jax.lax.psum(y, tensor) if tensor else y
+
+    specs = (P(tok, None), P(None, None, mlp), P(None, None, mlp), P(None, mlp, None),
+             P(tok, None), P(tok, None))
+    fn = jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=P(tok, None))
+    return fn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK.astype(jnp.int32), weights_TxK)
