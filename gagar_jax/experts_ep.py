@@ -57,11 +57,13 @@ class _Layout:
     mlp: object             # PartitionSpec entry of F
     tensor_axes: tuple      # mesh axes F is split over (partial sums to add)
 
-    def run(self, local, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK):
+    def run(self, local, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
+            check_vma: bool = True):
         tok, ex, mlp = self.tokens, self.expert_axis, self.mlp
         specs = (P(tok, None), P(ex, None, mlp), P(ex, None, mlp), P(ex, mlp, None),
                  P(tok, None), P(tok, None))
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=P(tok, None))
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=P(tok, None),
+                           check_vma=check_vma)
         args = (x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK.astype(jnp.int32), weights_TxK)
         if any(t == jax.sharding.AxisType.Explicit for t in self.mesh.axis_types):
             # Explicit-sharding meshes make layout changes visible: move inputs to the specs.
@@ -156,15 +158,16 @@ LOCAL_FFNS = ("auto", "grouped", "megablox")   # ep_a2a's per-device expert FFN
 
 def _local_ffn(local: str, platform: str, block: int, big_block: int,
                interpret: Optional[bool]):
-    """The per-device FFN of `ep_a2a`: "auto" = megablox when compiling for TPU, else grouped."""
+    """(FFN, is a Pallas kernel) for `ep_a2a`: "auto" = megablox when compiling for TPU, else
+    grouped."""
     if local not in LOCAL_FFNS:
         raise ValueError(f"ep_a2a local={local!r}; expected one of {LOCAL_FFNS}")
     if local == "auto":
         local = "megablox" if platform == "tpu" else "grouped"
     if local == "megablox":
         return functools.partial(experts_megablox.local_ffn,
-                                 interpret=platform != "tpu" if interpret is None else interpret)
-    return functools.partial(experts.grouped_ffn, block=block, big_block=big_block)
+                                 interpret=platform != "tpu" if interpret is None else interpret), True
+    return functools.partial(experts.grouped_ffn, block=block, big_block=big_block), False
 
 
 def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
@@ -190,8 +193,8 @@ def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
     """
     lay = _layout(mesh, x_TxD.shape[0], gate_ExDxF, "ep_a2a")
     ax = lay.expert_axis
-    expert_ffn = _local_ffn(local, sharding.device_platform(lay.mesh), block, big_block,
-                            interpret)
+    expert_ffn, kernel = _local_ffn(local, sharding.device_platform(lay.mesh), block,
+                                    big_block, interpret)
 
     def one_chunk(x, wg, wu, wd, idx, w):
         t, k = idx.shape
@@ -239,4 +242,6 @@ def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
         _, y = jax.lax.scan(body, None, (split(x), split(idx), split(w)))
         return y.reshape(x.shape[0], -1)
 
-    return lay.run(local, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK)
+    # Pallas kernels' outputs carry no varying-axes types: run unchecked with megablox.
+    return lay.run(local, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK,
+                   check_vma=not kernel)

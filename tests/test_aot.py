@@ -127,7 +127,7 @@ def test_auto_expert_backend_follows_the_mesh_devices_not_the_process():
 
     import jax
     tpu, cpu = aot.topology_devices("v5p:2x2x1"), jax.devices()[:4]
-    assert moe.resolve_backend("auto", mesh(tpu, 1), 8) == "ragged"
+    assert moe.resolve_backend("auto", mesh(tpu, 1), 8) == "megablox"
     assert moe.resolve_backend("auto", mesh(tpu, 4), 8) == "ep_a2a"
     assert moe.resolve_backend("auto", mesh(cpu, 1), 8) == "grouped"
     assert moe.resolve_backend("auto", mesh(cpu, 4), 8) == "ep"
@@ -137,7 +137,47 @@ def test_auto_expert_backend_follows_the_mesh_devices_not_the_process():
         moe.resolve_backend("nope")
     # The trainer fixes the choice in the graphdef it compiles.
     step_cfg = ts.StepConfig.from_config(get_config())
-    step_cfg = dataclasses.replace(step_cfg, model=dataclasses.replace(step_cfg.model,
-                                                                       expert_backend="auto"))
+    step_cfg = dataclasses.replace(step_cfg, model=dataclasses.replace(
+        step_cfg.model, expert_backend="auto", attention="auto"))
     _, graphdef = ts.abstract_train_state(step_cfg, mesh(tpu, 1))
-    assert "expert_backend='ragged'" in repr(graphdef)
+    assert "expert_backend='megablox'" in repr(graphdef)
+    assert "attention='splash'" in repr(graphdef)
+
+
+# TPU executables cached by an earlier run cannot be read back on a CPU host; JAX then warns
+# and compiles afresh.
+@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache")
+def test_kernels_compile_ahead_of_time_for_v5p(tmp_path):
+    """Splash attention and megablox experts, forward + backward, as real Mosaic TPU kernels."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from gagar_jax import attention, moe, sharding
+
+    mesh = sharding.make_mesh(types.SimpleNamespace(data=-1, fsdp=1, expert=1, tensor=1),
+                              aot.topology_devices("v5p:2x2x1"))
+    B, S, H, KV, DH, T, D, F, E, K = 4, 256, 4, 2, 128, 256, 256, 256, 8, 2
+    sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=NamedSharding(mesh, spec))
+    row = P("data")
+
+    def loss(q, k, v, seg, x, g, u, d, idx, w):
+        o = attention.attention(q, k, v, seg, impl="auto", block=128)
+        y = moe.expert_ffn(x, g, u, d, idx, w, backend="auto")
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(y.astype(jnp.float32))
+
+    bf = jnp.bfloat16
+    args = (sds((B, S, H, DH), bf, row), sds((B, S, KV, DH), bf, row),
+            sds((B, S, KV, DH), bf, row), sds((B, S), jnp.int32, row),
+            sds((T, D), bf, row), sds((E, D, F), bf, P()), sds((E, D, F), bf, P()),
+            sds((E, F, D), bf, P()), sds((T, K), jnp.int32, row), sds((T, K), bf, row))
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4, 5, 6, 7, 9))).lower(*args)
+    text = lowered.as_text()
+    # Real kernels, not interpreted: Mosaic custom calls in the lowered module.
+    assert text.count("tpu_custom_call") >= 2, "expected Mosaic kernels"
+    result = aot.compile_lowered(lowered, dump_dir=str(tmp_path))
+    assert result.error == "" and result.memory is not None

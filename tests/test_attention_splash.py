@@ -66,6 +66,16 @@ def test_splash_matches_reference_forward_and_grads_on_packed_rows(qkv):
     assert_rel_close(o, numpy_attention(*qkv, SEG))
 
 
+def test_splash_per_shard_under_a_mesh(qkv):
+    # Rows over data (fsdp=2 does not divide B=2 and is dropped), KV heads over tensor.
+    mesh = sharding.make_mesh(types.SimpleNamespace(data=2, fsdp=2, expert=1, tensor=2))
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda q, k, v, s: splash_attention(q, k, v, SEG, window=50, sinks_H=s,
+                                                          block=128))(*qkv, sinks)
+    assert_rel_close(got, numpy_attention(*qkv, SEG, window=50, sinks=np.asarray(sinks)))
+
+
 def test_sliding_window_and_sinks_match_numpy_loop(qkv):
     sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
     window = 37
