@@ -1,5 +1,9 @@
 """Config files (ConfigDict) in, frozen dataclasses out: the library edge.
 
+This module does not import ml_collections itself (config files do): the model and the train
+step import `section_dict` from here, and must run where only jax, flax, optax, chex, orbax,
+numpy, etils and safetensors are installed (`scripts/bench_device.py`).
+
 A config file is a Python module with `get_config() -> ml_collections.ConfigDict` (see
 `configs/tiny_cpu.py`). The trainer locks it, applies command-line overrides, and converts each
 section once into the frozen dataclass of the module that owns it.
@@ -9,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-
-import ml_collections
 
 
 class ConfigError(ValueError):
@@ -32,7 +34,7 @@ class TrainConfig:
     reference_from: str        # KL reference policy directory ("" = initial weights)
 
     @classmethod
-    def from_config(cls, c: ml_collections.ConfigDict) -> "TrainConfig":
+    def from_config(cls, c) -> "TrainConfig":
         out = cls(**{f.name: c[f.name] for f in dataclasses.fields(cls)})
         for name in ("steps", "keep_checkpoints", "keep_published", "log_every"):
             if getattr(out, name) < 1:
@@ -50,7 +52,7 @@ class TrainConfig:
         return out
 
 
-def load_config_file(path: str) -> ml_collections.ConfigDict:
+def load_config_file(path: str) -> "ml_collections.ConfigDict":  # noqa: F821
     """Imports a config file and returns its locked `get_config()`."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")

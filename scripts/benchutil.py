@@ -1,4 +1,6 @@
-"""Small helpers the `scripts/bench_*.py` benchmarks share: timing, matmul peak, docs sections."""
+"""Small helpers the `scripts/bench_*.py` benchmarks share: timing, matmul peak, docs sections,
+a synthetic feed batch. Imports only jax, numpy and gagar_jax.batch (`bench_device.py` runs
+where nothing else is installed)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +10,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from gagar_jax.batch import Batch
 
 
 def timed(fn) -> float:
@@ -35,3 +39,33 @@ def write_docs_section(path: str, heading: str, section: str) -> None:
         text = text.rstrip("\n") + "\n\n" + section
     with open(path, "w") as fh:
         fh.write(text)
+
+
+def synthetic_batch(B: int, S: int, vocab: int, group_size: int = 4, seed: int = 0) -> Batch:
+    """Rows packed with trajectories of 3/4 row length or less (prompt 1/4), groups of 4, every
+    group mixed with graded passes: the shape of a real feed batch, with random tokens."""
+    rng = np.random.default_rng(seed)
+    per_row = 2
+    T = B * per_row
+    G = T // group_size
+    span = S // per_row
+    tokens = rng.integers(1, vocab, (B, S)).astype(np.int32)
+    seg, pos, traj = (np.zeros((B, S), np.int32) for _ in range(3))
+    mask = np.zeros((B, S), np.float32)
+    for t in range(T):
+        b, h = divmod(t, per_row)
+        n = int(rng.integers(span * 3 // 4, span + 1))
+        lo = h * span
+        seg[b, lo:lo + n], pos[b, lo:lo + n], traj[b, lo:lo + n] = h + 1, np.arange(n), t
+        mask[b, lo + span // 4:lo + n] = 1.0
+    rewards = np.tile([1, 1, 0, 0], G).astype(np.float32)
+    factors = rng.choice([1.0, 0.9, 0.85, 0.4, 0.2], T).astype(np.float32)
+    return Batch(
+        tokens_BxS=jnp.asarray(tokens), segment_ids_BxS=jnp.asarray(seg),
+        positions_BxS=jnp.asarray(pos), traj_index_BxS=jnp.asarray(traj),
+        loss_mask_BxS=jnp.asarray(mask),
+        old_logprobs_BxS=jnp.asarray(-np.log(vocab) * mask, jnp.float32),
+        group_ids_T=jnp.asarray(np.arange(T) // group_size, jnp.int32),
+        rewards_T=jnp.asarray(rewards), valid_T=jnp.ones(T, bool), hacked_T=jnp.zeros(T, bool),
+        factors_T=jnp.asarray(factors), adjustments_T=jnp.zeros(T, jnp.float32),
+        grading_ok_G=jnp.ones(G, bool))
