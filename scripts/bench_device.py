@@ -134,14 +134,17 @@ def render(rows, model: ModelConfig, batch_shape, peak: float, peak_src: str) ->
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU test)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (always on CPU)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per pair (after compile)")
     p.add_argument("--attention", default="", help="comma list (default: per platform)")
     p.add_argument("--experts", default="", help="comma list (default: per platform)")
     p.add_argument("--json", default="", help="also write the figures here")
     args = p.parse_args(argv)
-    model, batch_shape = (TINY, TINY_BATCH) if args.tiny else (BENCH, BENCH_BATCH)
     dev = jax.devices()[0]
+    if dev.platform == "cpu" and not args.tiny:
+        print("CPU only: tiny shapes (the bench model is for an accelerator)", flush=True)
+    tiny = args.tiny or dev.platform == "cpu"
+    model, batch_shape = (TINY, TINY_BATCH) if tiny else (BENCH, BENCH_BATCH)
     attn_default, expert_default = CANDIDATES.get(dev.platform, CANDIDATES["cpu"])
     attns = tuple(a for a in args.attention.split(",") if a) or attn_default
     experts = tuple(e for e in args.experts.split(",") if e) or expert_default
