@@ -156,14 +156,15 @@ def _chunks(num_tokens: int, requested: Optional[int], n_dev: int) -> int:
 LOCAL_FFNS = ("auto", "grouped", "megablox")   # ep_a2a's per-device expert FFN
 
 
-def _local_ffn(local: str, platform: str, block: int, big_block: int,
+def _local_ffn(local: str, platform: str, gate_ExDxF, block: int, big_block: int,
                interpret: Optional[bool]):
-    """(FFN, is a Pallas kernel) for `ep_a2a`: "auto" = megablox when compiling for TPU, else
-    grouped."""
+    """(FFN, is a Pallas kernel) for `ep_a2a`: "auto" = megablox when compiling for TPU at
+    widths its kernels lower for, else grouped."""
     if local not in LOCAL_FFNS:
         raise ValueError(f"ep_a2a local={local!r}; expected one of {LOCAL_FFNS}")
     if local == "auto":
-        local = "megablox" if platform == "tpu" else "grouped"
+        fits = experts_megablox.lowers_on_tpu(*gate_ExDxF.shape[1:])
+        local = "megablox" if platform == "tpu" and fits else "grouped"
     if local == "megablox":
         return functools.partial(experts_megablox.local_ffn,
                                  interpret=platform != "tpu" if interpret is None else interpret), True
@@ -186,15 +187,16 @@ def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
         lowered to a divisor of the local token count); exchange: the ragged all-to-all
         collective (tests pass `emulated_ragged_all_to_all` to run on CPU); local: the
         per-device expert FFN on the received rows, "grouped" (`experts.grouped_ffn`),
-        "megablox" (`experts_megablox.local_ffn`) or "auto" (megablox when compiling for TPU);
+        "megablox" (`experts_megablox.local_ffn`) or "auto" (megablox when compiling for TPU
+        and D, F suit its kernels: `experts_megablox.lowers_on_tpu`);
         interpret: Pallas interpret mode of megablox (None: unless compiling for TPU).
     Returns:
       y_TxD, sharded like the tokens.
     """
     lay = _layout(mesh, x_TxD.shape[0], gate_ExDxF, "ep_a2a")
     ax = lay.expert_axis
-    expert_ffn, kernel = _local_ffn(local, sharding.device_platform(lay.mesh), block,
-                                    big_block, interpret)
+    expert_ffn, kernel = _local_ffn(local, sharding.device_platform(lay.mesh), gate_ExDxF,
+                                    block, big_block, interpret)
 
     def one_chunk(x, wg, wu, wd, idx, w):
         t, k = idx.shape

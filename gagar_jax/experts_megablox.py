@@ -35,7 +35,8 @@ from jax.sharding import PartitionSpec as P
 
 from gagar_jax import dispatch, sharding
 
-# (rows, contraction, output) tile sizes; each is clamped to its dimension.
+# (rows, contraction, output) tile sizes. The two weight tiles are merged into one (the backward
+# pass swaps the roles of D and F) and clamped to D and F.
 DEFAULT_TILING = (512, 1024, 1024)
 
 
@@ -43,9 +44,23 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _gmm(lhs, rhs, sizes, tiling, interpret):
-    m, k = lhs.shape
-    tiles = (tiling[0], min(tiling[1], k), min(tiling[2], rhs.shape[-1]))
+LANES = 128
+
+
+def lowers_on_tpu(d: int, f: int) -> bool:
+    """Whether the kernels lower for TPU at model width D and expert width F: their weight tiles
+    must be multiples of 128 or whole dimensions, and the backward pass (dx) swaps the two roles."""
+    return (d % LANES == 0 and f % LANES == 0) or d == f
+
+
+def _weight_tile(tile: int, d: int, f: int) -> int:
+    """One tile for both weight dimensions (valid in the forward and the swapped backward)."""
+    if d % LANES == 0 and f % LANES == 0:
+        return max(LANES, min(tile, d, f) // LANES * LANES)
+    return d   # d == f (checked by the caller), or interpret mode, where a tile may overhang
+
+
+def _gmm(lhs, rhs, sizes, tiles, interpret):
     return megablox_ops.gmm(lhs, rhs, sizes, lhs.dtype, tiles, None, None, False, interpret)
 
 
@@ -64,11 +79,16 @@ def grouped_swiglu(x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E, *,
     """
     if interpret is None:
         interpret = sharding.device_platform() != "tpu"
-    s, _ = x_SxD.shape
-    tm = min(tiling[0], _round_up(s, 8))
+    s, d = x_SxD.shape
+    f = gate_ExDxF.shape[-1]
+    if not interpret and not lowers_on_tpu(d, f):
+        raise ValueError(f"megablox on TPU needs D and F multiples of {LANES} (or D == F); got "
+                         f"D={d}, F={f}: use another expert_backend")
+    tm = min(tiling[0], _round_up(s, 16))    # sublane multiple for fp32 and bf16
     rows = _round_up(s, tm)
     x = jnp.pad(x_SxD, ((0, rows - s), (0, 0)))
-    tiles = (tm,) + tuple(tiling[1:])
+    wt = _weight_tile(min(tiling[1], tiling[2]), d, f)
+    tiles = (tm, wt, wt)
     sizes = sizes_E.astype(jnp.int32)
     h = jax.nn.silu(_gmm(x, gate_ExDxF, sizes, tiles, interpret)) * _gmm(
         x, up_ExDxF, sizes, tiles, interpret)

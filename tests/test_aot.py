@@ -157,27 +157,32 @@ def test_kernels_compile_ahead_of_time_for_v5p(tmp_path):
 
     from gagar_jax import attention, moe, sharding
 
-    mesh = sharding.make_mesh(types.SimpleNamespace(data=-1, fsdp=1, expert=1, tensor=1),
+    mesh = sharding.make_mesh(types.SimpleNamespace(data=2, fsdp=1, expert=2, tensor=1),
                               aot.topology_devices("v5p:2x2x1"))
     B, S, H, KV, DH, T, D, F, E, K = 4, 256, 4, 2, 128, 256, 256, 256, 8, 2
     sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
         shape, dtype, sharding=NamedSharding(mesh, spec))
-    row = P("data")
+    row, tok = P("data"), P(("data", "fsdp", "expert"))
 
     def loss(q, k, v, seg, x, g, u, d, idx, w):
         o = attention.attention(q, k, v, seg, impl="auto", block=128)
-        y = moe.expert_ffn(x, g, u, d, idx, w, backend="auto")
-        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(y.astype(jnp.float32))
+        y = moe.expert_ffn(x, g, u, d, idx, w, backend="megablox")
+        # "auto" on this mesh: ep_a2a, whose local FFN on TPU is megablox.
+        y2 = moe.expert_ffn(x, g, u, d, idx, w, backend="auto")
+        return sum(jnp.sum(a.astype(jnp.float32)) for a in (o, y, y2))
 
     bf = jnp.bfloat16
     args = (sds((B, S, H, DH), bf, row), sds((B, S, KV, DH), bf, row),
             sds((B, S, KV, DH), bf, row), sds((B, S), jnp.int32, row),
-            sds((T, D), bf, row), sds((E, D, F), bf, P()), sds((E, D, F), bf, P()),
-            sds((E, F, D), bf, P()), sds((T, K), jnp.int32, row), sds((T, K), bf, row))
+            sds((T, D), bf, tok), sds((E, D, F), bf, P("expert")), sds((E, D, F), bf, P("expert")),
+            sds((E, F, D), bf, P("expert")), sds((T, K), jnp.int32, tok), sds((T, K), bf, tok))
     with jax.set_mesh(mesh):
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4, 5, 6, 7, 9))).lower(*args)
     text = lowered.as_text()
-    # Real kernels, not interpreted: Mosaic custom calls in the lowered module.
-    assert text.count("tpu_custom_call") >= 2, "expected Mosaic kernels"
+    assert moe.resolve_backend("auto", mesh, E) == "ep_a2a"
+    # Real kernels, not interpreted: splash fwd, dq, dkv; gmm and tgmm (one lowered function
+    # per distinct shape, called several times).
+    assert text.count("tpu_custom_call") >= 6, "expected Mosaic kernels"
+    assert "ragged_all_to_all" in text
     result = aot.compile_lowered(lowered, dump_dir=str(tmp_path))
     assert result.error == "" and result.memory is not None

@@ -71,3 +71,11 @@ def test_ep_a2a_with_megablox_local_ffn_matches_dense(problem, reference):
     with pytest.raises(ValueError, match="local="):
         with jax.set_mesh(_mesh((4, 1, 2, 1))):
             moe.expert_ffn(*problem, backend="ep_a2a", local="nope")
+
+
+def test_widths_the_tpu_kernels_cannot_tile_are_refused_clearly(problem):
+    from gagar_jax import experts_megablox
+    assert experts_megablox.lowers_on_tpu(2048, 768) and experts_megablox.lowers_on_tpu(16, 16)
+    assert not experts_megablox.lowers_on_tpu(16, 8)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        moe.expert_ffn(*problem, backend="megablox", interpret=False)
