@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from gagar_jax import hf  # noqa: E402
 from gagar_jax.config import load_config_file  # noqa: E402
-from gagar_jax.logprobs import token_logprobs  # noqa: E402
+from gagar_jax.logprobs import chunked_logprobs_entropy, token_logprobs  # noqa: E402
 from gagar_jax.model import ModelConfig, Transformer  # noqa: E402
 
 
@@ -73,6 +73,61 @@ def torch_step(path: str, threads: int):
     return step, model
 
 
+def breakdown(model: Transformer, torch_model, tokens: np.ndarray, reps: int) -> None:
+    """Times the two halves of the step in both libraries, interleaved: the trunk (embedding and
+    layers: loss = <final hidden states, a fixed random tensor>) and the head (output
+    projection and log-softmax from fixed hidden states), forward + backward each."""
+    import torch
+
+    cfg = model.cfg
+    B, S = tokens.shape
+    rng = np.random.default_rng(1)
+    r = rng.normal(size=(B, S, cfg.hidden_size)).astype(np.float32)
+    h0 = rng.normal(size=(B, S, cfg.hidden_size)).astype(np.float32)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def j_trunk(p, tok):
+        h, _ = nnx.merge(graphdef, p, rest).hidden_states(tok)
+        return jnp.sum(h * r)
+
+    def j_head(w, h):
+        lp, _ = chunked_logprobs_entropy(h[:, :-1], w, jnp.asarray(tokens)[:, 1:],
+                                         cfg.logprob_vocab_chunk)
+        return -jnp.mean(lp)
+
+    jt = jax.jit(jax.value_and_grad(j_trunk))
+    jh = jax.jit(jax.value_and_grad(j_head, argnums=(0, 1)))
+    tok, w, h = jnp.asarray(tokens), model.output_kernel_DxV(), jnp.asarray(h0)
+    ids = torch.from_numpy(tokens.astype(np.int64))
+    rt = torch.from_numpy(r)
+
+    def t_trunk():
+        torch_model.zero_grad(set_to_none=True)
+        (torch_model.model(input_ids=ids).last_hidden_state * rt).sum().backward()
+
+    def t_head():
+        torch_model.zero_grad(set_to_none=True)
+        ht = torch.from_numpy(h0).requires_grad_(True)
+        logits = torch_model.lm_head(ht[:, :-1]).float()
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                          ids[:, 1:].reshape(-1)).backward()
+
+    cases = {"trunk": (lambda: jt(params, tok), t_trunk), "head": (lambda: jh(w, h), t_head)}
+    for name, (jf, tf) in cases.items():
+        jax.block_until_ready(jf())
+        tf()
+        js, ts = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(jf())
+            js.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            tf()
+            ts.append(time.perf_counter() - t0)
+        print(f"  {name}: gagar_jax {np.median(js):.2f} s, transformers {np.median(ts):.2f} s",
+              flush=True)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=4)
@@ -81,6 +136,8 @@ def main(argv=None) -> dict:
     p.add_argument("--attention", default="blockwise")
     p.add_argument("--experts", default="grouped")
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time the trunk (layers) and the head (log-softmax) alone")
     args = p.parse_args(argv)
 
     cfg = ModelConfig.from_config(load_config_file(os.path.join(ROOT, "configs", "small.py")).model)
@@ -90,7 +147,7 @@ def main(argv=None) -> dict:
                                                dtype=np.int64).astype(np.int32)
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(model, d)
-        t_step, _ = torch_step(d, args.threads)
+        t_step, t_model = torch_step(d, args.threads)
     j_step = gagar_step(model)
 
     t0 = time.perf_counter()
@@ -115,6 +172,8 @@ def main(argv=None) -> dict:
     print(f"fwd+bwd [{args.rows}, {args.seq}] attention={args.attention} experts={args.experts}: "
           f"gagar_jax {j_med:.2f} s, transformers {t_med:.2f} s; "
           f"ratio transformers / gagar_jax = {t_med / j_med:.2f}x")
+    if args.breakdown:
+        breakdown(model, t_model, tokens, args.reps)
     return dict(gagar_s=j_med, transformers_s=t_med, ratio=t_med / j_med, loss=j_loss)
 
 
