@@ -38,13 +38,11 @@ from gagar_jax import dispatch, sharding
 # (rows, contraction, output) tile sizes. The two weight tiles are merged into one (the backward
 # pass swaps the roles of D and F) and clamped to D and F.
 DEFAULT_TILING = (512, 1024, 1024)
+LANES = 128   # a TPU kernel's weight tile is a multiple of this, or a whole dimension
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-LANES = 128
 
 
 def lowers_on_tpu(d: int, f: int) -> bool:
