@@ -32,3 +32,16 @@ def devices():
     devs = jax.devices()
     assert len(devs) == 8, "tests expect 8 fake CPU devices"
     return devs
+
+
+# The longest files first: `make test` runs two xdist workers with a file per worker
+# (--dist loadfile), handed out in collection order, so a long file collected last would run
+# alone at the end.
+_LONG_FIRST = ("test_train_mesh.py", "test_train.py", "test_train_signals.py", "test_train_step.py",
+               "test_reliability.py", "test_miniature.py", "test_aot.py", "test_configs.py",
+               "test_hf_mimo.py", "test_bench_device.py", "test_sim.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -1,0 +1,84 @@
+"""Running `gagar-train` in subprocesses for the trainer tests: one shared compilation cache, and
+one uninterrupted reference run per test session, shared by the pytest-xdist workers."""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 4
+COMMON = [f"--config.train.steps={STEPS}", "--config.train.checkpoint_every=1",
+          "--config.train.keep_checkpoints=10"]
+
+
+def env(devices: int = 8) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(REPO, ".cache", "jax")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
+    return env
+
+
+def cmd(workdir, *extra) -> list:
+    return [sys.executable, "-m", "gagar_jax.cli", "--config", os.path.join(REPO, "configs", "tiny_cpu.py"),
+            "--workdir", str(workdir), *COMMON, *extra]
+
+
+def run(workdir, *extra, devices: int = 8, timeout: int = 600) -> dict:
+    proc = subprocess.run(cmd(workdir, *extra), cwd=REPO, env=env(devices), capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(workdir, "summary.json")) as f:
+        return json.load(f)
+
+
+def start(workdir, *extra) -> subprocess.Popen:
+    return subprocess.Popen(cmd(workdir, *extra), cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_checkpoint(proc, workdir, step: int, timeout: float = 600) -> None:
+    marker = os.path.join(workdir, "checkpoints", str(step), "commit_success.txt")
+    meta = os.path.join(workdir, "checkpoints", str(step), "_CHECKPOINT_METADATA")
+    deadline = time.time() + timeout
+    while not (os.path.exists(marker) or os.path.exists(meta)):
+        assert proc.poll() is None, f"trainer ended early: {proc.stderr.read()[-3000:]}"
+        assert time.time() < deadline, "no checkpoint in time"
+        time.sleep(0.2)
+
+
+def ledger_adds_up(ledger: dict) -> None:
+    parts = (ledger["trained"] + ledger["filtered_uniform"] + ledger["filtered_stale"]
+             + ledger["quarantined"] + ledger["leftover"])
+    assert ledger["received"] == parts, ledger
+    assert ledger["trained"] == ledger["trained_recorded"]
+    assert sum(ledger["quarantined_by_reason"].values()) == ledger["quarantined"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shared_reference(tmp_path_factory) -> tuple:
+    """(workdir, summary) of the uninterrupted reference run, computed once per session: the
+    first xdist worker to ask runs it under a file lock, the others wait and read it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent   # shared by every worker of this session
+    workdir = root / "trainer_reference"
+    with open(root / "trainer_reference.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (workdir / "summary.json").exists():
+            workdir.mkdir(exist_ok=True)
+            run(workdir)
+    with open(workdir / "summary.json") as f:
+        return workdir, json.load(f)
