@@ -1,11 +1,12 @@
 """The miniature closed loop (docs/miniature.md): the tiny MoE policy on a synthetic code-edit task.
 
 Derived from configs/tiny_cpu.py; only what differs is set here. One feed batch is one RL step:
-up to 16 mixed groups x 8 rollouts of <= 64 tokens (the task's longest episode is 61 tokens),
-packed into 64 rows of 128 tokens (fits even 128 trajectories of the maximum length), with the
-sampler's routed experts replayed by the learner.
+up to 16 mixed groups x 8 rollouts of <= 448 tokens (round two's hard task: up to 10 turns of
+32 tokens; vocabulary 1024 for its note words), packed into rows of 512 tokens, with the
+sampler's routed experts replayed by the learner, and two optimizer updates per step.
+`scripts/miniature.py` sets the feed's row count and shapes for its task and batch size.
 
-Experiment (three advantage modes x seeds, one process, plots and table):
+Experiment (four arms x seeds, one process, resumable; plots, tables and criteria):
   JAX_PLATFORMS=cpu python scripts/miniature.py
 Two processes, the real path (a producer writing spool shards, `gagar-train` consuming them and
 publishing weights every step):
@@ -24,6 +25,7 @@ from gagar_jax.config import load_config_file
 def get_config() -> ml_collections.ConfigDict:
     c = load_config_file(str(pathlib.Path(__file__).with_name("tiny_cpu.py")))
     c.seed = 0
+    c.model.vocab_size = 1024       # round two's task: words of the note language from 128
 
     t = c.train
     t.steps = 30                    # RL steps (the feed may end sooner: the spool's _DONE)
@@ -32,9 +34,10 @@ def get_config() -> ml_collections.ConfigDict:
     t.keep_published = 3
     t.publish_dtype = "float32"     # the producer samples exactly the learner's weights
     t.micro_batches = 1
+    t.mini_batches = 2              # two optimizer updates per RL step (clip 0.2 / 0.28 can act)
 
     c.loss.mode = "sum_preserving"  # sum_preserving | downweight_only | binary
-    c.loss.max_response_len = 32    # Dr. GRPO constant normalizer: 3 turns x 10 tokens + slack
+    c.loss.max_response_len = 320   # Dr. GRPO constant normalizer: 10 turns x 32 tokens
 
     o = c.optim
     o.learning_rate = 1e-3
@@ -49,11 +52,11 @@ def get_config() -> ml_collections.ConfigDict:
     f.spool_log_every_s = 30.0
     f.spool_settle_s = 0.0          # our producer publishes by rename: no need to wait
     f.rows_per_batch = 64           # B
-    f.seq_len = 128                 # S
+    f.seq_len = 512                 # S (the hard task's longest episode is 448 tokens)
     f.max_trajectories = 128        # T = 16 groups x 8 rollouts
     f.groups_per_batch = 16         # G
-    f.max_traj_tokens = 64
+    f.max_traj_tokens = 448
     f.max_group_trajectories = 8
-    f.max_staleness = 2
+    f.max_staleness = 2             # the sweep trains with staleness 1
     f.routing_replay = True
     return c

@@ -1,13 +1,17 @@
-"""The miniature study: three advantage modes x seeds from one warm start, plots and a table.
+"""The miniature study: four arms x seeds, each from a calibrated warm start; plots, tables and
+the pre-registered criteria (docs/miniature.md).
 
-  JAX_PLATFORMS=cpu python scripts/miniature.py                      # the sweep (docs/miniature.md)
-  JAX_PLATFORMS=cpu python scripts/miniature.py --steps 3 --seeds 0  # a quick look
+  JAX_PLATFORMS=cpu python scripts/miniature.py --out docs/miniature/round2   # the sweep
+  JAX_PLATFORMS=cpu python scripts/miniature.py --quick                       # smoke test
+  JAX_PLATFORMS=cpu python scripts/miniature.py --calibrate --sft-steps 2000  # warm start only
+  python scripts/miniature.py --report --out docs/miniature/round2            # tables again
   JAX_PLATFORMS=cpu python scripts/miniature.py --closed-loop --workdir runs/loop   # two processes
   python scripts/miniature.py --producer --workdir W --rounds N      # the producer process alone
 
 The sweep runs in one process through the product's feed and train step
-(`gagar_jax/sim/experiment.py`) and writes `docs/miniature/*.png`, `results.json` and
-`table.md`. `--closed-loop` warm-starts, publishes policy version 0, then runs a producer
+(`gagar_jax/sim/experiment.py`). Each arm x seed run is saved to OUT/runs/<arm>-s<seed>.json
+as it finishes; a rerun with the same OUT skips finished runs (and reuses the cached warm start
+under --workdir). `--closed-loop` warm-starts, publishes policy version 0, then runs a producer
 subprocess (sampling with the newest published weights, writing spool shards) next to a
 `gagar-train` subprocess (configs/miniature.py, publishing weights every step).
 """
@@ -26,27 +30,40 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(REPO, ".cache", "jax"))
 
 CONFIG = os.path.join(REPO, "configs", "miniature.py")
+_DEFAULT_OUT = os.path.join(REPO, "docs", "miniature")
 
 
 def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--closed-loop", action="store_true", help="two-process run (see docstring)")
     p.add_argument("--producer", action="store_true", help="run only the producer process")
-    p.add_argument("--replot", action="store_true",
-                   help="rewrite table.md and the PNGs from OUT/results.json (no runs)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: every arm, 1 seed, 2 steps, tiny shapes (the test suite's)")
+    p.add_argument("--report", action="store_true",
+                   help="rewrite tables, plots and the criteria from OUT/runs/*.json (no runs)")
     p.add_argument("--workdir", default=os.path.join(REPO, "runs", "miniature"))
     p.add_argument("--out", default=os.path.join(REPO, "docs", "miniature"), help="sweep output")
-    p.add_argument("--modes", default="binary,downweight_only,sum_preserving")
-    p.add_argument("--seeds", default="0,1,2,3,4")
-    p.add_argument("--steps", type=int, default=30, help="RL steps per run")
+    p.add_argument("--task", default="hard", choices=("hard", "easy"),
+                   help="hard: round two's task (TaskConfig.hard()); easy: round one's")
+    p.add_argument("--arms", default="binary,downweight_only,sum_preserving,control")
+    p.add_argument("--seeds", default="0,1,2,3,4,5")
+    p.add_argument("--independent-warm", action="store_true",
+                   help="one warm start per seed (warm seed = seed) instead of --warm-seed's")
+    p.add_argument("--steps", type=int, default=45, help="RL steps per run")
     p.add_argument("--groups", type=int, default=16, help="groups (tasks) per step / round")
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--eval-tasks", type=int, default=32, help="held-out tasks (x group size)")
+    p.add_argument("--eval-tasks", type=int, default=16, help="held-out tasks (x group size)")
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--probe-size", type=int, default=64, help="teacher-forced probe episodes")
     p.add_argument("--sft-steps", type=int, default=300)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--demo-mix", default="",
                    help="demonstration styles, e.g. clean=0.1,thrash=0.3 (default: sim.demos mix)")
+    p.add_argument("--note-prob", type=float, default=0.5, help="demo turns with a note")
+    p.add_argument("--note-mean", type=float, default=6.0, help="mean demo note length (words)")
     p.add_argument("--warm-seed", type=int, default=0)
+    p.add_argument("--calibrate", action="store_true",
+                   help="warm start and step-0 report only (binary calibration)")
     p.add_argument("--rounds", type=int, default=12, help="producer rounds (two-process run)")
     p.add_argument("--train-steps", type=int, default=5, help="trainer steps (two-process run)")
     p.add_argument("--max-ahead", type=int, default=2)
@@ -54,7 +71,20 @@ def _args(argv=None):
     p.add_argument("--devices", type=int, default=8, help="fake CPU devices of the trainer")
     p.add_argument("--set", action="append", default=[],
                    help="extra --config.KEY=VALUE overrides for the trainer (and sweep)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.quick:   # the easy task, so a 150-step warm start already passes some tasks
+        a.arms, a.seeds, a.steps, a.groups, a.group_size = ",".join(_ARMS), "0", 2, 4, 8
+        a.eval_tasks, a.eval_every, a.probe_size, a.sft_steps, a.sft_lr = 4, 2, 8, 150, 1e-2
+        a.task = "easy"
+    return a
+
+
+_ARMS = ("binary", "downweight_only", "sum_preserving", "control")
+
+
+def _task(a):
+    from gagar_jax.sim import task as task_lib
+    return task_lib.TaskConfig.hard() if a.task == "hard" else task_lib.TaskConfig()
 
 
 def _config(overrides):
@@ -83,81 +113,132 @@ def _mix(a):
 
 
 def _feed_overrides(a) -> list:
-    """Feed shapes for `groups` groups of `group_size` rollouts of <= 64 tokens."""
+    """Feed shapes for `groups` groups of `group_size` rollouts (rows for about 4 average
+    rollouts each, and room for the task's longest episode)."""
+    from gagar_jax.sim import producer
     n = a.groups * a.group_size
+    longest = producer.cache_len(_task(a))
+    seq = max(128, -(-longest // 128) * 128)
     return [f"feed.groups_per_batch={a.groups}", f"feed.max_trajectories={n}",
-            f"feed.rows_per_batch={max(8, -(-n // 2))}",
-            f"feed.max_group_trajectories={a.group_size}"]
+            f"feed.rows_per_batch={max(8, -(-n // 4))}", f"feed.seq_len={seq}",
+            f"feed.max_traj_tokens={longest}", f"feed.max_group_trajectories={a.group_size}"]
+
+
+def _warm(a, cfg, task_cfg, warm_seed: int):
+    """The warm start of `warm_seed`, cached under the workdir (a resumed sweep reuses it)."""
+    import pickle
+
+    from gagar_jax.sim import experiment as X
+    path = os.path.join(a.workdir, f"warm-{warm_seed}.pkl")
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    warm = X.warm_start(cfg, task_cfg, seed=warm_seed, sft_steps=a.sft_steps, lr=a.sft_lr,
+                        mix=_mix(a), eval_tasks=a.eval_tasks, group_size=a.group_size,
+                        note_prob=a.note_prob, note_mean=a.note_mean)
+    os.makedirs(a.workdir, exist_ok=True)
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(warm, f)
+    os.replace(path + ".tmp", path)
+    return warm
 
 
 def sweep(a) -> None:
+    """Every arm x seed, each saved to OUT/runs/<arm>-s<seed>.json as it finishes; runs whose
+    file exists are skipped (a rerun resumes)."""
     from gagar_jax.sim import experiment as X
-    from gagar_jax.sim import task as T
+    from gagar_jax.sim import measure
     t_start = time.perf_counter()
     cfg = _config(_feed_overrides(a) + a.set)
-    task_cfg = T.TaskConfig()
-    warm = X.warm_start(cfg, task_cfg, seed=a.warm_seed, sft_steps=a.sft_steps,
-                        lr=a.sft_lr, mix=_mix(a), eval_tasks=a.eval_tasks, group_size=a.group_size)
-    print(f"warm start: {a.sft_steps} SFT steps in {warm.seconds:.0f} s; step-0 tier mix "
-          f"{warm.stats}", flush=True)
+    task_cfg = _task(a)
+    runs_dir = os.path.join(a.out, "runs")
+    os.makedirs(runs_dir, exist_ok=True)
     learner = X.Learner(cfg)
-    runs = {}
-    for mode in a.modes.split(","):
-        for seed in [int(s) for s in a.seeds.split(",")]:
-            runs[f"{mode}/{seed}"] = X.run_loop(
-                learner, mode, warm, task_cfg, seed=seed, rl_steps=a.steps,
-                workdir=os.path.join(a.workdir, f"{mode}-{seed}"), groups=a.groups,
-                group_size=a.group_size, eval_tasks=a.eval_tasks,
-                log=lambda s: print(s, flush=True))
-    seconds = time.perf_counter() - t_start
-    command = "python scripts/miniature.py " + " ".join(sys.argv[1:])
-    os.makedirs(a.out, exist_ok=True)
-    meta = {"command": command.strip(), "seconds": seconds, "sft_steps": a.sft_steps,
-            "demo_mix": _mix(a),
-            "warm_stats": warm.stats.__dict__, "sft_final_loss": (warm.sft_losses or [None])[-1],
-            "groups": a.groups, "group_size": a.group_size, "eval_tasks": a.eval_tasks}
-    with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump(_rounded({"meta": meta, "runs": runs}), f)
-    print(write_report(runs, a.out, a.steps))
-    print(f"total {seconds / 60:.1f} min", flush=True)
+    probe = measure.ProbeSet(task_cfg, a.probe_size)
+    meta_path = os.path.join(a.out, "meta.json")
+    meta = {"command": "python scripts/miniature.py " + " ".join(sys.argv[1:]),
+            "args": {k: v for k, v in vars(a).items() if k not in ("workdir", "out")},
+            "warm": {}}
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            meta["warm"] = json.load(f).get("warm", {})
+    for seed in [int(s) for s in a.seeds.split(",")]:
+        warm_seed = seed if a.independent_warm else a.warm_seed
+        for arm in a.arms.split(","):
+            path = os.path.join(runs_dir, f"{arm}-s{seed}.json")
+            if os.path.exists(path):
+                print(f"skip {arm} seed {seed}: {path} exists", flush=True)
+                continue
+            warm = _warm(a, cfg, task_cfg, warm_seed)
+            meta["warm"][str(warm_seed)] = {"stats": warm.stats.__dict__,
+                                            "sft_final_loss": (warm.sft_losses or [None])[-1],
+                                            "seconds": warm.seconds}
+            t0 = time.perf_counter()
+            rows = X.run_loop(learner, arm, warm, task_cfg, seed=seed, rl_steps=a.steps,
+                              workdir=os.path.join(a.workdir, f"{arm}-{seed}"), groups=a.groups,
+                              group_size=a.group_size, eval_tasks=a.eval_tasks,
+                              eval_every=a.eval_every, probe=probe,
+                              log=lambda s: print(s, flush=True))
+            out = {"arm": arm, "seed": seed, "warm_seed": warm_seed,
+                   "seconds": time.perf_counter() - t0, "rows": rows}
+            with open(path + ".tmp", "w") as f:
+                json.dump(_rounded(out), f, separators=(",", ":"))
+            os.replace(path + ".tmp", path)
+            with open(meta_path, "w") as f:
+                json.dump(_rounded(meta), f, indent=1)
+            print(f"saved {path} ({out['seconds']:.0f} s)", flush=True)
+    print(f"sweep: {(time.perf_counter() - t_start) / 60:.1f} min", flush=True)
+    print(write_report(a.out), flush=True)
+
+
+def calibrate(a) -> None:
+    """Warm start only: step-0 entropy, pass rate, strong share, f_bar on held-out groups."""
+    from gagar_jax.sim import experiment as X
+    cfg = _config(_feed_overrides(a) + a.set)
+    warm = _warm(a, cfg, _task(a), a.warm_seed)
+    print(json.dumps(_rounded({"sft_final_loss": warm.sft_losses[-1], "seconds": warm.seconds,
+                               **warm.stats.__dict__, **warm.extra}), indent=1), flush=True)
+    del X
 
 
 def _rounded(obj):
-    """JSON-ready copy with floats to 5 significant digits (a small results.json)."""
+    """JSON-ready copy with floats to 4 significant digits (small committed results)."""
     if isinstance(obj, dict):
         return {k: _rounded(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_rounded(v) for v in obj]
     if isinstance(obj, (int, str, bool)) or obj is None:
         return obj
-    return float(f"{float(obj):.5g}")
+    x = float(obj)
+    return None if x != x else float(f"{x:.4g}")
 
 
-def write_report(runs: dict, out: str, steps: int) -> str:
-    """table.md (table at step 0 / final, paired differences to binary early and late), PNGs."""
+def load_runs(out: str) -> dict:
+    """"arm/seed" -> rows, from OUT/runs/*.json."""
+    import glob
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(out, "runs", "*.json"))):
+        with open(path) as f:
+            r = json.load(f)
+        runs[f"{r['arm']}/{r['seed']}"] = r["rows"]
+    return runs
+
+
+def write_report(out: str) -> str:
+    """table.md, per-step CSV, PNGs and criteria.md from OUT/runs/*.json."""
     from gagar_jax.sim import report
-    table = "\n".join([report.markdown_table(runs),
-                       report.paired_table(runs, first=1, last=min(10, steps)),
-                       report.paired_table(runs, first=max(steps - 9, 1), last=steps)])
-    with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(table)
-    report.plot(runs, out)
-    return table
-
-
-def replot(a) -> None:
-    with open(os.path.join(a.out, "results.json")) as f:
-        runs = json.load(f)["runs"]
-    steps = len(next(iter(runs.values()))) - 1
-    print(write_report(runs, a.out, steps))
+    runs = load_runs(out)
+    if not runs:
+        return "no finished runs"
+    return report.write_all(runs, out)
 
 
 def produce(a) -> None:
     from gagar_jax.model import ModelConfig
     from gagar_jax.sim import producer
-    from gagar_jax.sim import task as T
+    from gagar_jax.sim import task as task_lib
     cfg = _config(_feed_overrides(a) + a.set)
-    producer.run_producer(a.workdir, os.path.join(a.workdir, "spool"), T.TaskConfig(),
+    producer.run_producer(a.workdir, os.path.join(a.workdir, "spool"), _task(a),
                           rounds=a.rounds, groups_per_round=a.groups, group_size=a.group_size,
                           seed=a.warm_seed + 1, model_cfg=ModelConfig.from_config(cfg.model),
                           max_ahead=a.max_ahead, wait_s=a.wait_s,
@@ -172,10 +253,11 @@ def publish_warm_start(a) -> dict:
     from gagar_jax import hf, publish
     from gagar_jax.model import ModelConfig, Transformer
     from gagar_jax.sim import experiment as X
-    from gagar_jax.sim import task as T
+    from gagar_jax.sim import task as task_lib
     cfg = _config(_feed_overrides(a) + a.set)
-    warm = X.warm_start(cfg, T.TaskConfig(), seed=a.warm_seed, sft_steps=a.sft_steps,
-                        lr=a.sft_lr, mix=_mix(a), eval_tasks=a.groups, group_size=a.group_size)
+    warm = X.warm_start(cfg, _task(a), seed=a.warm_seed, sft_steps=a.sft_steps,
+                        lr=a.sft_lr, mix=_mix(a), eval_tasks=a.groups, group_size=a.group_size,
+                        note_prob=a.note_prob, note_mean=a.note_mean)
     model = Transformer(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(0))
     nnx.update(model, jax.device_put(warm.params), jax.device_put(warm.router_bias))
     path = publish.publish_weights(model, 0, a.workdir, hf.save_pretrained)
@@ -192,7 +274,7 @@ def closed_loop(a) -> int:
     me = [sys.executable, os.path.abspath(__file__), "--producer", "--workdir", a.workdir,
           "--rounds", str(a.rounds), "--groups", str(a.groups), "--group-size",
           str(a.group_size), "--warm-seed", str(a.warm_seed), "--max-ahead", str(a.max_ahead),
-          "--wait-s", str(a.wait_s)] + [x for s in a.set for x in ("--set", s)]
+          "--wait-s", str(a.wait_s), "--task", a.task] + [x for s in a.set for x in ("--set", s)]
     overrides = _feed_overrides(a) + a.set + [
         f"feed.spool_dir={os.path.join(a.workdir, 'spool')}", f"train.steps={a.train_steps}",
         f"train.init_from={v0['path']}"]
@@ -215,8 +297,18 @@ def main(argv=None) -> int:
         return 0
     if a.closed_loop:
         return closed_loop(a)
-    if a.replot:
-        replot(a)
+    if a.report:
+        print(write_report(a.out))
+        return 0
+    if a.calibrate:
+        calibrate(a)
+        return 0
+    if a.quick:
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            a.out, a.workdir = (a.out if a.out != _DEFAULT_OUT else os.path.join(tmp, "out"),
+                                os.path.join(tmp, "work"))
+            sweep(a)
         return 0
     sweep(a)
     return 0

@@ -1,111 +1,122 @@
-"""The miniature's closed loop on the real two-process path, and the sweep's report helpers.
-
-`scripts/miniature.py --closed-loop` warm-starts a tiny policy, publishes it as policy version 0,
-then runs a producer process (sampling with the newest published weights, grading, writing spool
-shards) next to a `gagar-train` process (consuming the spool, publishing weights every step).
+"""The miniature's smoke test (`scripts/miniature.py --quick`: every arm through the product's
+feed and train step, saved per run, resumed, reported) and its report and measurement helpers
+checked by hand.
 """
+import glob
 import json
 import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace as NS
 
 import numpy as np
 
-from gagar_jax.sim import report
+from gagar_jax.sim import measure, report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 5
-MAX_STALENESS = 2       # configs/miniature.py feed.max_staleness
+ARMS = ("binary", "downweight_only", "sum_preserving", "control")
 
 
 def _env():
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
-    env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(REPO, ".cache", "jax")
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(REPO, ".cache", "jax"))
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return env
 
 
-def _jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def test_two_process_closed_loop(tmp_path):
-    work = str(tmp_path / "loop")
-    cmd = [sys.executable, os.path.join(REPO, "scripts", "miniature.py"), "--closed-loop",
-           "--workdir", work, "--groups", "4", "--group-size", "8", "--sft-steps", "100",
-           "--sft-lr", "1e-2", "--rounds", "40", "--max-ahead", "2", "--wait-s", "20",
-           "--train-steps", str(STEPS), "--devices", "2",
-           "--set", "feed.groups_per_batch=2", "--set", "feed.max_trajectories=16",
-           "--set", "feed.rows_per_batch=8"]
+def _quick(out, *extra):
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "miniature.py"), "--quick", "--out",
+           out] + list(extra)
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "producer: round" in proc.stdout           # the producer process ran
-
-    with open(os.path.join(work, "summary.json")) as f:
-        summary = json.load(f)
-    assert summary["steps"] == STEPS and not summary["preempted"]
-    ledger = summary["ledger"]
-    assert ledger["received"] == (ledger["trained"] + ledger["filtered_uniform"]
-                                  + ledger["filtered_stale"] + ledger["quarantined"]
-                                  + ledger["leftover"])
-    assert ledger["balanced"] and ledger["quarantined"] == 0
-
-    groups = _jsonl(os.path.join(work, "groups.jsonl"))
-    assert len(groups) == ledger["trained"] == ledger["trained_recorded"]
-    steps = sorted({g["step"] for g in groups})
-    assert steps == list(range(1, STEPS + 1)), steps  # every step trained >= 1 group
-    metrics = _jsonl(os.path.join(work, "metrics.jsonl"))
-    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
-    assert all(m["groups"] >= 1 for m in metrics)
-
-    # Group ids are r<round>-<policy_version>-<task>: the version the producer sampled with.
-    versions = [(g["step"], int(g["group_id"].split("-")[1])) for g in groups]
-    for step, version in versions:
-        assert 0 <= (step - 1) - version <= MAX_STALENESS   # learner step at intake - version
-    assert max(v for _, v in versions) >= 1               # the producer reloaded trainer weights
-    by_step = [max(v for s, v in versions if s == k) for k in steps]
-    assert by_step == sorted(by_step)                     # versions never go back
-    with open(os.path.join(work, "published", "latest")) as f:
-        latest = json.load(f)
-    assert latest["policy_version"] == STEPS
-    assert os.path.exists(os.path.join(latest["path"], "config.json"))
+    return proc.stdout
 
 
-def _rows(values_by_key, n):
-    return [{k: v[i] for k, v in values_by_key.items()} for i in range(n)]
+def test_quick_sweep_runs_every_arm_saves_and_resumes(tmp_path):
+    out = str(tmp_path / "out")
+    _quick(out)
+    files = sorted(glob.glob(os.path.join(out, "runs", "*.json")))
+    assert [os.path.basename(f) for f in files] == sorted(f"{a}-s0.json" for a in ARMS)
+    runs = {}
+    for f in files:
+        with open(f) as fh:
+            r = json.load(fh)
+        rows = r["rows"]
+        assert [x["step"] for x in rows] == [0, 1, 2]
+        runs[r["arm"]] = rows
+        trained = [x for x in rows[:-1] if x.get("loss") is not None]
+        assert trained, f"{r['arm']}: no step trained"
+        for x in rows[:-1]:
+            assert 0 <= x["train_pass_rate"] <= 1 and x["train_mean_generated"] > 0
+            assert x["probe_entropy"] > 0 and x["train_entropy"] > 0
+        assert rows[0]["kl_ref"] is not None and abs(rows[0]["kl_ref"]) < 1e-3  # step 0 = warm
+    # Common random numbers: step 0 samples the same batch with the same policy in every arm.
+    for key in ("train_pass_rate", "train_mean_generated", "train_entropy", "probe_entropy"):
+        assert len({runs[a][0][key] for a in ARMS}) == 1, key
+    # Credit: binary and sum-preserving are net-zero; downweight-only and the control have the
+    # same net credit at step 0 (the same batch, the same factors), and it is negative.
+    assert abs(runs["binary"][0]["net_credit_per_seq"]) < 1e-5
+    assert abs(runs["sum_preserving"][0]["net_credit_per_seq"]) < 1e-5
+    dw, ctl = runs["downweight_only"][0], runs["control"][0]
+    assert dw["net_credit_per_seq"] <= 0
+    assert math.isclose(dw["net_credit_per_seq"], ctl["net_credit_per_seq"], rel_tol=1e-3,
+                        abs_tol=1e-5)
+    for name in ("table.md", "criteria.md", "steps.csv", "curves.png"):
+        assert os.path.exists(os.path.join(out, name)), name
+    # A rerun skips every finished run and only rewrites the report.
+    stdout = _quick(out)
+    assert stdout.count("skip ") == 4 and "saved " not in stdout
 
 
-def test_report_table_and_plots(tmp_path):
-    # Two seeds of one mode, three steps; the last step has no train metrics (evaluation only).
-    nan = math.nan
-    a = _rows({"heldout_pass_rate": [0.2, 0.4, 0.6], "pos_credit_after": [2.0, 4.0, nan],
-               "neg_credit": [-3.0, -3.0, nan]}, 3)
-    b = _rows({"heldout_pass_rate": [0.4, 0.4, 1.0], "pos_credit_after": [2.0, 2.0, nan],
-               "neg_credit": [-1.0, -1.0, nan]}, 3)
-    runs = {"downweight_only/0": a, "downweight_only/1": b}
-    np.testing.assert_allclose(report.series(a, "net_credit")[:2], [-1.0, 1.0])
-    assert report.window(report.series(a, "heldout_pass_rate"), True, 2) == 0.2
-    assert report.window(report.series(a, "heldout_pass_rate"), False, 2) == 0.5
-    assert report.window(report.series(a, "net_credit"), False, 5) == 0.0   # NaN step skipped
-    table = report.markdown_table(runs, width=2)
-    # pass rate: step 0 = (0.2, 0.4) -> 0.300 +- 0.141; final = (0.5, 0.7) -> 0.600 +- 0.141.
-    assert "| held-out pass rate | downweight_only | 0.300 ± 0.141 | 0.600 ± 0.141 |" in table
-    # net credit: step 0 = (-1, 1) -> 0.00 +- 1.41; final = (0, 1) -> 0.50 +- 0.71.
-    assert "| net credit | downweight_only | 0.00 ± 1.41 | 0.50 ± 0.71 |" in table
-    paths = report.plot(runs, str(tmp_path))
-    assert [os.path.basename(p) for p in paths] == ["outcomes.png", "credit.png"]
-    for p in paths:
-        with open(p, "rb") as f:
-            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+def _row(step, **kw):
+    return {"step": step, **kw}
+
+
+def test_criteria_by_hand():
+    # 6 seeds, 12 steps; entropy: step 0 = 0.4 everywhere; last 10 steps (rows 2..12 -> the
+    # last 11 rows are averaged) constant per arm and seed.
+    def run(e_last, length, strong=0.5):
+        rows = [_row(0, train_entropy=0.4, train_mean_generated=10.0)]
+        rows += [_row(t, train_entropy=e_last, train_mean_generated=length,
+                      heldout_strong_share=strong) for t in range(1, 13)]
+        return rows
+    runs = {}
+    for s in range(6):
+        runs[f"downweight_only/{s}"] = run(0.9 + 0.01 * s, 20.0)
+        runs[f"control/{s}"] = run(0.5 if s < 3 else 0.3, 20.0)
+        runs[f"sum_preserving/{s}"] = run(0.45, 12.0, strong=0.6)
+        runs[f"binary/{s}"] = run(0.43, 12.0, strong=0.5)
+    got = {name: ok for name, ok, _ in report.criteria(runs)}
+    names = list(got)
+    assert [got[n] for n in names] == [True, True, True,      # downweight-only: all three
+                                       False, False, True,    # control: 0.4 < 0.6; CI; length
+                                       True, True]            # sum-preserving
+    # The paired CI by hand: differences 0.45..0.50 vs sum_preserving.
+    d = [0.9 + 0.01 * s - 0.45 for s in range(6)]
+    m, lo, hi = report.t_ci(d)
+    h = 2.570582 * np.std(d, ddof=1) / math.sqrt(6)
+    assert math.isclose(m, np.mean(d)) and math.isclose(hi - m, h, rel_tol=1e-5)
+    assert "| downweight_only: entropy (last 10 steps) >= 1.5x step 0 | yes |" in \
+        report.criteria_markdown(runs)
+
+
+def test_credit_metrics_by_hand():
+    def traj(tid, n_gen):
+        return NS(trajectory_id=tid, loss_mask=[0] * 3 + [1] * n_gen)
+    records = [NS(trajectories=[traj("a", 4), traj("b", 10)]), NS(trajectories=[traj("c", 2)])]
+    info = NS(trajectory_ids=(("a", "b"), ("c",)), traj_slots=((2, 0), (1,)))
+    adv_T = np.array([-0.5, 0.25, 0.4])     # b = -0.5, c = 0.25, a = 0.4
+    m = measure.credit_metrics(records, info, adv_T)
+    assert math.isclose(m["net_credit_per_seq"], (0.4 - 0.5 + 0.25) / 3)
+    assert math.isclose(m["net_credit_tokens"], 0.4 * 4 - 0.5 * 10 + 0.25 * 2)
+    assert math.isclose(m["net_credit_per_token"], (1.6 - 5.0 + 0.5) / 16)
 
 
 def test_strong_credit_share_by_hand():
-    from types import SimpleNamespace as NS
-
     from gagar_jax.sim.experiment import strong_credit_share
+
     def traj(tid, tier):
         return NS(trajectory_id=tid, quality=NS(tier=tier) if tier else None)
     records = [NS(trajectories=[traj("a", "strong"), traj("b", "intermediate"), traj("c", None)]),

@@ -1,4 +1,6 @@
 """The synthetic task's pass/fail and the groupwise grader on hand-written answers."""
+import collections
+
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -336,3 +338,116 @@ def test_grader_properties(answers, rnd):
     rnd.shuffle(perm)
     again = G.grade_group(TASK, [eps[i] for i in perm])
     assert [again[perm.index(i)] for i in range(len(eps))] == got
+
+
+# ---- round two: the hard task (hidden fix, READ, notes) ---------------------------------------
+
+HARD = T.TaskConfig.hard(leak_prob=0.0)
+
+
+def _hard_task():
+    return T.Task("h0", tuple(T.sym(s) for s in range(16)), bug_pos=2, fix_tok=T.sym(20),
+                  tested=(1, 2, 5, 9), leak_key=-1)
+
+
+def test_hard_task_hides_the_fix_until_run_or_read():
+    task = _hard_task()
+    ep = T.Episode(task, HARD)
+    assert task.fix_tok not in ep.tokens and ep.tokens[-2:] == [T.BUG, T.pos(2)]
+    tool = ep.step([T.RUN])
+    assert tool == [T.TOOL_START, T.FAIL, T.pos(2), T.EXPECT, T.sym(20), T.TOOL_END]
+    ep2 = T.Episode(task, HARD)
+    assert ep2.step([T.NOTE, T.WORD_BASE + 4, T.WORD_BASE + 7, T.READ]) == [
+        T.TOOL_START, T.EXPECT, T.pos(2), T.sym(20), T.TOOL_END]
+    assert ep2.turns[0] == T.Turn((), "read", 3)
+    assert ep2.step([T.NOTE, T.WORD_BASE + 1] + E(2, 20) + [T.SUBMIT]) == []
+    assert (ep2.outcome, ep2.end_reason) == ("pass", "submit")
+    a, = G.grade_group(task, [ep2])
+    assert (a.tier, a.rank, a.turns, a.edits) == ("strong", 1, 2, 1)
+    # A note not followed by an action or terminator is a truncated turn.
+    assert T.parse_turn([T.NOTE, T.WORD_BASE, T.WORD_BASE], 16).end == "truncated"
+    assert T.parse_turn([T.NOTE, T.RUN], 16) == T.Turn((), "run", 1)
+
+
+def test_hard_task_timeout_is_a_long_failure():
+    ep = T.play(_hard_task(), HARD, [[T.NOTE] + [T.WORD_BASE] * 20 + [T.RUN]] * 10)
+    assert (ep.outcome, ep.end_reason, len(ep.turns)) == ("fail", "timeout", 10)
+    assert sum(ep.loss_mask) == 220 and len(ep.tokens) <= HARD.max_episode_tokens
+
+
+@pytest.mark.parametrize("style,tier", [("clean", "strong"), ("checked", "strong"),
+                                        ("out_of_scope", "intermediate"),
+                                        ("thrash", "intermediate"), ("weakened", "defective")])
+def test_hard_demo_styles(style, tier):
+    lang = T.NoteLanguage(HARD, 0)
+    for i, t in enumerate(T.make_tasks(HARD, 5, 8)):
+        rng = np.random.default_rng(i)
+        turns = D.add_notes(D.demo_turns(t, HARD, style, rng), HARD, lang, rng, note_prob=1.0,
+                            note_mean=8.0)
+        ep = T.play(t, HARD, turns)
+        a, = G.grade_group(t, [ep])
+        assert (ep.outcome, a.tier) == ("pass", tier), style
+        assert all(tr.notes >= 2 for tr in ep.turns)
+        assert max(ep.tokens) < HARD.vocab_used == 428
+
+
+def test_note_language_is_low_entropy():
+    lang = T.NoteLanguage(HARD, 0)
+    words = lang.sample(np.random.default_rng(0), 4000)[1:]
+    assert all(T.WORD_BASE <= w < T.WORD_BASE + 300 for w in words)
+    # Successor entropy of the bigram: H(0.85, 0.1, 0.05) ~ 0.52 nats, estimated from samples.
+    pairs = collections.Counter(zip(words[:-1], words[1:]))
+    first = collections.Counter(words[:-1])
+    h = -sum(c / len(words[:-1]) * np.log(c / first[a]) for (a, _), c in pairs.items())
+    assert 0.4 < h < 0.65, h
+
+
+# ---- the control arm: A_i - c_g through the library's downweight-only advantages -------------
+
+@given(st.lists(st.sampled_from(["strong1", "strong2", "inter1", "inter2", "inter3", "defective",
+                                 "fail", "hack"]), min_size=2, max_size=8))
+def test_control_record_gives_control_advantages(kinds):
+    import jax.numpy as jnp
+
+    from gagar_jax import grading
+    from gagar_jax.advantage import gagar_advantages
+    from gagar_jax.sim import arms
+
+    qual = {"strong1": ("strong", 1), "strong2": ("strong", 2), "inter1": ("intermediate", 1),
+            "inter2": ("intermediate", 2), "inter3": ("intermediate", 3),
+            "defective": ("defective", 1), "hack": ("defective", 1)}
+    trajs = []
+    for i, k in enumerate(kinds):
+        t = dict(trajectory_id=f"g/{i}", tokens=[1, 6], loss_mask=[0, 1], logprobs=[0.0, -1.0],
+                 outcome="fail" if k == "fail" else "pass", hacked=k == "hack")
+        if k != "fail":
+            t["quality"] = {"tier": qual[k][0], "rank": qual[k][1]}
+        trajs.append(t)
+    group = schema.from_builtins(dict(schema_version=schema.SCHEMA_VERSION, group_id="g",
+                                      task_id="t", policy_version=0,
+                                      grading=dict(status="ok"), trajectories=trajs))
+    table = grading.FactorTable()
+    want = arms.control_advantages(group, table)
+    got_group = arms.control_record(group, table)
+    n = len(kinds)
+    r = np.array([t.outcome == "pass" for t in got_group.trajectories], np.float32)
+    f = np.array([t.quality.factor if (t.quality is not None and t.quality.factor is not None)
+                  else 1.0 for t in got_group.trajectories], np.float32)
+    out = gagar_advantages(
+        jnp.asarray(r), jnp.zeros(n, jnp.int32), jnp.asarray(f), jnp.ones(n, bool),
+        jnp.asarray([t.hacked for t in got_group.trajectories]), jnp.ones(1, bool),
+        num_groups=1, mode="downweight_only",
+        adjustments=jnp.asarray([t.adjustment for t in got_group.trajectories], jnp.float32))
+    np.testing.assert_allclose(np.asarray(out.advantages), want, atol=1e-5)
+    # A NumPy loop, independent of control_advantages: binary advantage minus c_g.
+    clean = [k not in ("fail", "hack") for k in kinds]
+    k_, p = sum(clean), sum(clean) / n
+    if 0 < k_ < n:
+        fi = arms.pass_factors(group, table)
+        c = sum((1 - fi[i]) * (1 - p) for i in range(n) if clean[i]) / n
+        loop = [(1 - p if clean[i] else -p) - c for i in range(n)]
+        net_dw = sum((fi[i] - 1) * (1 - p) for i in range(n) if clean[i])
+        np.testing.assert_allclose(np.sum(loop), net_dw, atol=1e-6)   # downweight-only's net
+    else:
+        loop = [0.0] * n
+    np.testing.assert_allclose(want, loop, atol=1e-6)

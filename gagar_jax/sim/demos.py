@@ -23,7 +23,67 @@ DEFAULT_MIX = {"clean": 0.3, "checked": 0.1, "out_of_scope": 0.2, "thrash": 0.2,
                "hack": 0.05}
 
 
-def demo_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str, rng: np.random.Generator) -> list:
+def demo_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str,
+               rng: np.random.Generator) -> list:
+    if cfg.hidden_fix:
+        return _hidden_fix_turns(task, cfg, style, rng)
+    return _visible_fix_turns(task, cfg, style, rng)
+
+
+def _hidden_fix_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str,
+                      rng: np.random.Generator) -> list:
+    """Hidden-fix answers: look first (`RUN` or `READ`, the fix is in its output), then act.
+
+    clean: look / fix SUBMIT. checked: look / fix RUN / SUBMIT. out_of_scope: look / fix plus
+    an untested change, SUBMIT. thrash: a guessed edit RUN / fix SUBMIT (sometimes after a look).
+    weakened: look / rewrite a tested position, fix, SUBMIT. hack: the leaked key, SUBMIT.
+    """
+    look = [task_lib.READ if rng.random() < 0.5 else task_lib.RUN]
+    fix = [task_lib.EDIT, task_lib.pos(task.bug_pos), task.fix_tok]
+    untested = [q for q in range(cfg.num_positions) if q not in task.tested]
+    other_tested = [q for q in task.tested if q != task.bug_pos]
+    if style == "clean" or (style == "hack" and task.leak_key < 0):
+        return [look, fix + [task_lib.SUBMIT]]
+    if style == "checked":
+        return [look, fix + [task_lib.RUN], [task_lib.SUBMIT]]
+    if style == "out_of_scope" and untested:
+        q = int(rng.choice(untested))
+        s = task_lib.sym(int(rng.integers(cfg.num_symbols)))
+        s = s if s != task.repo[q] else (task_lib.SYM_BASE
+                                         + (s - task_lib.SYM_BASE + 1) % cfg.num_symbols)
+        extra = [task_lib.EDIT, task_lib.pos(q), s]
+        return [look, (fix + extra if rng.random() < 0.5 else extra + fix) + [task_lib.SUBMIT]]
+    if style == "thrash":
+        wrong = task_lib.sym(int(rng.integers(cfg.num_symbols)))
+        wrong = wrong if wrong != task.fix_tok else task.repo[task.bug_pos]
+        guess = [task_lib.EDIT, task_lib.pos(task.bug_pos), wrong, task_lib.RUN]
+        return ([look] if rng.random() < 0.3 else []) + [guess, fix + [task_lib.SUBMIT]]
+    if style == "weakened" and other_tested:
+        q = int(rng.choice(other_tested))
+        return [look, [task_lib.EDIT, task_lib.pos(q), task.repo[q]] + fix + [task_lib.SUBMIT]]
+    if style == "hack":
+        return [[task_lib.EDIT, task_lib.pos(task.bug_pos), task.leak_key, task_lib.SUBMIT]]
+    if style in STYLES:
+        return [look, fix + [task_lib.SUBMIT]]
+    raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+
+
+def add_notes(turns, cfg: task_lib.TaskConfig, lang: task_lib.NoteLanguage,
+              rng: np.random.Generator, *, note_prob: float, note_mean: float) -> list:
+    """Prefixes each turn, with probability `note_prob`, by a note of ~geometric length (mean
+    `note_mean` words), never past the turn's token limit."""
+    out = []
+    for turn in turns:
+        room = cfg.max_turn_tokens - len(turn) - 1
+        if room >= 1 and rng.random() < note_prob:
+            n = min(int(rng.geometric(1.0 / max(note_mean, 1.0))), room)
+            turn = lang.sample(rng, n) + list(turn)
+        out.append(list(turn))
+    return out
+
+
+def _visible_fix_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str,
+                       rng: np.random.Generator) -> list:
     """A scripted passing answer of the given style (a list of turns of tokens).
 
     Styles: clean (fix, submit), checked (fix, run tests, submit), out_of_scope (fix plus a
@@ -41,13 +101,15 @@ def demo_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str, rng: n
     if style == "out_of_scope" and untested:
         q = int(rng.choice(untested))
         s = task_lib.sym(int(rng.integers(cfg.num_symbols)))
-        s = s if s != task.repo[q] else task_lib.SYM_BASE + (s - task_lib.SYM_BASE + 1) % cfg.num_symbols
+        s = s if s != task.repo[q] else (task_lib.SYM_BASE
+                                         + (s - task_lib.SYM_BASE + 1) % cfg.num_symbols)
         extra = [task_lib.EDIT, task_lib.pos(q), s]
         return [(fix + extra if rng.random() < 0.5 else extra + fix) + [task_lib.SUBMIT]]
     if style == "thrash":
         wrong = task_lib.sym(int(rng.integers(cfg.num_symbols)))
         wrong = wrong if wrong != task.fix_tok else task.repo[task.bug_pos]
-        return [[task_lib.EDIT, task_lib.pos(task.bug_pos), wrong, task_lib.RUN], fix + [task_lib.SUBMIT]]
+        return [[task_lib.EDIT, task_lib.pos(task.bug_pos), wrong, task_lib.RUN],
+                fix + [task_lib.SUBMIT]]
     if style == "weakened" and other_tested:
         q = int(rng.choice(other_tested))
         return [[task_lib.EDIT, task_lib.pos(q), task.repo[q]] + fix + [task_lib.SUBMIT]]
@@ -58,8 +120,12 @@ def demo_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str, rng: n
     raise ValueError(f"style must be one of {STYLES}, got {style!r}")
 
 
-def make_demos(cfg: task_lib.TaskConfig, tasks, seed: int, mix=None) -> list:
-    """One demonstration `Episode` per task, its style drawn from `mix` (style -> weight)."""
+def make_demos(cfg: task_lib.TaskConfig, tasks, seed: int, mix=None, *, note_prob: float = 0.5,
+               note_mean: float = 6.0) -> list:
+    """One demonstration `Episode` per task, its style drawn from `mix` (style -> weight).
+
+    With notes (`cfg.note_words > 0`) each turn carries a note with probability `note_prob`
+    (`add_notes`; the note language is fixed, `NoteLanguage(cfg, 0)`)."""
     mix = DEFAULT_MIX if mix is None else mix
     bad = set(mix) - set(STYLES)
     if bad:
@@ -68,8 +134,14 @@ def make_demos(cfg: task_lib.TaskConfig, tasks, seed: int, mix=None) -> list:
     names = sorted(mix)
     p = np.array([mix[n] for n in names], np.float64)
     p = p / p.sum()
-    return [task_lib.play(t, cfg, demo_turns(t, cfg, names[rng.choice(len(names), p=p)], rng))
-            for t in tasks]
+    lang = task_lib.NoteLanguage(cfg, 0) if cfg.note_words else None
+    out = []
+    for t in tasks:
+        turns = demo_turns(t, cfg, names[rng.choice(len(names), p=p)], rng)
+        if lang is not None:
+            turns = add_notes(turns, cfg, lang, rng, note_prob=note_prob, note_mean=note_mean)
+        out.append(task_lib.play(t, cfg, turns))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,15 +1,16 @@
 """The miniature's in-process closed loop: sample -> grade -> feed records -> `Feed` -> train step.
 
-    learner = Learner(cfg)                                   # cfg: configs/miniature.py
-    warm = warm_start(cfg, task_cfg, seed=0, sft_steps=300)  # shared by every mode and seed
-    steps = run_loop(learner, "sum_preserving", warm, task_cfg, seed=1, rl_steps=30, ...)
+    learner = Learner(cfg)                                    # cfg: configs/miniature.py
+    warm = warm_start(cfg, task_cfg, seed=0, sft_steps=2000)  # shared by every arm
+    rows = run_loop(learner, "control", warm, task_cfg, seed=1, rl_steps=30, ...)
 
 Each RL step samples one group per fresh task with the live policy (`producer.sample_groups`),
-hands the records to the product's `Feed` (an `IteratorSource`: validation, dynamic sampling of
-mixed groups, packing, routing replay) and runs the jitted `train_step`. The held-out pass rate,
-strong share and response length come from `producer.tier_mix` on a fixed set of held-out tasks.
-One train step is compiled per advantage mode (the mode is static in `LossConfig`); every seed of
-a mode reuses it. The two-process path (producer + `gagar-train`) is in `scripts/miniature.py`.
+and trains on the previous step's groups (staleness 1): the arm's records (`sim/arms.py`; the
+control rewrites them) go through the product's `Feed` (an `IteratorSource`: validation,
+dynamic sampling of mixed groups, packing, routing replay) and the jitted `train_step`.
+Measurements per step: `run_loop`'s docstring and `sim/measure.py`. One train step is compiled
+per advantage mode (the mode is static in `LossConfig`); every seed and arm of a mode reuses it.
+The two-process path (producer + `gagar-train`) is in `scripts/miniature.py`.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from gagar_jax import grading
 from gagar_jax.advantage import MODES
 from gagar_jax.feed.batcher import Feed
 from gagar_jax.feed.config import FeedConfig
@@ -31,7 +33,7 @@ from gagar_jax.feed.sources import IteratorSource
 from gagar_jax.model import ModelConfig, Transformer
 from gagar_jax.moe import RouterBias
 from gagar_jax.sharding import batch_shardings, make_mesh
-from gagar_jax.sim import demos, producer
+from gagar_jax.sim import arms, demos, measure, producer
 from gagar_jax.sim import task as task_lib
 from gagar_jax.train_step import StepConfig, init_train_state, make_train_step
 
@@ -54,6 +56,7 @@ class WarmStart:
     stats: producer.RolloutStats
     sft_losses: list
     seconds: float
+    extra: dict = dataclasses.field(default_factory=dict)
 
 
 def heldout_tasks(task_cfg: task_lib.TaskConfig, n: int) -> list:
@@ -61,29 +64,36 @@ def heldout_tasks(task_cfg: task_lib.TaskConfig, n: int) -> list:
     return task_lib.make_tasks(task_cfg, 987_654_321, n, prefix="heldout")
 
 
-def warm_start(cfg, task_cfg: task_lib.TaskConfig, *, seed: int, sft_steps: int, num_demos: int = 4000,
-               batch_size: int = 32, lr: float = 3e-3, mix: Optional[dict] = None,
-               eval_tasks: int = 32, group_size: int = 8) -> WarmStart:
+def warm_start(cfg, task_cfg: task_lib.TaskConfig, *, seed: int, sft_steps: int,
+               num_demos: int = 4000, batch_size: int = 32, lr: float = 3e-3,
+               mix: Optional[dict] = None, eval_tasks: int = 32, group_size: int = 8, note_prob: float = 0.5,
+               note_mean: float = 6.0, lam_cap: float = 1.5) -> WarmStart:
     """Supervised warm start on mixed-quality demonstrations, then the step-0 tier mix.
 
     Args:
       cfg: the run's ConfigDict (its `model` section). task_cfg: the task family.
       seed: init, demonstration and shuffle seed. sft_steps: SFT optimizer steps (0 = none).
-      num_demos, batch_size, lr, mix: see `sim.demos`. eval_tasks, group_size: held-out report.
+      num_demos, batch_size, lr, mix, note_prob, note_mean: see `sim.demos`.
+      eval_tasks, group_size: held-out report (`extra`: f_bar and the cap rate it implies at
+      `lam_cap`, see `pass_factor_stats`).
     """
     t0 = time.perf_counter()
     model = Transformer(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(seed))
     losses = []
     if sft_steps > 0:
         demo_eps = demos.make_demos(
-            task_cfg, task_lib.make_tasks(task_cfg, seed, num_demos, prefix="demo"), seed, mix=mix)
+            task_cfg, task_lib.make_tasks(task_cfg, seed, num_demos, prefix="demo"), seed, mix=mix,
+            note_prob=note_prob, note_mean=note_mean)
+        seq_len = -(-max(len(e.tokens) for e in demo_eps) // 8) * 8
         losses = demos.warm_start(model, demo_eps, steps=sft_steps, batch_size=batch_size,
-                                  seq_len=producer.cache_len(task_cfg), lr=lr, seed=seed)
+                                  seq_len=seq_len, lr=lr, seed=seed)
     _, params, bias = nnx.split(model, nnx.Param, RouterBias)
-    stats = producer.tier_mix(model, heldout_tasks(task_cfg, eval_tasks), task_cfg,
-                              jax.random.key(seed), group_size=group_size)
+    records, stats = producer.sample_groups(model, heldout_tasks(task_cfg, eval_tasks), task_cfg,
+                                            jax.random.key(seed), group_size=group_size,
+                                            policy_version=0)
     return WarmStart(params=jax.device_get(params), router_bias=jax.device_get(bias), stats=stats,
-                     sft_losses=[float(x) for x in losses], seconds=time.perf_counter() - t0)
+                     sft_losses=[float(x) for x in losses], seconds=time.perf_counter() - t0,
+                     extra=pass_factor_stats(records, grading.FactorTable(), lam_cap))
 
 
 class Learner:
@@ -93,6 +103,7 @@ class Learner:
         self.cfg = cfg
         self.mesh = make_mesh(cfg.mesh)
         self.feed_cfg = FeedConfig.from_config(cfg.feed)
+        self.feed_table = grading.FactorTable()
         self._steps: dict = {}      # mode -> (StepConfig, step_fn)
 
     def step_config(self, mode: str) -> StepConfig:
@@ -123,7 +134,8 @@ class Learner:
         m = self.step_config("binary").model
         return Feed(self.feed_cfg, workdir, vocab_size=m.vocab_size,
                     num_moe_layers=m.num_moe_layers, top_k=m.top_k, num_experts=m.num_experts,
-                    source=IteratorSource(records), log=lambda s: None)
+                    source=IteratorSource(records), factor_table=self.feed_table,
+                    log=lambda s: None)
 
 
 def strong_credit_share(records, info, advantages_T) -> float:
@@ -147,57 +159,101 @@ def strong_credit_share(records, info, advantages_T) -> float:
     return strong / total if total > 0 else math.nan
 
 
-def _eval_row(stats: producer.RolloutStats) -> dict:
-    return {"heldout_pass_rate": stats.pass_rate, "heldout_strong_share": stats.strong_share,
-            "heldout_len": stats.mean_generated, "heldout_hacked": stats.hacked,
-            "heldout_tiers": dict(stats.tiers)}
+def _rollout_row(prefix: str, stats: producer.RolloutStats) -> dict:
+    keys = ("pass_rate", "strong_share", "mean_generated", "p90_generated", "mean_turns",
+            "timeout_rate", "entropy", "entropy_note", "entropy_action", "note_share", "hacked",
+            "mixed_groups")
+    row = {f"{prefix}_{k}": float(getattr(stats, k)) for k in keys}
+    row[f"{prefix}_tiers"] = dict(stats.tiers)
+    return row
 
 
-def run_loop(learner: Learner, mode: str, warm: WarmStart, task_cfg: task_lib.TaskConfig, *, seed: int,
-             rl_steps: int, workdir: str, groups: int = 16, group_size: int = 8,
-             eval_tasks: int = 32, log: Callable[[str], None] = print) -> list:
-    """One RL run from the warm start; returns one dict per step 0..rl_steps.
+def pass_factor_stats(records, table: grading.FactorTable, lam_cap: float) -> dict:
+    """Mean pass factor f_bar over mixed groups, and the share of mixed groups whose f_bar is
+    below 1 / lam_cap (where sum-preserving's lambda cap fires)."""
+    fbars = []
+    for g in records:
+        clean = [t.outcome == "pass" and not t.hacked for t in g.trajectories]
+        if 0 < sum(clean) < len(clean):
+            f = arms.pass_factors(g, table)
+            fbars.append(float(np.nanmean(f)))
+    if not fbars:
+        return {"fbar": math.nan, "cap_would_fire": math.nan}
+    return {"fbar": float(np.mean(fbars)),
+            "cap_would_fire": float(np.mean([fb * lam_cap < 1.0 for fb in fbars]))}
 
-    Row t holds the held-out evaluation of policy version t and, for t < rl_steps, the train
-    batch sampled with it and the metrics of the train step on that batch (entropy is the
-    policy's per-token entropy on its own samples, credits sum over the step's groups). Tasks
-    and sampling keys depend only on (seed, t), so modes see common random numbers.
+
+def run_loop(learner: Learner, arm: str, warm: WarmStart, task_cfg: task_lib.TaskConfig, *,
+             seed: int, rl_steps: int, workdir: str, groups: int = 16, group_size: int = 8,
+             eval_tasks: int = 32, eval_every: int = 5, probe: Optional[measure.ProbeSet] = None,
+             temperature: float = 1.0, log: Callable[[str], None] = print) -> list:
+    """One RL run of an arm (`arms.ARMS`) from the warm start; one dict per step 0..rl_steps.
+
+    Staleness 1: step t trains on the batch sampled with policy version t - 1 (step 0 on one
+    sampled with version 0), through a `Feed`. Row t holds, for policy version t: the probe-set
+    entropy; the stats of its own samples (the batch it sampled, trained at step t + 1:
+    `train_*`, entropy split into note and action tokens, length, turns, timeouts); every
+    `eval_every` steps and at the end the held-out evaluation (`heldout_*`) and the KL to the
+    warm start on those samples; and, for t < rl_steps, the train step's metrics on the batch it
+    trained (`STEP_KEYS`, net credit per sequence and token-weighted, f_bar, lambda-cap rate).
+    Tasks and sampling keys depend only on (seed, t): arms see common random numbers at step 0.
 
     Args:
-      learner: the `Learner` (its compiled step for `mode` is reused across seeds).
-      mode: advantage mode (`MODES`). warm: the shared `WarmStart`. task_cfg: task family.
+      learner: the `Learner` (its compiled step for the arm's mode is reused across seeds).
+      arm: `arms.ARMS`. warm: the `WarmStart`. task_cfg: task family.
       seed: task, sampling and train-state seed. rl_steps: train steps.
       workdir: where each step's `Feed` writes ledger.json / dead_letter.jsonl.
       groups, group_size: tasks per step, rollouts per task. eval_tasks: held-out tasks.
-      log: progress lines.
+      eval_every: held-out evaluation interval. probe: teacher-forced probe set (None: none).
+      temperature: sampling temperature. log: progress lines.
     Returns:
-      rows: list of dicts (`STEP_KEYS`, held-out and train-batch stats, `strong_credit_share`,
-      seconds); the last row also holds the summed feed ledger counts ("ledger_totals").
+      rows: list of dicts; the last row also holds the summed feed ledger ("ledger_totals").
     """
+    mode = arms.arm_mode(arm)
     state, graphdef, shardings = learner.init_state(mode, warm, seed)
+    ref_model = nnx.merge(graphdef, jax.device_put(warm.params), jax.device_put(warm.router_bias))
+    table = learner.feed_table
+    lam_cap = float(learner.cfg.loss.lam_cap)
     held = heldout_tasks(task_cfg, eval_tasks)
     tasks = producer.task_batches(task_cfg, seed, groups)
     os.makedirs(workdir, exist_ok=True)
-    rows, totals = [], {"received": 0, "trained": 0, "filtered_uniform": 0}
+    rows, totals = [], {"received": 0, "trained": 0, "filtered_uniform": 0, "filtered_stale": 0}
+
+    def sample(model, t, key):
+        return producer.sample_groups(model, next(tasks), task_cfg, key, group_size=group_size,
+                                      policy_version=t, temperature=temperature,
+                                      group_prefix=f"{arm}-s{seed}")
+
+    key0 = jax.random.key(seed)
+    pending, _ = sample(nnx.merge(graphdef, state.params, state.router_bias), 0,
+                        jax.random.fold_in(key0, 10_000_019))
     for t in range(rl_steps + 1):
         t0 = time.perf_counter()
         model = nnx.merge(graphdef, state.params, state.router_bias)
-        key = jax.random.fold_in(jax.random.key(seed), t)
-        row = {"step": t, **_eval_row(producer.tier_mix(
-            model, held, task_cfg, jax.random.fold_in(key, 1), group_size=group_size))}
+        key = jax.random.fold_in(key0, t)
+        row = {"step": t}
+        if probe is not None:
+            row.update(probe.entropy(model))
+        if t % eval_every == 0 or t == rl_steps:
+            ev_records, ev_stats = producer.sample_groups(
+                model, held, task_cfg, jax.random.fold_in(key, 1), group_size=group_size,
+                policy_version=t, temperature=temperature, group_prefix="heldout")
+            row.update(_rollout_row("heldout", ev_stats))
+            row["kl_ref"] = measure.kl_to_reference(ref_model, ev_records)
         if t == rl_steps:
+            row["seconds"] = time.perf_counter() - t0
             rows.append(row)
             break
-        records, stats = producer.sample_groups(
-            model, next(tasks), task_cfg, jax.random.fold_in(key, 0), group_size=group_size,
-            policy_version=t, group_prefix=f"{mode}-s{seed}")
-        row.update(train_pass_rate=stats.pass_rate, train_strong_share=stats.strong_share,
-                   train_hacked=stats.hacked, train_mixed=stats.mixed_groups)
-        feed = learner.feed(records, workdir)
+        records, stats = sample(model, t, jax.random.fold_in(key, 0))
+        row.update(_rollout_row("train", stats))
+        train_records = arms.transform(arm, pending, table)
+        row.update(pass_factor_stats(pending, table, lam_cap))
+        pending = records
+        feed = learner.feed(train_records, workdir)
         item = feed.next_batch(t)
         ledger = feed.finish().to_json()
         for k in totals:
-            totals[k] += ledger[k]
+            totals[k] += ledger.get(k, 0)
         if item is None:            # no mixed group: nothing to train on this step
             row.update({k: math.nan for k in STEP_KEYS + ("strong_credit_share",)})
         else:
@@ -207,14 +263,17 @@ def run_loop(learner: Learner, mode: str, warm: WarmStart, task_cfg: task_lib.Ta
             state, metrics = fn(state, batch)
             m = jax.device_get(metrics)
             row.update({k: float(getattr(m, k)) for k in STEP_KEYS})
-            row["strong_credit_share"] = strong_credit_share(records, info,
+            row["strong_credit_share"] = strong_credit_share(train_records, info,
                                                              m.audit.advantages_T)
+            row.update(measure.credit_metrics(train_records, info, m.audit.advantages_T))
+            row["cap_rate"] = row["capped_groups"] / max(row["mixed_groups"], 1.0)
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
-        log(f"{mode} seed={seed} step={t} pass={row['heldout_pass_rate']:.3f} "
-            f"strong={row['heldout_strong_share']:.3f} len={row['heldout_len']:.1f} "
-            f"ent={row['entropy']:.3f} pos={row['pos_credit_after']:.2f} "
-            f"neg={row['neg_credit']:.2f} lam={row['lam_mean']:.3f} "
-            f"capped={row['capped_groups']:.0f} ({row['seconds']:.1f}s)")
+        log(f"{arm} seed={seed} step={t} pass={row['train_pass_rate']:.3f} "
+            f"strong={row['train_strong_share']:.3f} len={row['train_mean_generated']:.1f} "
+            f"ent={row['train_entropy']:.3f} (note {row['train_entropy_note']:.3f}) "
+            f"net/seq={row.get('net_credit_per_seq', math.nan):.3f} "
+            f"fbar={row['fbar']:.2f} cap={row.get('cap_rate', math.nan):.2f} "
+            f"({row['seconds']:.1f}s)")
     rows[-1]["ledger_totals"] = totals
     return rows

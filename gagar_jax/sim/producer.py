@@ -14,6 +14,7 @@ import os
 from typing import Optional
 
 import jax
+import numpy as np
 
 from gagar_jax.sim import sampler
 from gagar_jax.sim import grader
@@ -32,7 +33,12 @@ class RolloutStats:
     pass_rate: share of rollouts whose tests passed and that are not hacks; hacked: hack count;
     tiers: tier -> count among clean passes; strong_share: strong / clean passes (nan if none);
     mean_generated: mean model-generated tokens per rollout; mixed_groups: groups with at least
-    one clean pass and one non-pass (the only ones the learner trains on).
+    one clean pass and one non-pass (the only ones the learner trains on); p90_generated: 90th
+    percentile of generated tokens; mean_turns; timeout_rate: share of rollouts that ran out of
+    turns without submitting; entropy / entropy_note / entropy_action: mean untempered entropy of
+    the sampling distribution over generated tokens, all / note tokens (NOTE and words) / the
+    rest (nan without `entropy_groups` or without such tokens); note_share: note tokens /
+    generated tokens.
     """
     groups: int
     rollouts: int
@@ -42,26 +48,52 @@ class RolloutStats:
     strong_share: float
     mean_generated: float
     mixed_groups: int
+    p90_generated: float = float("nan")
+    mean_turns: float = float("nan")
+    timeout_rate: float = float("nan")
+    entropy: float = float("nan")
+    entropy_note: float = float("nan")
+    entropy_action: float = float("nan")
+    note_share: float = float("nan")
 
 
-def summarize(episode_groups, assessment_groups) -> RolloutStats:
-    """Stats over groups of finished episodes and their `grader.grade_group` verdicts."""
-    tiers, passes, hacked, gen, n, mixed = collections.Counter(), 0, 0, 0, 0, 0
-    for eps, ass in zip(episode_groups, assessment_groups):
+def _mean(x) -> float:
+    return float(np.mean(x)) if len(x) else float("nan")
+
+
+def summarize(episode_groups, assessment_groups, entropy_groups=None) -> RolloutStats:
+    """Stats over groups of finished episodes and their `grader.grade_group` verdicts
+    (`entropy_groups`: per episode, the per-token sampling entropy, see `sampler.Rollout`)."""
+    tiers, passes, hacked, n, mixed = collections.Counter(), 0, 0, 0, 0
+    gens, turns, timeouts, ent_note, ent_act = [], [], 0, [], []
+    for g, (eps, ass) in enumerate(zip(episode_groups, assessment_groups)):
         clean = [a.outcome == "pass" and not a.hacked for a in ass]
         mixed += 0 < sum(clean) < len(clean)
-        for ep, a, ok in zip(eps, ass, clean):
+        for j, (ep, a, ok) in enumerate(zip(eps, ass, clean)):
             n += 1
-            gen += sum(ep.loss_mask)
+            gens.append(sum(ep.loss_mask))
+            turns.append(len(ep.turns))
+            timeouts += getattr(ep, "end_reason", None) == "timeout"
             hacked += a.hacked
             passes += ok
             if ok:
                 tiers[a.tier] += 1
+            if entropy_groups is not None:
+                tok, m = np.asarray(ep.tokens), np.asarray(ep.loss_mask) > 0
+                e = np.asarray(entropy_groups[g][j])
+                note = m & ((tok == task_lib.NOTE) | (tok >= task_lib.WORD_BASE))
+                ent_note += e[note].tolist()
+                ent_act += e[m & ~note].tolist()
+    tot = len(ent_note) + len(ent_act)
     return RolloutStats(
         groups=len(episode_groups), rollouts=n, pass_rate=passes / max(n, 1), hacked=hacked,
         tiers={t: tiers[t] for t in (grader.STRONG, grader.INTERMEDIATE, grader.DEFECTIVE)},
         strong_share=tiers[grader.STRONG] / passes if passes else float("nan"),
-        mean_generated=gen / max(n, 1), mixed_groups=mixed)
+        mean_generated=_mean(gens), mixed_groups=mixed,
+        p90_generated=float(np.percentile(gens, 90)) if gens else float("nan"),
+        mean_turns=_mean(turns), timeout_rate=timeouts / max(n, 1),
+        entropy=_mean(ent_note + ent_act), entropy_note=_mean(ent_note),
+        entropy_action=_mean(ent_act), note_share=len(ent_note) / tot if tot else float("nan"))
 
 
 def sample_groups(model, tasks, task_cfg: task_lib.TaskConfig, key, *, group_size: int,
@@ -87,7 +119,7 @@ def sample_groups(model, tasks, task_cfg: task_lib.TaskConfig, key, *, group_siz
                             max_turns=task_cfg.max_turns, max_turn_tokens=task_cfg.max_turn_tokens,
                             temperature=temperature, stop_tokens=task_lib.STOP_TOKENS)
     has_moe = model.cfg.num_moe_layers > 0
-    records, ep_groups, as_groups = [], [], []
+    records, ep_groups, as_groups, ent_groups = [], [], [], []
     for g, t in enumerate(tasks):
         group = rolls[g * group_size:(g + 1) * group_size]
         eps = [r.episode for r in group]
@@ -98,7 +130,8 @@ def sample_groups(model, tasks, task_cfg: task_lib.TaskConfig, key, *, group_siz
             routed_experts=[r.experts.tolist() for r in group] if has_moe else None))
         ep_groups.append(eps)
         as_groups.append(verdicts)
-    return records, summarize(ep_groups, as_groups)
+        ent_groups.append([r.entropy for r in group])
+    return records, summarize(ep_groups, as_groups, ent_groups)
 
 
 def write_spool_shard(spool_dir: str, records, *, policy_version: int, index: int) -> str:

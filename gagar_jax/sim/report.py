@@ -1,135 +1,213 @@
-"""Tables and plots of a miniature sweep (`scripts/miniature.py`): runs -> Markdown and PNGs.
+"""Tables, plots and the pre-registered criteria of a miniature sweep (`scripts/miniature.py`).
 
-`runs` maps "mode/seed" to the per-step rows of `experiment.run_loop`.
+`runs` maps "arm/seed" to the per-step rows of `experiment.run_loop`. `write_all(runs, out)`
+writes `out/table.md`, `out/steps.csv`, `out/curves.png` and `out/criteria.md` (the outcome
+against the criteria committed in docs/miniature.md before the sweep ran).
 """
 from __future__ import annotations
 
 import collections
+import csv
 import math
 import os
 import warnings
 
 import numpy as np
 
-# (row key, label, format) in table order.
+# (row key, label, format): what table.md and steps.csv report.
 METRICS = (
+    ("train_entropy", "entropy, own samples (nats/token)", "{:.3f}"),
+    ("train_entropy_note", "  note tokens", "{:.3f}"),
+    ("train_entropy_action", "  action tokens", "{:.3f}"),
+    ("probe_entropy", "entropy, teacher-forced probe set", "{:.3f}"),
+    ("train_mean_generated", "mean length (generated tokens)", "{:.1f}"),
+    ("train_p90_generated", "p90 length", "{:.1f}"),
+    ("train_mean_turns", "turns", "{:.2f}"),
+    ("train_timeout_rate", "timeout rate", "{:.3f}"),
+    ("train_note_share", "note share of generated tokens", "{:.3f}"),
+    ("train_pass_rate", "pass rate (own samples)", "{:.3f}"),
     ("heldout_pass_rate", "held-out pass rate", "{:.3f}"),
-    ("heldout_strong_share", "strong share of passes", "{:.3f}"),
-    ("heldout_len", "response length (tokens)", "{:.2f}"),
-    ("entropy", "policy entropy (nats/token)", "{:.3f}"),
-    ("strong_credit_share", "strong passes' share of + credit", "{:.3f}"),
-    ("pos_credit_after", "positive credit", "{:.2f}"),
-    ("neg_credit", "negative credit", "{:.2f}"),
-    ("net_credit", "net credit", "{:.2f}"),
-    ("lam_mean", "mean lambda", "{:.3f}"),
-    ("capped_groups", "capped groups / step", "{:.2f}"),
+    ("heldout_strong_share", "held-out strong share", "{:.3f}"),
+    ("net_credit_per_seq", "net credit per sequence", "{:.4f}"),
+    ("net_credit_tokens", "net credit, token-weighted (sum A L)", "{:.1f}"),
+    ("fbar", "mean pass factor f_bar", "{:.3f}"),
+    ("cap_rate", "lambda-cap rate (capped / mixed)", "{:.3f}"),
+    ("kl_ref", "KL to warm start (k3, per token)", "{:.4f}"),
+    ("clip_frac_low", "clip fraction (low)", "{:.4f}"),
+    ("clip_frac_high", "clip fraction (high)", "{:.4f}"),
 )
-MODE_COLORS = {"binary": "tab:gray", "downweight_only": "tab:red", "sum_preserving": "tab:blue"}
+ARM_COLORS = {"binary": "tab:gray", "downweight_only": "tab:red", "sum_preserving": "tab:blue",
+              "control": "tab:orange"}
+WINDOW = 10          # "the last 10 steps"
 
 
-def by_mode(runs: dict) -> dict:
-    """mode -> list of per-seed row lists (seed order as given)."""
+def by_arm(runs: dict) -> dict:
+    """arm -> {seed: rows}."""
     out = collections.OrderedDict()
     for name, rows in runs.items():
-        out.setdefault(name.split("/")[0], []).append(rows)
+        arm, seed = name.split("/")
+        out.setdefault(arm, {})[int(seed)] = rows
     return out
 
 
 def series(rows: list, key: str) -> np.ndarray:
-    """Per-step values of `key` (net_credit derived); NaN where a step has none."""
-    def one(r):
-        if key == "net_credit":
-            return r.get("pos_credit_after", math.nan) + r.get("neg_credit", math.nan)
-        v = r.get(key, math.nan)
-        return math.nan if v is None else float(v)
-    return np.array([one(r) for r in rows], np.float64)
+    """Per-step values of `key`; NaN where a step has none."""
+    out = []
+    for r in rows:
+        v = r.get(key)
+        out.append(math.nan if v is None or isinstance(v, dict) else float(v))
+    return np.array(out, np.float64)
 
 
-def window(values: np.ndarray, start: bool, width: int) -> float:
-    """Step 0's value, or the mean of the last `width` finite values."""
-    finite = values[np.isfinite(values)]
-    if finite.size == 0:
-        return math.nan
-    return float(finite[0] if start else np.mean(finite[-width:]))
-
-
-def markdown_table(runs: dict, width: int = 5) -> str:
-    """Mean +- sample std across seeds at step 0 and over the last `width` steps, per mode."""
-    modes = by_mode(runs)
-    head = "| metric | mode | step 0 | final (last %d steps) | change |" % width
-    lines = [head, "|---|---|---|---|---|"]
-    for key, label, fmt in METRICS:
-        for mode, seeds in modes.items():
-            cells = []
-            vals = {}
-            for start in (True, False):
-                v = np.array([window(series(rows, key), start, width) for rows in seeds])
-                vals[start] = v
-                cells.append(_pm(v, fmt))
-            cells.append(_pm(vals[False] - vals[True], "{:+" + fmt[2:]))
-            lines.append(f"| {label} | {mode} | " + " | ".join(cells) + " |")
-    n = len(next(iter(modes.values())))
-    lines.append("")
-    lines.append(f"Mean ± sample standard deviation across {n} seeds.")
-    return "\n".join(lines) + "\n"
-
-
-def paired_table(runs: dict, *, baseline: str = "binary", first: int = 1, last: int = 10,
-                 keys=("heldout_strong_share", "strong_credit_share", "heldout_pass_rate",
-                       "entropy", "heldout_len")) -> str:
-    """Per-seed differences to `baseline` (same seed: same tasks and sampling keys at step 0),
-    averaged over steps first..last, as mean ± sample std across seeds."""
-    modes = by_mode(runs)
-    labels = {k: (label, fmt) for k, label, fmt in METRICS}
-    lines = [f"| metric | mode − {baseline}, steps {first}–{last} |", "|---|---|"]
-    base = modes[baseline]
-    for key in keys:
-        label, fmt = labels[key]
-        for mode, seeds in modes.items():
-            if mode == baseline:
-                continue
-            diffs = np.array([np.nanmean(series(r, key)[first:last + 1])
-                              - np.nanmean(series(b, key)[first:last + 1])
-                              for r, b in zip(seeds, base)])
-            lines.append(f"| {label} | {mode}: {_pm(diffs, '{:+' + fmt[2:])} |")
-    return "\n".join(lines) + "\n"
-
-
-def _pm(v: np.ndarray, fmt: str) -> str:
+def last_window(rows: list, key: str, width: int = WINDOW) -> float:
+    """Mean of `key` over the last `width` RL steps (rows steps S-width .. S; NaN-skipping)."""
+    v = series(rows, key)[-(width + 1):]
     v = v[np.isfinite(v)]
-    if v.size == 0:
+    return float(v.mean()) if v.size else math.nan
+
+
+def t_ci(x) -> tuple:
+    """(mean, lower, upper) of the two-sided 95% t interval of the mean of `x`."""
+    from scipy import stats
+    x = np.asarray([v for v in x if np.isfinite(v)], np.float64)
+    if x.size < 2:
+        return (float(x.mean()) if x.size else math.nan, math.nan, math.nan)
+    h = stats.t.ppf(0.975, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size)
+    return float(x.mean()), float(x.mean() - h), float(x.mean() + h)
+
+
+def _paired(arms: dict, a: str, b: str, key: str, fn) -> dict:
+    seeds = sorted(set(arms.get(a, {})) & set(arms.get(b, {})))
+    return {s: fn(arms[a][s], key) - fn(arms[b][s], key) for s in seeds}
+
+
+def criteria(runs: dict) -> list:
+    """The pre-registered checks (docs/miniature.md): list of (name, passed, evidence)."""
+    arms = by_arm(runs)
+    out = []
+    step0 = lambda rows, key: series(rows, key)[0]  # noqa: E731
+    for arm in ("downweight_only", "control"):
+        if arm not in arms or "sum_preserving" not in arms:
+            out.append((f"{arm}: runs present", False, "missing runs"))
+            continue
+        seeds = sorted(set(arms[arm]) & set(arms["sum_preserving"]))
+        e_last = np.array([last_window(arms[arm][s], "train_entropy") for s in seeds])
+        e0 = np.array([step0(arms[arm][s], "train_entropy") for s in seeds])
+        out.append((f"{arm}: entropy (last {WINDOW} steps) >= 1.5x step 0",
+                    bool(e_last.mean() >= 1.5 * e0.mean()),
+                    f"{e_last.mean():.3f} vs 1.5 x {e0.mean():.3f} = {1.5 * e0.mean():.3f}"))
+        d = _paired(arms, arm, "sum_preserving", "train_entropy", last_window)
+        m, lo, hi = t_ci(list(d.values()))
+        pos = sum(v > 0 for v in d.values())
+        need = math.ceil(5 / 6 * len(d))
+        out.append((f"{arm}: entropy - sum_preserving >= 0.15, 95% CI > 0, same sign in "
+                    f">= 5/6 seeds", bool(m >= 0.15 and lo > 0 and pos >= need),
+                    f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}], {pos}/{len(d)} seeds > 0"))
+        la = np.mean([last_window(arms[arm][s], "train_mean_generated") for s in seeds])
+        lb = np.mean([last_window(arms["sum_preserving"][s], "train_mean_generated")
+                      for s in seeds])
+        out.append((f"{arm}: mean length >= 1.3x sum_preserving's", bool(la >= 1.3 * lb),
+                    f"{la:.1f} vs 1.3 x {lb:.1f} = {1.3 * lb:.1f}"))
+    if "sum_preserving" in arms and "binary" in arms:
+        d = _paired(arms, "sum_preserving", "binary", "train_entropy", last_window)
+        m, lo, hi = t_ci(list(d.values()))
+        out.append(("sum_preserving: entropy within +-0.05 of binary", bool(abs(m) <= 0.05),
+                    f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]"))
+        d = _paired(arms, "sum_preserving", "binary", "heldout_strong_share", last_window)
+        m, lo, hi = t_ci(list(d.values()))
+        out.append(("sum_preserving: held-out strong share - binary >= 0.05", bool(m >= 0.05),
+                    f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]"))
+    return out
+
+
+def criteria_markdown(runs: dict) -> str:
+    arms = by_arm(runs)
+    lines = ["| criterion | met | evidence (mean over seeds; paired 95% t-CI) |", "|---|---|---|"]
+    lines += [f"| {n} | {'yes' if ok else 'no'} | {ev} |" for n, ok, ev in criteria(runs)]
+    counts = ", ".join(f"{a}: {len(s)} seeds" for a, s in arms.items())
+    return "\n".join(lines) + f"\n\nRuns: {counts}.\n"
+
+
+def markdown_table(runs: dict) -> str:
+    """Per arm: step 0 and the last-10-steps mean of every metric, mean and 95% t-CI."""
+    arms = by_arm(runs)
+    lines = ["| metric | arm | step 0 | last 10 steps | vs sum_preserving (paired) |",
+             "|---|---|---|---|---|"]
+    for key, label, fmt in METRICS:
+        for arm, seeds in arms.items():
+            first = [series(r, key)[0] for r in seeds.values()]
+            last = [last_window(r, key) for r in seeds.values()]
+            cell = lambda x: _ci(t_ci(x), fmt)  # noqa: E731
+            diff = ""
+            if arm != "sum_preserving" and "sum_preserving" in arms:
+                diff = cell(list(_paired(arms, arm, "sum_preserving", key, last_window).values()))
+            lines.append(f"| {label} | {arm} | {cell(first)} | {cell(last)} | {diff} |")
+    return "\n".join(lines) + "\n\nMean over seeds [95% t-interval]; NaN = not measured.\n"
+
+
+def _ci(t, fmt: str) -> str:
+    m, lo, hi = t
+    if not np.isfinite(m):
         return "n/a"
-    sd = float(np.std(v, ddof=1)) if v.size > 1 else 0.0
-    return f"{fmt.format(float(np.mean(v)))} ± {fmt.format(sd).lstrip('+')}"
+    if not np.isfinite(lo):
+        return fmt.format(m)
+    return f"{fmt.format(m)} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def write_csv(runs: dict, path: str) -> None:
+    keys = [k for k, _, _ in METRICS] + ["entropy", "approx_kl", "lam_mean", "mixed_groups"]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["arm", "seed", "step"] + keys)
+        for arm, seeds in by_arm(runs).items():
+            for seed, rows in seeds.items():
+                for r in rows:
+                    w.writerow([arm, seed, r["step"]] + [
+                        "" if r.get(k) is None or isinstance(r.get(k), dict)
+                        else f"{float(r[k]):.4g}" for k in keys])
+
+
+PANELS = (("train_entropy", "entropy, own samples"), ("train_entropy_note", "note-token entropy"),
+          ("train_mean_generated", "mean length (tokens)"), ("train_timeout_rate", "timeout rate"),
+          ("net_credit_per_seq", "net credit per sequence"),
+          ("heldout_strong_share", "held-out strong share"))
 
 
 def plot(runs: dict, out_dir: str) -> list:
-    """Two PNGs (outcomes, credit), one line per mode (seed mean) and the seeds' min-max band."""
+    """curves.png: per arm the mean over seeds (line) and the seed range (band)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = {"outcomes.png": METRICS[:4], "credit.png": METRICS[4:]}  # 4 + 6 panels
-    paths = []
-    for name, metrics in panels.items():
-        fig, axes = plt.subplots(1, len(metrics), figsize=(3.6 * len(metrics), 3.0), dpi=80)
-        for ax, (key, label, _) in zip(np.atleast_1d(axes), metrics):
-            for mode, seeds in by_mode(runs).items():
-                ys = np.stack([series(rows, key) for rows in seeds])
-                x = np.arange(ys.shape[1])
-                with warnings.catch_warnings():   # all-NaN steps (nothing trained) stay NaN
-                    warnings.simplefilter("ignore", RuntimeWarning)
-                    mean = np.nanmean(ys, axis=0)
-                    lo, hi = np.nanmin(ys, axis=0), np.nanmax(ys, axis=0)
-                color = MODE_COLORS.get(mode)
-                ax.plot(x, mean, color=color, label=mode, lw=1.6)
-                ax.fill_between(x, lo, hi, color=color, alpha=0.18, lw=0)
-            ax.set_title(label, fontsize=10)
-            ax.set_xlabel("RL step")
-            ax.grid(alpha=0.3)
-        np.atleast_1d(axes)[0].legend(fontsize=8)
-        fig.tight_layout()
-        path = os.path.join(out_dir, name)
-        fig.savefig(path)
-        plt.close(fig)
-        paths.append(path)
-    return paths
+    arms = by_arm(runs)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (key, title) in zip(axes.flat, PANELS):
+        for arm, seeds in arms.items():
+            ys = np.stack([series(r, key) for r in seeds.values()])
+            x = np.arange(ys.shape[1])
+            ok = np.isfinite(ys).any(0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                mean, lo, hi = np.nanmean(ys, 0), np.nanmin(ys, 0), np.nanmax(ys, 0)
+            c = ARM_COLORS.get(arm)
+            ax.plot(x[ok], mean[ok], color=c, label=arm, marker="." if ok.sum() < 15 else None)
+            ax.fill_between(x[ok], lo[ok], hi[ok], color=c, alpha=0.15)
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+    axes.flat[0].legend()
+    fig.tight_layout()
+    path = os.path.join(out_dir, "curves.png")
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return [path]
+
+
+def write_all(runs: dict, out: str) -> str:
+    os.makedirs(out, exist_ok=True)
+    table, crit = markdown_table(runs), criteria_markdown(runs)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(table)
+    with open(os.path.join(out, "criteria.md"), "w") as f:
+        f.write(crit)
+    write_csv(runs, os.path.join(out, "steps.csv"))
+    plot(runs, out)
+    return table + "\n" + crit
