@@ -61,6 +61,8 @@ def _args(argv=None):
                    help="demonstration styles, e.g. clean=0.1,thrash=0.3 (default: sim.demos mix)")
     p.add_argument("--note-prob", type=float, default=0.5, help="demo turns with a note")
     p.add_argument("--note-mean", type=float, default=6.0, help="mean demo note length (words)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="probe: nucleus sampling of training batches (log-probs stay untruncated)")
     p.add_argument("--warm-seed", type=int, default=0)
     p.add_argument("--calibrate", action="store_true",
                    help="warm start and step-0 report only (binary calibration)")
@@ -177,7 +179,7 @@ def sweep(a) -> None:
             rows = X.run_loop(learner, arm, warm, task_cfg, seed=seed, rl_steps=a.steps,
                               workdir=os.path.join(a.workdir, f"{arm}-{seed}"), groups=a.groups,
                               group_size=a.group_size, eval_tasks=a.eval_tasks,
-                              eval_every=a.eval_every, probe=probe,
+                              eval_every=a.eval_every, probe=probe, top_p=a.top_p,
                               log=lambda s: print(s, flush=True))
             out = {"arm": arm, "seed": seed, "warm_seed": warm_seed,
                    "seconds": time.perf_counter() - t0, "rows": rows}

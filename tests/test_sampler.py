@@ -124,6 +124,29 @@ def test_sampling_follows_the_distribution(model):
     assert int(g0.tokens_BxM[0, 0]) == int(np.argmax(p))
 
 
+def test_top_p_samples_the_nucleus_and_records_untruncated_logprobs(model):
+    ctx = np.tile(np.arange(C, dtype=np.int32) % 50 + 20, (B, 1))
+    lengths = np.full((B,), 4, np.int32)
+    logits, _ = model(jnp.asarray(ctx[:1, :4]))
+    logits = np.asarray(logits[0, -1], np.float64)
+    p = np.exp(logits / 2.0 - np.max(logits / 2.0))
+    p /= p.sum()
+    order = np.argsort(-p)
+    nucleus = set(order[:np.searchsorted(np.cumsum(p[order]), 0.5) + 1].tolist())
+    assert 1 < len(nucleus) < 100
+    drawn = set()
+    for i in range(4):
+        gen = sampler.generate(model, ctx, lengths, jax.random.key(200 + i), max_new=M,
+                               temperature=2.0, stop_tokens=STOP, top_p=0.5)
+        toks = np.asarray(gen.tokens_BxM[:, 0])
+        drawn |= set(toks.tolist())
+        logp = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+        np.testing.assert_allclose(np.asarray(gen.logprobs_BxM[:, 0]), logp[toks], atol=1e-5)
+    assert drawn <= nucleus and len(drawn) > 1
+    with pytest.raises(ValueError, match="top_p"):
+        sampler.generate(model, ctx, lengths, jax.random.key(0), max_new=M, top_p=0.0)
+
+
 class EchoEnv:
     """Always continues: appends a 3-token tool span after each turn, ends after 3 turns."""
 

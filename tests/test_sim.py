@@ -430,15 +430,19 @@ def test_control_record_gives_control_advantages(kinds):
     want = arms.control_advantages(group, table)
     got_group = arms.control_record(group, table)
     n = len(kinds)
-    r = np.array([t.outcome == "pass" for t in got_group.trajectories], np.float32)
-    f = np.array([t.quality.factor if (t.quality is not None and t.quality.factor is not None)
-                  else 1.0 for t in got_group.trajectories], np.float32)
+    pad = lambda x, fill: np.concatenate([np.asarray(x), np.full(8 - n, fill)])  # noqa: E731
+    # One padded shape (8 slots, padding invalid) so the advantage function compiles once.
+    r = pad([t.outcome == "pass" for t in got_group.trajectories], 0).astype(np.float32)
+    f = pad([t.quality.factor if (t.quality is not None and t.quality.factor is not None)
+             else 1.0 for t in got_group.trajectories], 1.0).astype(np.float32)
     out = gagar_advantages(
-        jnp.asarray(r), jnp.zeros(n, jnp.int32), jnp.asarray(f), jnp.ones(n, bool),
-        jnp.asarray([t.hacked for t in got_group.trajectories]), jnp.ones(1, bool),
+        jnp.asarray(r), jnp.zeros(8, jnp.int32), jnp.asarray(f),
+        jnp.asarray(pad([True] * n, 0) > 0),
+        jnp.asarray(pad([t.hacked for t in got_group.trajectories], 0) > 0), jnp.ones(1, bool),
         num_groups=1, mode="downweight_only",
-        adjustments=jnp.asarray([t.adjustment for t in got_group.trajectories], jnp.float32))
-    np.testing.assert_allclose(np.asarray(out.advantages), want, atol=1e-5)
+        adjustments=jnp.asarray(pad([t.adjustment for t in got_group.trajectories], 0.0),
+                                jnp.float32))
+    np.testing.assert_allclose(np.asarray(out.advantages)[:n], want, atol=1e-5)
     # A NumPy loop, independent of control_advantages: binary advantage minus c_g.
     clean = [k not in ("fail", "hack") for k in kinds]
     k_, p = sum(clean), sum(clean) / n

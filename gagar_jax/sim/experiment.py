@@ -66,8 +66,9 @@ def heldout_tasks(task_cfg: task_lib.TaskConfig, n: int) -> list:
 
 def warm_start(cfg, task_cfg: task_lib.TaskConfig, *, seed: int, sft_steps: int,
                num_demos: int = 4000, batch_size: int = 32, lr: float = 3e-3,
-               mix: Optional[dict] = None, eval_tasks: int = 32, group_size: int = 8, note_prob: float = 0.5,
-               note_mean: float = 6.0, lam_cap: float = 1.5) -> WarmStart:
+               mix: Optional[dict] = None, eval_tasks: int = 32, group_size: int = 8,
+               note_prob: float = 0.5, note_mean: float = 6.0,
+               lam_cap: float = 1.5) -> WarmStart:
     """Supervised warm start on mixed-quality demonstrations, then the step-0 tier mix.
 
     Args:
@@ -186,7 +187,8 @@ def pass_factor_stats(records, table: grading.FactorTable, lam_cap: float) -> di
 def run_loop(learner: Learner, arm: str, warm: WarmStart, task_cfg: task_lib.TaskConfig, *,
              seed: int, rl_steps: int, workdir: str, groups: int = 16, group_size: int = 8,
              eval_tasks: int = 32, eval_every: int = 5, probe: Optional[measure.ProbeSet] = None,
-             temperature: float = 1.0, log: Callable[[str], None] = print) -> list:
+             temperature: float = 1.0, top_p: float = 1.0,
+             log: Callable[[str], None] = print) -> list:
     """One RL run of an arm (`arms.ARMS`) from the warm start; one dict per step 0..rl_steps.
 
     Staleness 1: step t trains on the batch sampled with policy version t - 1 (step 0 on one
@@ -205,7 +207,8 @@ def run_loop(learner: Learner, arm: str, warm: WarmStart, task_cfg: task_lib.Tas
       workdir: where each step's `Feed` writes ledger.json / dead_letter.jsonl.
       groups, group_size: tasks per step, rollouts per task. eval_tasks: held-out tasks.
       eval_every: held-out evaluation interval. probe: teacher-forced probe set (None: none).
-      temperature: sampling temperature. log: progress lines.
+      temperature, top_p: sampling of the training batches (held-out evaluation always samples
+        the full distribution). log: progress lines.
     Returns:
       rows: list of dicts; the last row also holds the summed feed ledger ("ledger_totals").
     """
@@ -222,7 +225,7 @@ def run_loop(learner: Learner, arm: str, warm: WarmStart, task_cfg: task_lib.Tas
     def sample(model, t, key):
         return producer.sample_groups(model, next(tasks), task_cfg, key, group_size=group_size,
                                       policy_version=t, temperature=temperature,
-                                      group_prefix=f"{arm}-s{seed}")
+                                      group_prefix=f"{arm}-s{seed}", top_p=top_p)
 
     key0 = jax.random.key(seed)
     pending, _ = sample(nnx.merge(graphdef, state.params, state.router_bias), 0,

@@ -97,7 +97,8 @@ def summarize(episode_groups, assessment_groups, entropy_groups=None) -> Rollout
 
 
 def sample_groups(model, tasks, task_cfg: task_lib.TaskConfig, key, *, group_size: int,
-                  policy_version: int, temperature: float = 1.0, group_prefix: str = "g"):
+                  policy_version: int, temperature: float = 1.0, group_prefix: str = "g",
+                  top_p: float = 1.0):
     """Rolls out `group_size` episodes per task in one batch, grades each group, builds records.
 
     Args:
@@ -109,6 +110,7 @@ def sample_groups(model, tasks, task_cfg: task_lib.TaskConfig, key, *, group_siz
       policy_version: the learner step whose weights `model` holds (written into the records).
       temperature: sampling temperature.
       group_prefix: group ids are f"{group_prefix}-{policy_version}-{task_id}".
+      top_p: nucleus sampling (1 = off; see `sampler.rollout`).
     Returns:
       (records, stats): a list of `feed.schema.Group` and the `RolloutStats`.
     """
@@ -117,7 +119,7 @@ def sample_groups(model, tasks, task_cfg: task_lib.TaskConfig, key, *, group_siz
     episodes = [task_lib.Episode(t, task_cfg) for t in tasks for _ in range(group_size)]
     rolls = sampler.rollout(model, episodes, key, cache_len=cache_len(task_cfg),
                             max_turns=task_cfg.max_turns, max_turn_tokens=task_cfg.max_turn_tokens,
-                            temperature=temperature, stop_tokens=task_lib.STOP_TOKENS)
+                            temperature=temperature, stop_tokens=task_lib.STOP_TOKENS, top_p=top_p)
     has_moe = model.cfg.num_moe_layers > 0
     records, ep_groups, as_groups, ent_groups = [], [], [], []
     for g, t in enumerate(tasks):

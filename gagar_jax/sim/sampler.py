@@ -158,19 +158,29 @@ def _empty_caches(model, B: int, C: int):
 
 
 # ----------------------------------------------------------------------------- generation
-def _sample(logits_BxV, key, temperature):
-    """Samples at `temperature` (a traced scalar; 0 = greedy); returns (token, untempered
-    log-prob, untempered entropy)."""
+def _sample(logits_BxV, key, temperature, top_p: float = 1.0):
+    """Samples at `temperature` (a traced scalar; 0 = greedy) from the nucleus of mass `top_p`
+    (static; 1 = the whole distribution); returns (token, untempered untruncated log-prob,
+    untempered entropy)."""
     logp = jax.nn.log_softmax(logits_BxV, axis=-1)
     ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-    drawn = jax.random.categorical(key, logits_BxV / jnp.maximum(temperature, 1e-6), axis=-1)
+    scaled = logits_BxV / jnp.maximum(temperature, 1e-6)
+    if top_p < 1.0:
+        # Keep the smallest set of most likely tokens whose mass reaches top_p.
+        order = jnp.argsort(-scaled, axis=-1)
+        p_sorted = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
+        keep_sorted = (jnp.cumsum(p_sorted, axis=-1) - p_sorted) < top_p
+        keep = jnp.zeros_like(keep_sorted).at[
+            jnp.arange(scaled.shape[0])[:, None], order].set(keep_sorted)
+        scaled = jnp.where(keep, scaled, _NEG)
+    drawn = jax.random.categorical(key, scaled, axis=-1)
     tok = jnp.where(temperature > 0, drawn, jnp.argmax(logits_BxV, axis=-1)).astype(jnp.int32)
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], ent
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "stop_tokens"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "stop_tokens", "top_p"))
 def _extend(graphdef, state, caches, chunk_BxN, start_B, n_B, active_B, routed_BxNxLxK, key,
-            temperature, *, max_new: int, stop_tokens: tuple):
+            temperature, *, max_new: int, stop_tokens: tuple, top_p: float = 1.0):
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
     B, N = chunk_BxN.shape
@@ -190,7 +200,7 @@ def _extend(graphdef, state, caches, chunk_BxN, start_B, n_B, active_B, routed_B
     chunk_experts = (jnp.where(keep, jnp.moveaxis(ids, 0, 2), -1) if L
                      else jnp.zeros((B, N, 0, K), jnp.int32))
     logits = jnp.einsum("bd,dv->bv", h[rows, n_B - 1], w_DxV, preferred_element_type=jnp.float32)
-    tok, lp, ent = _sample(logits, jax.random.fold_in(key, 0), temperature)
+    tok, lp, ent = _sample(logits, jax.random.fold_in(key, 0), temperature, top_p)
 
     out_tok = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(tok)
     out_lp = jnp.zeros((B, max_new), jnp.float32).at[:, 0].set(lp)
@@ -208,7 +218,7 @@ def _extend(graphdef, state, caches, chunk_BxN, start_B, n_B, active_B, routed_B
         h, caches, ids = _forward(model, tok[:, None], pos_B[:, None], caches,
                                   jnp.where(done, C, pos_B)[:, None], None)
         logits = jnp.einsum("bd,dv->bv", h[:, 0], w_DxV, preferred_element_type=jnp.float32)
-        nxt, lp, ent = _sample(logits, jax.random.fold_in(key, t + 1), temperature)
+        nxt, lp, ent = _sample(logits, jax.random.fold_in(key, t + 1), temperature, top_p)
         nxt, lp, ent = jnp.where(done, 0, nxt), jnp.where(done, 0.0, lp), jnp.where(done, 0.0, ent)
         if L:
             rec = jnp.where(done[:, None, None], -1, jnp.moveaxis(ids[:, :, 0], 0, 1))
@@ -240,8 +250,14 @@ def _check_lengths(lengths_B, B, C, max_new, temperature):
         raise ValueError("max_new must be >= 1 and temperature >= 0")
 
 
+def _check_top_p(top_p: float):
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
 def generate(model, context_BxC, lengths_B, key, *, max_new: int, temperature: float = 1.0,
-             stop_tokens: Sequence[int] = (), routed_experts_BxCxLxK=None) -> Generation:
+             stop_tokens: Sequence[int] = (), routed_experts_BxCxLxK=None,
+             top_p: float = 1.0) -> Generation:
     """Samples up to `max_new` tokens after each row's context (one turn from an empty cache).
 
     Args:
@@ -254,6 +270,7 @@ def generate(model, context_BxC, lengths_B, key, *, max_new: int, temperature: f
       temperature: sampling temperature (0 = greedy).
       stop_tokens: tokens that end a row's turn (kept in the output).
       routed_experts_BxCxLxK: optional routing replay for context tokens (-1 = router selects).
+      top_p: nucleus sampling mass in (0, 1] (1 = off); log-probs stay untruncated.
     Returns:
       A `Generation`.
     """
@@ -261,6 +278,7 @@ def generate(model, context_BxC, lengths_B, key, *, max_new: int, temperature: f
     lengths_B = np.asarray(lengths_B, np.int32)
     B, C = context_BxC.shape
     _check_lengths(lengths_B, B, C, max_new, temperature)
+    _check_top_p(top_p)
     L, K = model.cfg.num_moe_layers, model.cfg.top_k
     if routed_experts_BxCxLxK is None:
         routed_experts_BxCxLxK = np.full((B, C, L, K), -1, np.int32)
@@ -269,7 +287,7 @@ def generate(model, context_BxC, lengths_B, key, *, max_new: int, temperature: f
                      jnp.zeros((B,), jnp.int32), jnp.asarray(lengths_B),
                      jnp.ones((B,), jnp.bool_), jnp.asarray(routed_experts_BxCxLxK, jnp.int32),
                      key, jnp.asarray(temperature, jnp.float32), max_new=int(max_new),
-                     stop_tokens=tuple(int(s) for s in stop_tokens))
+                     stop_tokens=tuple(int(s) for s in stop_tokens), top_p=float(top_p))
     return gen
 
 
@@ -294,7 +312,7 @@ def _bucket(n: int) -> int:
 
 
 def rollout(model, episodes, key, *, cache_len: int, max_turns: int, max_turn_tokens: int,
-            temperature: float = 1.0, stop_tokens: Sequence[int] = ()) -> list:
+            temperature: float = 1.0, stop_tokens: Sequence[int] = (), top_p: float = 1.0) -> list:
     """Plays multi-turn episodes to the end with the policy (one fixed-shape batch, B = rows).
 
     The KV cache lives across turns: each round feeds only the tokens a row's cache has not seen
@@ -306,9 +324,12 @@ def rollout(model, episodes, key, *, cache_len: int, max_turns: int, max_turn_to
         (e.g. `sim.task.Episode`); one batch row each.
       key: PRNG key. cache_len: C (>= longest episode). max_turns, max_turn_tokens: limits.
       temperature, stop_tokens: as in `generate`.
+      top_p: nucleus sampling mass (1 = off); recorded log-probs stay untruncated (the probe of
+        docs/miniature.md: the learner sees the full policy's log-probs, not the sampler's).
     Returns:
       A `Rollout` per episode, in order.
     """
+    _check_top_p(top_p)
     L, K = model.cfg.num_moe_layers, model.cfg.top_k
     B = len(episodes)
     graphdef, state = nnx.split(model)
@@ -336,7 +357,7 @@ def rollout(model, episodes, key, *, cache_len: int, max_turns: int, max_turn_to
                               jnp.asarray(n), jnp.asarray(is_active),
                               jnp.full((B, N, L, K), -1, jnp.int32), jax.random.fold_in(key, turn),
                               jnp.asarray(temperature, jnp.float32), max_new=int(max_turn_tokens),
-                              stop_tokens=stops)
+                              stop_tokens=stops, top_p=float(top_p))
         gen = jax.device_get(gen)
         for i in active:
             ep, n0, m = episodes[i], int(n[i]), int(gen.num_new_B[i])
