@@ -174,6 +174,7 @@ def sweep(a) -> None:
             warm = _warm(a, cfg, task_cfg, warm_seed)
             meta["warm"][str(warm_seed)] = {"stats": warm.stats.__dict__,
                                             "sft_final_loss": (warm.sft_losses or [None])[-1],
+                                            "fbar": warm.extra,
                                             "seconds": warm.seconds}
             t0 = time.perf_counter()
             rows = X.run_loop(learner, arm, warm, task_cfg, seed=seed, rl_steps=a.steps,

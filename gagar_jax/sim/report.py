@@ -196,7 +196,7 @@ def plot(runs: dict, out_dir: str) -> list:
     axes.flat[0].legend()
     fig.tight_layout()
     path = os.path.join(out_dir, "curves.png")
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=64)
     plt.close(fig)
     return [path]
 
