@@ -239,7 +239,6 @@ def write_report(out: str) -> str:
 def produce(a) -> None:
     from gagar_jax.model import ModelConfig
     from gagar_jax.sim import producer
-    from gagar_jax.sim import task as task_lib
     cfg = _config(_feed_overrides(a) + a.set)
     producer.run_producer(a.workdir, os.path.join(a.workdir, "spool"), _task(a),
                           rounds=a.rounds, groups_per_round=a.groups, group_size=a.group_size,
@@ -256,7 +255,6 @@ def publish_warm_start(a) -> dict:
     from gagar_jax import hf, publish
     from gagar_jax.model import ModelConfig, Transformer
     from gagar_jax.sim import experiment as X
-    from gagar_jax.sim import task as task_lib
     cfg = _config(_feed_overrides(a) + a.set)
     warm = X.warm_start(cfg, _task(a), seed=a.warm_seed, sft_steps=a.sft_steps,
                         lr=a.sft_lr, mix=_mix(a), eval_tasks=a.groups, group_size=a.group_size,
