@@ -26,7 +26,9 @@ def tiny_report(tmp_path_factory):
            "--config", os.path.join(ROOT, "configs", "tiny_cpu.py"), "--topology", "v5p:2x2x1",
            "--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.expert=2",
            "--out", str(out)]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # The TPU compiler keeps its own optimization level (conftest's flag is for XLA:CPU).
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])

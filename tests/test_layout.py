@@ -59,10 +59,11 @@ def test_no_import_cycles():
 
 def test_no_private_names_across_modules():
     mods = _modules()
-    bad = [f"{m} imports {t}.{n}" for m, e in _imports(mods).items() for t, n in e
+    edges = _imports(mods)
+    bad = [f"{m} imports {t}.{n}" for m, e in edges.items() for t, n in e
            if n is not None and n.startswith("_") and not n.startswith("__")]
     for m, p in mods.items():   # `module._private` attribute use through an imported module
-        imported = {t.rpartition(".")[2]: t for t, n in _imports(mods)[m] if n is None}
+        imported = {t.rpartition(".")[2]: t for t, n in edges[m] if n is None}
         for node in ast.walk(ast.parse(p.read_text())):
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                     and node.value.id in imported and node.attr.startswith("_")
