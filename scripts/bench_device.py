@@ -30,14 +30,13 @@ import dataclasses
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchutil import synthetic_batch, timed  # noqa: E402
+from benchutil import time_train_step, timed  # noqa: E402
 from gagar_jax import flops  # noqa: E402
 from gagar_jax import sharding as shd  # noqa: E402
 from gagar_jax import train_step as TS  # noqa: E402
@@ -91,23 +90,8 @@ def run_case(model: ModelConfig, batch_shape, attention: str, experts: str, step
                                                   expert_backend=experts),
                         loss=LossConfig(), optim=OptimConfig(learning_rate=1e-6))
     mesh = shd.make_mesh(type("M", (), dict(data=-1, fsdp=1, expert=1, tensor=1)))
-    state, graphdef, shardings = TS.init_train_state(cfg, mesh, jax.random.key(0))
     B, S = batch_shape
-    batch = synthetic_batch(B, S, model.vocab_size)
-    bsh = shd.batch_shardings(batch, mesh)
-    batch = jax.device_put(batch, bsh)
-    step = TS.make_train_step(cfg, mesh, shardings, bsh, graphdef)
-    t0 = time.perf_counter()
-    state, m = step(state, batch)
-    jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t0
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, m = step(state, batch)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
-    step_s = float(np.median(times))
+    compile_s, step_s, m = time_train_step(cfg, mesh, B, S, steps)
     n_dev = len(jax.devices())
     tokens = B * S
     model_flops = flops.train_flops_per_token(model, S) * tokens

@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -24,9 +23,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchutil import matmul_peak, synthetic_batch, timed, write_docs_section  # noqa: E402
+from benchutil import matmul_peak, synthetic_batch, time_train_step, timed, write_docs_section  # noqa: E402
 from gagar_jax import flops  # noqa: E402
-from gagar_jax import sharding as shd  # noqa: E402
 from gagar_jax import train_step as TS  # noqa: E402
 from gagar_jax.advantage import broadcast_to_tokens, gagar_advantages  # noqa: E402
 from gagar_jax.batch import Batch  # noqa: E402
@@ -59,22 +57,8 @@ def bench(name: str, B: int, S: int, steps: int) -> dict:
     step_cfg = dataclasses.replace(step_cfg, micro_batches=min(step_cfg.micro_batches, B),
                                    mini_batches=1, epochs=1)
     mesh = make_mesh(type("M", (), dict(data=-1, fsdp=1, expert=1, tensor=1)))
-    state, graphdef, shardings = TS.init_train_state(step_cfg, mesh, jax.random.key(0))
-    batch = synthetic_batch(B, S, step_cfg.model.vocab_size)
-    bsh = shd.batch_shardings(batch, mesh)
-    batch = jax.device_put(batch, bsh)
-    step = TS.make_train_step(step_cfg, mesh, shardings, bsh, graphdef)
-    t0 = time.perf_counter()
-    state, m = step(state, batch)
-    jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t0
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, m = step(state, batch)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
-    step_s = float(np.median(times))
+    compile_s, step_s, m = time_train_step(step_cfg, mesh, B, S, steps)
+    batch = synthetic_batch(B, S, step_cfg.model.vocab_size)   # its T and G, for the advantage share
     # The machine may be shared: measure the peak right after the timed steps.
     peak = matmul_peak(reps=5)
     tokens = B * S * step_cfg.epochs

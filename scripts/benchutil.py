@@ -69,3 +69,31 @@ def synthetic_batch(B: int, S: int, vocab: int, group_size: int = 4, seed: int =
         rewards_T=jnp.asarray(rewards), valid_T=jnp.ones(T, bool), hacked_T=jnp.zeros(T, bool),
         factors_T=jnp.asarray(factors), adjustments_T=jnp.zeros(T, jnp.float32),
         grading_ok_G=jnp.ones(G, bool))
+
+
+def time_train_step(step_cfg, mesh, B: int, S: int, steps: int) -> tuple:
+    """Builds the train state and step on `mesh`, runs one step on a synthetic [B, S] batch
+    (compile included), then `steps` timed steps.
+
+    Returns:
+      (compile_s, median step_s, the last step's metrics).
+    """
+    from gagar_jax import sharding as shd
+    from gagar_jax import train_step as TS
+
+    state, graphdef, shardings = TS.init_train_state(step_cfg, mesh, jax.random.key(0))
+    batch = synthetic_batch(B, S, step_cfg.model.vocab_size)
+    bsh = shd.batch_shardings(batch, mesh)
+    batch = jax.device_put(batch, bsh)
+    step = TS.make_train_step(step_cfg, mesh, shardings, bsh, graphdef)
+    t0 = time.perf_counter()
+    state, m = step(state, batch)
+    jax.block_until_ready(m)
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+    return compile_s, float(np.median(times)), m
