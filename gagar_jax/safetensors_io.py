@@ -1,0 +1,176 @@
+"""safetensors files on any `etils.epath` path (local, gs://, s3://): headers, byte-range reads of
+sub-boxes, block-FP8 dequantization of a box, streaming writes.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header
+(`name -> {dtype, shape, data_offsets}`) and the raw C-order little-endian bytes of each tensor.
+`Checkpoint.read_box(name, box)` reads only the bytes of the box `[start, stop)` per dimension: the
+box is cut into contiguous runs (the trailing dimensions it spans whole, plus its extent in the
+first dimension it cuts) and each run is one `seek` + `read`, adjacent runs merged. Nothing outside
+the box is read, so a process that loads its shards reads only its shards' bytes.
+
+The installed numpy reader cannot read F8_E4M3 or BF16, which ml_dtypes provides.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import threading
+from typing import Sequence
+
+import ml_dtypes
+import numpy as np
+from etils import epath
+
+INDEX_FILE = "model.safetensors.index.json"
+ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+             "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32,
+             "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def read_header(fname) -> tuple:
+    """(header dict without __metadata__, byte offset of the data section) of a safetensors file."""
+    with epath.Path(fname).open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _runs(shape: Sequence[int], box: Sequence[tuple], itemsize: int) -> tuple:
+    """(byte offsets, run length) of the contiguous runs covering `box` in a C-order array."""
+    shape = list(shape)
+    k = len(shape)          # dims k.. are spanned whole by the box
+    while k > 0 and box[k - 1] == (0, shape[k - 1]):
+        k -= 1
+    if k == 0:
+        return np.zeros(1, np.int64), int(np.prod(shape, dtype=np.int64)) * itemsize
+    inner = int(np.prod(shape[k:], dtype=np.int64)) * itemsize   # bytes of one step in dim k-1
+    run = (box[k - 1][1] - box[k - 1][0]) * inner
+    strides = [int(np.prod(shape[d + 1:], dtype=np.int64)) * itemsize for d in range(k - 1)]
+    offsets = np.full(1, box[k - 1][0] * inner, np.int64)
+    for d in range(k - 1):  # outer product of the leading dims' indices
+        idx = np.arange(box[d][0], box[d][1], dtype=np.int64) * strides[d]
+        offsets = (idx[:, None] + offsets[None, :]).reshape(-1)
+    return offsets, run
+
+
+class Checkpoint:
+    """The safetensors files of one checkpoint directory (single file or sharded with an index)."""
+
+    def __init__(self, path):
+        self.path = epath.Path(path)
+        index = self.path / INDEX_FILE
+        if index.exists():
+            self.weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            single = self.path / "model.safetensors"
+            if not single.exists():
+                raise FileNotFoundError(f"{path} has neither model.safetensors nor {INDEX_FILE}")
+            self.weight_map = {k: "model.safetensors" for k in read_header(single)[0]}
+        self._headers: dict = {}
+        self._lock = threading.Lock()
+
+    @property
+    def names(self) -> set:
+        return set(self.weight_map)
+
+    def entry(self, name: str) -> tuple:
+        """(header entry {dtype, shape, data_offsets}, data start, file path) of tensor `name`."""
+        if name not in self.weight_map:
+            raise KeyError(f"checkpoint {self.path} has no tensor {name!r}")
+        fname = self.path / self.weight_map[name]
+        with self._lock:
+            if fname not in self._headers:
+                self._headers[fname] = read_header(fname)
+        header, start = self._headers[fname]
+        e = header[name]
+        if e["dtype"] not in ST_DTYPES:
+            raise ValueError(f"{fname}: tensor {name}: unsupported safetensors dtype {e['dtype']}")
+        return e, start, fname
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.entry(name)[0]["shape"])
+
+    def read_box(self, name: str, box: Sequence[tuple] | None = None) -> np.ndarray:
+        """The sub-array `[b0:e0, b1:e1, ...]` of tensor `name`, reading only its bytes.
+
+        Args:
+          name: tensor name.
+          box: (start, stop) per dimension; None = the whole tensor.
+        Returns:
+          A numpy array of the tensor's stored dtype (ml_dtypes for BF16 / F8_E4M3).
+        """
+        e, start, fname = self.entry(name)
+        shape = tuple(e["shape"])
+        box = [(0, n) for n in shape] if box is None else [(int(a), int(b)) for a, b in box]
+        if len(box) != len(shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(box, shape)):
+            raise ValueError(f"{name}: box {box} does not fit shape {shape}")
+        dt = np.dtype(ST_DTYPES[e["dtype"]]).newbyteorder("<")
+        out_shape = tuple(b - a for a, b in box)
+        out = np.empty(out_shape, dt)
+        if out.size == 0:
+            return out
+        offsets, run = _runs(shape, box, dt.itemsize)
+        flat = out.reshape(-1).view(np.uint8)
+        base = start + e["data_offsets"][0]
+        with fname.open("rb") as f:
+            pos, i, n = 0, 0, len(offsets)
+            while i < n:   # merge adjacent runs into one read
+                j = i + 1
+                while j < n and offsets[j] == offsets[j - 1] + run:
+                    j += 1
+                length = run * (j - i)
+                f.seek(base + int(offsets[i]))
+                _read_into(f, memoryview(flat[pos:pos + length]), f"{fname}: tensor {name}")
+                pos, i = pos + length, j
+        return out
+
+
+def _read_into(f, view: memoryview, what: str) -> None:
+    got = 0
+    while got < len(view):   # straight into the output: no second copy of the bytes
+        n = f.readinto(view[got:])
+        if not n:
+            raise ValueError(f"{what} is truncated")
+        got += n
+
+
+def dequantize_block_fp8(q: np.ndarray, scale_inv: np.ndarray, block: tuple = (128, 128),
+                         origin: tuple = (0, 0)) -> np.ndarray:
+    """W[i, j] = q[i, j] * scale_inv[i // bi, j // bj] in float32 (partial edge blocks included).
+
+    `q` may be a box of the weight starting at `origin` = (row, col); `scale_inv` then holds the
+    scale rows/columns from block `origin // block` on (as `Checkpoint.read_box` returns them).
+    """
+    bi, bj = block
+    rows, cols = q.shape
+    r0, c0 = origin
+    want = (-(-(r0 + rows) // bi) - r0 // bi, -(-(c0 + cols) // bj) - c0 // bj)
+    if scale_inv.shape != want:
+        raise ValueError(f"weight_scale_inv shape {scale_inv.shape} != {want} for a {q.shape} "
+                         f"weight in {bi}x{bj} blocks")
+    ri = (np.arange(r0, r0 + rows) // bi) - r0 // bi
+    ci = (np.arange(c0, c0 + cols) // bj) - c0 // bj
+    return q.astype(np.float32) * scale_inv.astype(np.float32)[ri[:, None], ci[None, :]]
+
+
+def write_safetensors(fname, tensors: dict, metadata: dict | None = None) -> int:
+    """Writes numpy arrays as one safetensors file (streamed, one tensor at a time); returns bytes."""
+    names = {np.dtype(v): k for k, v in ST_DTYPES.items()}
+    header, offset = {}, 0
+    for name in sorted(tensors):
+        a = tensors[name]
+        header[name] = {"dtype": names[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    if metadata:
+        header["__metadata__"] = metadata
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with epath.Path(fname).open("wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name in sorted(tensors):
+            f.write(memoryview(np.ascontiguousarray(tensors[name]).reshape(-1).view(np.uint8)))
+    return 8 + len(blob) + offset
