@@ -23,7 +23,6 @@ import os
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from etils import epath

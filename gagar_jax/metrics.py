@@ -17,7 +17,6 @@ device never waits for the host to format numbers.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -25,9 +24,9 @@ import os
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from gagar_jax.fingerprint import params_fingerprint, params_l2, params_sha256  # noqa: F401
 from gagar_jax.sharding import leaf_path
 
 # -- device -> host -----------------------------------------------------------------------------
@@ -77,51 +76,6 @@ def to_host(step: int, device_metrics: Any) -> HostMetrics:
         else:
             arrays[name] = arr
     return HostMetrics(step=step, scalars=scalars, arrays=arrays, nonfinite=tuple(sorted(bad)))
-
-
-# -- parameter fingerprints ---------------------------------------------------------------------
-
-
-def _host_leaf(leaf: Any) -> np.ndarray:
-    if isinstance(leaf, jax.Array):
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
-            leaf = jax.random.key_data(leaf)
-        if not leaf.is_fully_addressable:
-            from jax.experimental import multihost_utils
-            return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-    return np.asarray(jax.device_get(leaf))
-
-
-def params_sha256(params: Any) -> str:
-    """SHA-256 of all parameter bytes in a fixed order, independent of sharding and devices.
-
-    Leaves are visited in sorted order of their key paths; for each, the key path, dtype name,
-    shape and the little-endian C-order bytes are hashed. Leaves are gathered to the host one at
-    a time (call on every process when arrays span processes).
-
-    Args:
-      params: pytree of arrays (jax or numpy).
-
-    Returns:
-      The hex digest.
-    """
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    digest = hashlib.sha256()
-    for name, leaf in sorted((jax.tree_util.keystr(p), leaf) for p, leaf in leaves):
-        arr = _host_leaf(leaf)
-        arr = np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("<"), copy=False))
-        header = json.dumps([name, arr.dtype.name, list(arr.shape)]).encode()
-        digest.update(len(header).to_bytes(8, "little") + header)
-        digest.update(arr.tobytes())
-    return digest.hexdigest()
-
-
-def params_l2(params: Any) -> float:
-    """Global L2 norm of all parameters (float32 accumulation on device)."""
-    leaves = [x for x in jax.tree_util.tree_leaves(params)
-              if not jax.dtypes.issubdtype(jnp.asarray(x).dtype, jax.dtypes.extended)]
-    total = sum(jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))) for x in leaves)
-    return float(jnp.sqrt(total))
 
 
 # -- per-group audit records --------------------------------------------------------------------

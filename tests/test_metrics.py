@@ -52,12 +52,19 @@ def test_sha256_is_sharding_and_order_independent(devices):
 
 
 def test_sha256_matches_independent_definition():
-    params = {"b": np.arange(3, dtype=np.float32), "a": np.ones((2, 2), np.int32)}
-    h = hashlib.sha256()
-    for name, arr in (("['a']", params["a"]), ("['b']", params["b"])):
-        header = json.dumps([name, arr.dtype.name, list(arr.shape)]).encode()
-        h.update(struct.pack("<Q", len(header)) + header + arr.astype("<" + arr.dtype.str[1:]).tobytes())
+    # Not model parameters: one unit per row of the first axis; 0-d arrays are one unit.
+    params = {"b": np.arange(3, dtype=np.float32), "a": np.ones((2, 2), np.int32),
+              "c": np.float32(2.5)}
+    h, total = hashlib.sha256(), 0.0
+    for name, arr in (("['a']", params["a"]), ("['b']", params["b"]), ("['c']", params["c"])):
+        units = [arr] if arr.ndim == 0 else list(arr)
+        for u, unit in enumerate(units):
+            header = json.dumps([name, arr.dtype.name, list(arr.shape), u]).encode()
+            body = hashlib.sha256(np.asarray(unit).astype("<" + arr.dtype.str[1:]).tobytes()).digest()
+            h.update(struct.pack("<Q", len(header)) + header + body)
+            total += float(np.sum(np.asarray(unit, np.float64) ** 2))
     assert metrics.params_sha256(params) == h.hexdigest()
+    assert metrics.params_l2(params) == np.sqrt(total)   # 1+1+1+1 + 0+1+4 + 6.25
 
 
 def test_sha256_changes_on_one_ulp_name_dtype_or_shape():
