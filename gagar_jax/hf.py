@@ -13,29 +13,26 @@ and copied into published directories by `save_pretrained(..., carry_from=...)`.
 (`ModelConfig.export_family`), per-expert layout, with the family's fp32-kept tensors (MiMo's
 router weight and correction bias) in float32.
 
-safetensors is read and written here directly (a JSON header + raw little-endian bytes): the
-installed numpy reader cannot read F8_E4M3 or BF16, which ml_dtypes provides.
+Pod scale: `hf_load` reads only each process's shards (byte ranges); `hf_save` reshards on device
+so every process writes a disjoint share. Paths may be local or object-store (`etils.epath`).
 """
 from __future__ import annotations
 
 import json
-import os
 from typing import Callable
 
 import jax
-import ml_dtypes
 import numpy as np
 from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from gagar_jax import hf_families, hf_load, sharding
+from gagar_jax import hf_families, hf_load, hf_save, sharding
 from gagar_jax.hf_config import config_from_hf, config_to_hf  # noqa: F401  (public API)
+from gagar_jax.hf_save import SAVE_DTYPES  # noqa: F401  (public API)
 from gagar_jax.model import Transformer
 from gagar_jax.safetensors_io import (INDEX_FILE, ST_DTYPES, dequantize_block_fp8,  # noqa: F401
                                       read_header, write_safetensors)
-
-SAVE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 def _reader(path, block: tuple | None = None) -> Callable[[str], np.ndarray]:
@@ -44,21 +41,6 @@ def _reader(path, block: tuple | None = None) -> Callable[[str], np.ndarray]:
     get = lambda name: src.read(name)  # noqa: E731
     get.names = src.names
     return get
-
-
-# ----------------------------------------------------------------------------- transforms
-def _save_transform(t: str, name: str, w: np.ndarray) -> dict:
-    if t == "copy":
-        return {name: w}
-    if t == "linear":
-        return {name: w.T}
-    if t == "heads_out":  # [D, H, Dh] -> [H*Dh, D]
-        return {name: w.reshape(w.shape[0], -1).T}
-    if t == "heads_in":   # [H, Dv, D] -> [D, H*Dv]
-        return {name: w.reshape(-1, w.shape[-1]).T}
-    if t == "per_expert":
-        return {name.format(e=e): w[e].T for e in range(w.shape[0])}
-    raise ValueError(f"transform {t!r} is load-only")
 
 
 # ----------------------------------------------------------------------------- load
@@ -93,102 +75,56 @@ def from_pretrained(path, dtype: str = "float32", *, mesh=None, shardings=None, 
     return nnx.merge(graphdef, state), cfg
 
 
-def carried_tensors(path) -> dict:
-    """The tensors of checkpoint `path` its family skips on load (e.g. MiMo MTP), float32."""
-    hf = read_config(path)
-    family = hf_families.FAMILIES.get(hf.get("model_type", "qwen3_moe"))
+# ----------------------------------------------------------------------------- save
+def model_leaves(model: Transformer) -> dict:
+    """Our parameter path name -> array, for every leaf of the model state."""
+    flat = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
+    return {sharding.leaf_path(kp): x for kp, x in flat}
+
+
+def carried_shapes(path) -> dict:
+    """Name -> shape of the tensors of checkpoint `path` its family skips on load (MiMo MTP)."""
+    family = hf_families.FAMILIES.get(read_config(path).get("model_type", "qwen3_moe"))
     if family is None or not family.carried_prefixes:
         return {}
-    get = _reader(path, hf_load.fp8_block(hf))
-    return {n: get(n).astype(np.float32) for n in sorted(get.names)
+    src = hf_load.Source(path, hf_load.fp8_block(read_config(path)))
+    return {n: src.shape(n) for n in sorted(src.names)
             if any(n.startswith(p) for p in family.carried_prefixes)}
 
 
-# ----------------------------------------------------------------------------- save
-def _to_host(x) -> np.ndarray:
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:  # multi-host: all join the gather
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(jax.device_get(x))
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
-def hf_tensors(model: Transformer, dtype: str = "float32") -> dict:
-    """The model's tensors under its export family's names (fp32-kept ones in float32)."""
-    cfg = model.cfg
-    fam_name = cfg.export_family
-    if fam_name is None:
-        raise ValueError(hf_families.export_error(cfg))
-    if dtype not in SAVE_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(SAVE_DTYPES)}, got {dtype!r}")
-    family = hf_families.FAMILIES[fam_name]
-    ours = {}
-    jax.tree_util.tree_map_with_path(lambda kp, x: ours.__setitem__(sharding.leaf_path(kp), _to_host(x)),
-                                     nnx.state(model))
-    top = {s.ours: s for s in family.top}
-    layer = {s.ours: s for s in family.layer}
-    prefixes = hf_load.stack_paths(cfg)
-    out = {}
-
-    def put(spec, named):
-        for name, w in named.items():
-            w = np.asarray(w, np.float32)
-            out[name] = np.ascontiguousarray(w if spec.fp32 else w.astype(SAVE_DTYPES[dtype]))
-
-    for name, w in ours.items():
-        prefix, layers, key = hf_load.split_leaf(name, prefixes)
-        if prefix is None:
-            put(top[key], _save_transform(top[key].transform, top[key].hf, w))
-            continue
-        if key not in layer:
-            if key in family.zero_if_absent:
-                continue
-            raise KeyError(f"{fam_name} has no tensor for parameter {name}")
-        spec = layer[key]
-        for r, i in enumerate(layers):
-            put(spec, _save_transform(spec.transform, spec.hf.replace("{i}", str(i)), w[r]))
-    return out
-
-
-def save_pretrained(model: Transformer, path: str, max_shard_bytes: int = 5 * 2**30, *,
+def save_pretrained(model: Transformer, path, max_shard_bytes: int = 5 * 2**30, *,
                     dtype: str = "float32", carry_from: str = "") -> None:
-    """Writes config.json and safetensors (sharded with an index above `max_shard_bytes`).
+    """Writes config.json and safetensors (sharded with an index above `max_shard_bytes` or on
+    several processes), every process writing a disjoint share (`hf_save`).
 
-    Every process must call it (sharded parameters are gathered); only process 0 writes.
+    Every process must call it (the reshard to the writing hosts is a collective).
 
     Args:
       model: the Transformer; its config must have an export family.
-      path: output directory (created).
-      max_shard_bytes: safetensors shard size bound.
+      path: output directory (local or object store; created).
+      max_shard_bytes: safetensors file size bound.
       dtype: "float32" | "bfloat16" | "float16" for every tensor but the family's fp32-kept ones.
       carry_from: a checkpoint directory whose carried tensors (MiMo `model.mtp.*`) are
         written too, in `dtype`.
     """
     config = config_to_hf(model.cfg, dtype)
-    tensors = hf_tensors(model, dtype)
+    leaves = model_leaves(model)
+    plan = hf_save.plan_save(leaves, model.cfg, jax.process_count(), dtype,
+                             carried_shapes(carry_from) if carry_from else None, max_shard_bytes)
+    share = hf_save.gather_share(leaves, plan)
     if carry_from:
-        tensors.update({k: v.astype(SAVE_DTYPES[dtype]) for k, v in carried_tensors(carry_from).items()})
-    if jax.process_index() != 0:
-        return
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    shards, current, size = [], {}, 0
-    for name in sorted(tensors):
-        nbytes = tensors[name].nbytes
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = tensors[name]
-        size += nbytes
-    shards.append(current)
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        write_safetensors(os.path.join(path, "model.safetensors"), shards[0], meta)
-        return
-    weight_map = {}
-    for n, shard in enumerate(shards):
-        fname = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(os.path.join(path, fname), shard, meta)
-        weight_map.update({k: fname for k in shard})
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-        json.dump(index, f, indent=2)
+        share.update(hf_save.read_carried(plan, carry_from))
+    out = epath.Path(path)
+    if jax.process_index() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+    _barrier("gagar_save_pretrained_dir")
+    hf_save.write_share(share, plan, out, jax.process_index())
+    _barrier("gagar_save_pretrained_files")
+    if jax.process_index() == 0:
+        hf_save.write_index(plan, out)
