@@ -1,22 +1,33 @@
-"""Weight publishing for rollout engines: HF-format snapshots plus an atomic `latest` pointer.
+"""Weight publishing for rollout engines: HF-format snapshots plus a `latest` pointer, on local
+disks and object stores alike (`etils.epath`; no rename, no append).
 
 Layout::
 
     <workdir>/published/
       step_00000010/            complete HF-format weights after train step 10
-        gagar_publish.json      {"step": 10, "policy_version": 10}
-        config.json, *.safetensors, ...   (whatever `save_fn` writes)
+        config.json, model-0000j-of-0000N.safetensors, model.safetensors.index.json, ...
+        gagar_publish.json      {"step": 10, "policy_version": 10}   (written last)
       step_00000020/
-      latest                    JSON {"step": 20, "policy_version": 20, "path": "<abs dir>"}
-      .tmp-step_00000030/       a publish in progress (never named by `latest`)
+      latest                    JSON {"step": 20, "policy_version": 20, "path": "<dir>"}
 
-Protocol (readers: `read_latest`): a directory named `step_*` is only ever created by renaming a
-fully written temp directory, and `latest` is only ever replaced (write temp file + fsync +
-`os.replace`) after that rename, so `latest` always names a complete directory. Old snapshots
-beyond `keep` are deleted after the pointer moves; a reader that is slower than `keep` publish
-intervals may see its directory disappear and should re-read `latest`.
+Protocol (readers: `read_latest`): the files of a step are written straight into its directory;
+then process 0 writes the index, then the marker `gagar_publish.json`, and only then replaces
+the `latest` pointer (one whole-object write on an object store; on a local disk a temp file +
+fsync + `os.replace`). So `latest` always names a complete directory, and a directory without
+the marker (a publish that was killed) is never named by `latest` and is not listed by
+`published_steps`; publishing that step again deletes and rewrites it. Old snapshots beyond
+`keep` are deleted after the pointer moves; a reader slower than `keep` publish intervals may see
+its directory disappear and should re-read `latest`.
 
-`policy_version` = learner train steps (docs/feed.md, "policy_version"): weights published after step n carry n.
+`Publisher` (the trainer's): every process writes a disjoint share of the tensors (`hf_save`);
+training waits only for the on-device reshard and the device-to-host copy of this process's
+share; the files are written by a background thread. At most one publish is in flight: when the
+next publish falls due while the previous one is still writing, it first waits for that write to
+finish (bounded host memory: one share), and the wait is logged. A failed background write is
+raised by the next `publish` or by `close`.
+
+`policy_version` = learner train steps (docs/feed.md, "policy_version"): weights published after
+step n carry n.
 """
 from __future__ import annotations
 
@@ -24,20 +35,27 @@ import json
 import logging
 import os
 import re
-import shutil
+import threading
 import time
 from typing import Any, Callable, Optional
 
 import jax
+from etils import epath
+from jax.experimental import multihost_utils
 
-from gagar_jax import hf
+from gagar_jax import hf, hf_save
 
 log = logging.getLogger(__name__)
 
 PUBLISH_DIR = "published"
 POINTER = "latest"
 MARKER = "gagar_publish.json"
+DONE_TIMEOUT_S = 3600    # process 0 waits this long for the other processes' files
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
+# Files a rollout engine needs beside the weights, copied from the `init_from` directory.
+SERVING_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                 "chat_template.jinja", "generation_config.json")
 
 
 def _is_primary() -> bool:
@@ -46,115 +64,117 @@ def _is_primary() -> bool:
 
 def _barrier(name: str) -> None:
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
+
+
+def _is_local(path) -> bool:
+    return "://" not in os.fspath(path)
+
+
+def root_of(workdir) -> epath.Path:
+    """`<workdir>/published` (absolute for a local workdir)."""
+    w = os.fspath(workdir)
+    return epath.Path(os.path.abspath(w) if _is_local(w) else w) / PUBLISH_DIR
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def published_steps(workdir) -> list[int]:
+    """Steps with a complete published directory (marker present), oldest first."""
+    root = root_of(workdir)
+    if not root.exists():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir()
+                  if (m := _STEP_RE.match(p.name)) and (p / MARKER).exists())
+
+
+def read_latest(workdir) -> Optional[dict]:
+    """The `latest` pointer ({"step", "policy_version", "path"}), or None if nothing published."""
+    try:
+        return json.loads((root_of(workdir) / POINTER).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _write_pointer(root: epath.Path, obj: dict) -> None:
+    text = json.dumps(obj)
+    if not _is_local(root):   # an object write replaces the whole object at once
+        (root / POINTER).write_text(text)
+        return
+    path = os.path.join(os.fspath(root), POINTER)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.fspath(root), os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _write_json_atomic(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+def _prepare(root: epath.Path, step: int) -> epath.Path:
+    """Process 0: an empty directory for `step` (a leftover of a killed publish is removed)."""
+    final = root / step_dir_name(step)
+    root.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        final.rmtree()
+    final.mkdir(parents=True, exist_ok=True)
+    return final
 
 
-def published_steps(workdir: str | os.PathLike) -> list[int]:
-    """Steps with a complete published directory, oldest first."""
-    root = os.path.join(os.fspath(workdir), PUBLISH_DIR)
-    if not os.path.isdir(root):
-        return []
-    return sorted(int(m.group(1)) for name in os.listdir(root) if (m := _STEP_RE.match(name)))
+def _finish(root: epath.Path, final: epath.Path, step: int, keep: int) -> None:
+    """Process 0, after every file is written: marker, pointer, prune."""
+    (final / MARKER).write_text(json.dumps({"step": step, "policy_version": step}))
+    _write_pointer(root, {"step": step, "policy_version": step, "path": os.fspath(final)})
+    steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP_RE.match(p.name)))
+    for old in steps[:-keep]:
+        if old != step:
+            (root / step_dir_name(old)).rmtree(missing_ok=True)
+    log.info("published weights for step %d at %s", step, final)
 
 
-def read_latest(workdir: str | os.PathLike) -> Optional[dict]:
-    """The `latest` pointer ({"step", "policy_version", "path"}), or None if nothing published."""
-    pointer = os.path.join(os.fspath(workdir), PUBLISH_DIR, POINTER)
-    try:
-        with open(pointer) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-
-
-def publish_weights(model: Any, step: int, workdir: str | os.PathLike,
-                    save_fn: Callable[[Any, str], None], *, keep: int = 2) -> str:
-    """Publishes HF-format weights for `step` and moves the `latest` pointer to them.
-
-    Call on every process: `save_fn` runs on every process (it may gather shards with
-    collectives) and must write files from process 0 only, like `hf.save_pretrained`; the
-    renames and the pointer are done by process 0.
-
-    Args:
-      model: whatever `save_fn` takes (the model, or a state holding it).
-      step: completed train steps; also the published `policy_version`.
-      workdir: the run's workdir.
-      save_fn: `save_fn(model, directory)` writes the weights into an existing empty directory.
-      keep: number of published snapshots to keep (>= 1).
-
-    Returns:
-      The absolute path of the published directory.
-    """
+def _check(step: int, keep: int) -> None:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    root = os.path.abspath(os.path.join(os.fspath(workdir), PUBLISH_DIR))
-    final = os.path.join(root, step_dir_name(step))
-    tmp = os.path.join(root, f".tmp-{step_dir_name(step)}")
+
+
+def publish_weights(model: Any, step: int, workdir, save_fn: Callable[[Any, str], None], *,
+                    keep: int = 2) -> str:
+    """Publishes weights for `step` with `save_fn` (synchronously) and moves `latest` to them.
+
+    Call on every process; `save_fn(model, directory)` runs on every process and writes into the
+    existing empty directory (its own share of the files, like `hf.save_pretrained`).
+
+    Returns:
+      The path of the published directory.
+    """
+    _check(step, keep)
+    root = root_of(workdir)
+    final = root / step_dir_name(step)
     if _is_primary():
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a publish that was killed
-        os.makedirs(tmp)
+        _prepare(root, step)
     _barrier(f"gagar_publish_start_{step}")
-    save_fn(model, tmp)
+    save_fn(model, os.fspath(final))
     _barrier(f"gagar_publish_written_{step}")
     if _is_primary():
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump({"step": step, "policy_version": step}, f)
-        _fsync_tree(tmp)
-        trash = None
-        if os.path.exists(final):
-            # Re-publishing a step after a resume: swap the old copy out, then the new one in.
-            trash = os.path.join(root, f".trash-{step_dir_name(step)}-{time.time_ns()}")
-            os.replace(final, trash)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _write_json_atomic(os.path.join(root, POINTER),
-                           {"step": step, "policy_version": step, "path": final})
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
-        _prune(root, keep, protect=final)
-        log.info("published weights for step %d at %s", step, final)
+        _finish(root, final, step, keep)
     _barrier(f"gagar_publish_done_{step}")
-    return final
+    return os.fspath(final)
 
 
-# Files a rollout engine needs beside the weights, copied from the `init_from` directory.
-SERVING_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
-                 "chat_template.jinja", "generation_config.json")
-
-
-def copy_serving_files(src: str, dst: str) -> list:
+def copy_serving_files(src, dst) -> list:
     """Copies the tokenizer files and generation_config.json present in `src` into `dst`."""
     copied = []
     for name in SERVING_FILES:
-        if os.path.isfile(os.path.join(src, name)):
-            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+        if (epath.Path(src) / name).exists():
+            (epath.Path(dst) / name).write_bytes((epath.Path(src) / name).read_bytes())
             copied.append(name)
     return copied
 
@@ -169,20 +189,103 @@ def hf_save_fn(init_from: str = "", dtype: str = "bfloat16") -> Callable[[Any, s
     return save
 
 
-def _fsync_tree(path: str) -> None:
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(dirpath)
+def _kv_client():
+    from jax._src import distributed   # the coordination service's client (no device work)
+    return distributed.global_state.client
 
 
-def _prune(root: str, keep: int, protect: str) -> None:
-    steps = sorted(int(m.group(1)) for name in os.listdir(root) if (m := _STEP_RE.match(name)))
-    for old in steps[:-keep]:
-        path = os.path.join(root, step_dir_name(old))
-        if path != protect:
-            shutil.rmtree(path, ignore_errors=True)
+class Publisher:
+    """The trainer's publisher: parallel shares, background writes, one publish in flight.
+
+    Args:
+      workdir: the run's workdir (local or object store).
+      keep: published snapshots to keep (>= 1).
+      dtype: publish dtype ("bfloat16" | "float32" | "float16"; fp32-kept tensors stay float32).
+      init_from: checkpoint whose serving files and carried tensors (MiMo MTP) are published too.
+      publish_fn: optional hook `publish_fn(step, tensors, directory)`, called on every process
+        in the writer thread after its files are written, with this process's share
+        (stored name -> numpy array, publish dtype): the place for an in-memory weight sync.
+      max_shard_bytes: bound on one safetensors file.
+    """
+
+    def __init__(self, workdir, *, keep: int = 2, dtype: str = "bfloat16", init_from: str = "",
+                 publish_fn: Optional[Callable] = None, max_shard_bytes: int = 5 * 2**30):
+        _check(0, keep)
+        self.root, self.keep, self.dtype, self.init_from = root_of(workdir), keep, dtype, init_from
+        self.publish_fn, self.max_shard_bytes = publish_fn, max_shard_bytes
+        self._plan = None
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._count = 0
+        self.last_wait_s = 0.0    # time the last publish waited for the previous write
+        self.last_bytes = 0       # bytes this process wrote in the last finished publish
+
+    def publish(self, model, step: int) -> str:
+        """Starts publishing `model` as step `step` (every process calls it at the same step);
+        returns once this process's share is on the host. Returns the directory."""
+        _check(step, self.keep)
+        t0 = time.perf_counter()
+        self.wait()
+        self.last_wait_s = time.perf_counter() - t0
+        if self.last_wait_s > 0.1:
+            log.info("publish of step %d waited %.1f s for the previous write", step,
+                     self.last_wait_s)
+        leaves = hf.model_leaves(model)
+        if self._plan is None:
+            carried = hf.carried_shapes(self.init_from) if self.init_from else None
+            self._plan = hf_save.plan_save(leaves, model.cfg, jax.process_count(), self.dtype,
+                                           carried, self.max_shard_bytes)
+        final = self.root / step_dir_name(step)
+        if _is_primary():
+            _prepare(self.root, step)
+            (final / "config.json").write_text(json.dumps(hf.config_to_hf(model.cfg, self.dtype),
+                                                          indent=2))
+        _barrier(f"gagar_publish_start_{step}")
+        share = hf_save.gather_share(leaves, self._plan)   # device-to-host: training waits here
+        self._count += 1
+        self._thread = threading.Thread(target=self._write, args=(share, step, final, self._count),
+                                        name=f"gagar-publish-{step}", daemon=True)
+        self._thread.start()
+        return os.fspath(final)
+
+    def _write(self, share: dict, step: int, final: epath.Path, count: int) -> None:
+        key = f"gagar_publish/{count}/"
+        client = _kv_client() if jax.process_count() > 1 else None
+        try:
+            if self.init_from:
+                share.update(hf_save.read_carried(self._plan, self.init_from))
+            nbytes = hf_save.write_share(share, self._plan, final, jax.process_index())
+            if self.publish_fn is not None:
+                self.publish_fn(step, share, os.fspath(final))
+            status = "ok"
+        except BaseException as e:  # noqa: BLE001 -- reported by the next publish / close
+            self._error, status, nbytes = e, f"process {jax.process_index()}: {e!r}", 0
+        del share
+        self.last_bytes = nbytes
+        if client is not None and not _is_primary():
+            client.key_value_set(key + str(jax.process_index()), status)
+            return
+        try:
+            for p in range(1, jax.process_count()):
+                other = client.blocking_key_value_get(key + str(p), DONE_TIMEOUT_S * 1000)
+                if other != "ok":
+                    raise RuntimeError(f"publish of step {step} failed on {other}")
+            if status == "ok":
+                if self.init_from:
+                    copy_serving_files(self.init_from, final)
+                hf_save.write_index(self._plan, final)
+                _finish(self.root, final, step, self.keep)
+        except BaseException as e:  # noqa: BLE001
+            self._error = self._error or e
+
+    def wait(self) -> None:
+        """Waits for the write in flight; raises its error, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"publishing weights failed: {err}") from err
+
+    close = wait
+

@@ -111,7 +111,9 @@ def _load_hf_params(path: str, step_cfg: StepConfig, like: Any, shardings: Any,
     """Parameters of a HF checkpoint directory, checked against the configured model, sharded
     (with `with_router_bias`: (params, router bias), the bias on the default device)."""
     model_cfg = step_cfg.model
-    model, ckpt_cfg = hf.from_pretrained(path, dtype=model_cfg.param_dtype)
+    # Each process reads only its own shards, straight into the training sharding (hf_load).
+    mesh = jax.tree.leaves(shardings)[0].mesh
+    model, ckpt_cfg = hf.from_pretrained(path, dtype=model_cfg.param_dtype, mesh=mesh)
     # Same shapes are not enough: a softmax checkpoint must not load into a sigmoid config.
     differ = [f for f in ARCHITECTURE_FIELDS if getattr(ckpt_cfg, f) != getattr(model_cfg, f)]
     if differ:
@@ -291,7 +293,8 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
 
     step = int(jax.device_get(state.step))
     start_step = step
-    save_fn = publish.hf_save_fn(rc.train.init_from, rc.train.publish_dtype)
+    publisher = publish.Publisher(workdir, keep=rc.train.keep_published,
+                                  dtype=rc.train.publish_dtype, init_from=rc.train.init_from)
     writer = res.writer = metrics_lib.MetricsWriter(
         workdir, purge_step=step + 1 if step else None,
         resume=None if audit is None else {
@@ -343,10 +346,11 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
         if preempted or save_now:
             save(force=preempted)
         if publish_now:
-            # Publishing gathers shards with collectives: let the in-flight step finish first.
+            # The publish reshard is a collective: let the in-flight step finish first. Training
+            # waits for the device-to-host copy of this process's share; files are written in
+            # the background (publish.Publisher).
             jax.block_until_ready(state)
-            publish.publish_weights(nnx.merge(graphdef, state.params, state.router_bias),
-                                    step, workdir, save_fn, keep=rc.train.keep_published)
+            publisher.publish(nnx.merge(graphdef, state.params, state.router_bias), step)
         if preempted:
             log.info("SIGTERM: checkpoint written at step %d; exiting", step)
             break
@@ -356,6 +360,7 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
     if step > start_step:  # end of run, or SIGTERM while idle (a step saved already is kept)
         save(force=True)
     ckpt.close()
+    publisher.close()
     progress.close()
     ledger = feed.finish() if not preempted else feed.ledger
     elapsed = time.perf_counter() - t0
@@ -372,9 +377,8 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
         "lam_max": steplog.lam_max,
         "skipped_updates": steplog.skipped,
         "ledger": ledger.to_json(),
-        "params_sha256": metrics_lib.params_sha256(state.params),
-        "params_l2": metrics_lib.params_l2(state.params),
     }
+    summary["params_sha256"], summary["params_l2"] = metrics_lib.params_fingerprint(state.params)
     writer.close()
     if pidx == 0:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
