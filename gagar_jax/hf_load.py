@@ -127,6 +127,9 @@ class Source:
 
     def read_view(self, name: str, view: View, box: list) -> np.ndarray:
         """Our box (per our dim) of tensor `name` seen through `view`."""
+        ours = [view.shape[a] for a in view.axes]
+        if len(box) != len(ours) or any(not 0 <= a <= b <= n for (a, b), n in zip(box, ours)):
+            raise ValueError(f"{name}: box {list(box)} does not fit shape {tuple(ours)}")
         vbox = [None] * len(view.shape)
         for j, a in enumerate(view.axes):
             vbox[a] = box[j]

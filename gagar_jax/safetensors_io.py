@@ -61,14 +61,15 @@ class Checkpoint:
     def __init__(self, path):
         self.path = epath.Path(path)
         index = self.path / INDEX_FILE
+        self._headers: dict = {}
         if index.exists():
             self.weight_map = json.loads(index.read_text())["weight_map"]
         else:
             single = self.path / "model.safetensors"
             if not single.exists():
                 raise FileNotFoundError(f"{path} has neither model.safetensors nor {INDEX_FILE}")
-            self.weight_map = {k: "model.safetensors" for k in read_header(single)[0]}
-        self._headers: dict = {}
+            self._headers[single] = read_header(single)
+            self.weight_map = {k: "model.safetensors" for k in self._headers[single][0]}
         self._lock = threading.Lock()
 
     @property
