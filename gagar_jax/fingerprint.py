@@ -11,7 +11,9 @@ its first axis (0-d arrays: one unit). Then
                              len(h) as 8 bytes little-endian, h, d(leaf, u) )
                     with h = JSON [key path, dtype name, leaf shape, u]
     params_l2     = sqrt( sum over leaves and units, in that order, of the float64 sum of
-                          squares of the unit's values )
+                          squares of the unit's values (C order cut into rows of 1024, the
+                          rows added element-wise one after another, the 1024 sums added
+                          exactly) )
 
 Units never span processes (they are resharded on device with `param_units.to_owners`), each
 process hashes its own, and only the 32-byte digests and float64 sums cross processes. So both
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any
 
 import jax
@@ -37,6 +40,15 @@ def _lead(kp, x) -> int:
         return min(x.ndim, 1)
 
 
+def _sum_squares(a: np.ndarray) -> float:
+    """float64 sum of squares in a fixed order: 1024 column sums, row after row (an element-wise
+    add, unlike np.sum's pairwise SIMD reduction whose rounding follows memory alignment), then an
+    exact sum of the 1024."""
+    v = np.square(a.astype(np.float64).reshape(-1))
+    v = np.concatenate([v, np.zeros(-v.size % 1024)]).reshape(-1, 1024)
+    return math.fsum(v.sum(axis=0))
+
+
 def _unit_stats(units: dict, n: int) -> tuple:
     """(digests [n, 32] uint8, float64 sums of squares [n]) of {u: numpy unit}; rows of units
     not given stay 0."""
@@ -45,7 +57,7 @@ def _unit_stats(units: dict, n: int) -> tuple:
         a = np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"), copy=False))
         dig[u] = np.frombuffer(hashlib.sha256(a.reshape(-1).view(np.uint8)).digest(), np.uint8)
         if a.dtype.kind in "fiub" or a.dtype.name in ("bfloat16", "float8_e4m3fn"):
-            sq[u] = np.sum(np.square(a.astype(np.float64)))
+            sq[u] = _sum_squares(a)
     return dig, sq
 
 
@@ -64,8 +76,9 @@ def _leaf_stats(kp, x) -> tuple:
     lu = param_units.LeafUnits(name, tuple(x.shape), lead, x.dtype.name, jax.process_count())
     mine = param_units.host_units(param_units.to_owners(x, lu, param_units.process_mesh()), lu)
     dig, sq = _unit_stats(mine, lu.units)
-    all_d = multihost_utils.process_allgather(dig)   # [P, U, 32]: 32 bytes per unit
-    all_s = multihost_utils.process_allgather(sq)
+    all_d = np.asarray(multihost_utils.process_allgather(dig))   # [P, U, 32]
+    # float64 travels as bytes: jax (without x64) would round it to float32 on the way.
+    all_s = np.asarray(multihost_utils.process_allgather(sq.view(np.uint8))).view(np.float64)
     owners = np.array([lu.owner(u) for u in range(lu.units)])
     rows = np.arange(lu.units)
     return name, x.dtype.name, tuple(x.shape), all_d[owners, rows], all_s[owners, rows]
