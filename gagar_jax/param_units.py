@@ -97,10 +97,13 @@ def plan(leaves: dict, procs: int, dtype_of: Callable[[str, object], str]) -> di
     return out
 
 
-def process_mesh() -> Mesh:
-    """All devices as a (process, local device) mesh, processes in index order."""
-    devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    return Mesh(np.array(devs).reshape(jax.process_count(), -1), ("proc", "local"))
+def process_mesh(devices=None) -> Mesh:
+    """All devices (default `jax.devices()`; compile-only TPU devices for AOT) as a
+    (process, local device) mesh, processes in index order."""
+    devs = sorted(jax.devices() if devices is None else devices,
+                  key=lambda d: (d.process_index, d.id))
+    procs = len({d.process_index for d in devs})
+    return Mesh(np.array(devs).reshape(procs, -1), ("proc", "local"))
 
 
 def _out_sharding(lu: LeafUnits, mesh: Mesh) -> NamedSharding:
@@ -121,13 +124,14 @@ def rearrange(x, lu: LeafUnits):
 
 
 @functools.lru_cache(maxsize=256)
-def _resharder(lu: LeafUnits, mesh: Mesh):
+def resharder(lu: LeafUnits, mesh: Mesh):
+    """The jitted `rearrange` with its output sharded over processes (cached per leaf)."""
     return jax.jit(functools.partial(rearrange, lu=lu), out_shardings=_out_sharding(lu, mesh))
 
 
 def to_owners(x: jax.Array, lu: LeafUnits, mesh: Mesh) -> jax.Array:
     """Leaf `x` as `[P * k, *unit]` in `lu.dtype`, process p holding slots [p*k, (p+1)*k)."""
-    return _resharder(lu, mesh)(x)
+    return resharder(lu, mesh)(x)
 
 
 def host_units(arr: jax.Array, lu: LeafUnits) -> dict:

@@ -3,16 +3,19 @@ sub-boxes, block-FP8 dequantization of a box, streaming writes.
 
 A safetensors file is an 8-byte little-endian header length, a JSON header
 (`name -> {dtype, shape, data_offsets}`) and the raw C-order little-endian bytes of each tensor.
-`Checkpoint.read_box(name, box)` reads only the bytes of the box `[start, stop)` per dimension: the
-box is cut into contiguous runs (the trailing dimensions it spans whole, plus its extent in the
-first dimension it cuts) and each run is one `seek` + `read`, adjacent runs merged. Nothing outside
-the box is read, so a process that loads its shards reads only its shards' bytes.
+`Checkpoint.read_box(name, box)` reads only the bytes of the box `[start, stop)` per dimension.
+On object stores (and any non-local epath) the box is cut into contiguous runs (the trailing
+dimensions it spans whole, plus its extent in the first dimension it cuts) and each run is one
+ranged `seek` + `read`, adjacent runs merged: nothing outside the box is requested. Local files
+are memory-mapped for the call and only the box is copied out (in C); the kernel pages in what
+the box touches (whole 4 KiB pages), and the mapping is dropped before returning.
 
 The installed numpy reader cannot read F8_E4M3 or BF16, which ml_dtypes provides.
 """
 from __future__ import annotations
 
 import json
+import os
 import struct
 import threading
 from typing import Sequence
@@ -112,9 +115,17 @@ class Checkpoint:
         out = np.empty(out_shape, dt)
         if out.size == 0:
             return out
+        base = start + e["data_offsets"][0]
+        if "://" not in os.fspath(fname):   # local file: map it, copy only the box (in C)
+            mm = np.memmap(os.fspath(fname), np.uint8, "r", offset=0)
+            try:
+                whole = mm[base:base + e["data_offsets"][1] - e["data_offsets"][0]]
+                out[...] = whole.view(dt).reshape(shape)[tuple(slice(a, b) for a, b in box)]
+            finally:
+                del mm   # unmapped: the pages leave this process's RSS
+            return out
         offsets, run = _runs(shape, box, dt.itemsize)
         flat = out.reshape(-1).view(np.uint8)
-        base = start + e["data_offsets"][0]
         with fname.open("rb") as f:
             pos, i, n = 0, 0, len(offsets)
             while i < n:   # merge adjacent runs into one read

@@ -2,6 +2,7 @@
 
     JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/flash_310b.py \
         --topology v5p:8x8x8 [--out docs/aot/flash_310b.json] [--config.KEY=VALUE ...]
+    ... --what=weights_io     per-host load/publish bytes and the compiled publish reshard
 
 Prints a table (per-device memory, FLOPs, collective counts, compile time), writes the JSON
 report, and prints as its LAST line a JSON object with `per_device_bytes`, `hbm_bytes` and
@@ -28,6 +29,9 @@ def main(argv) -> int:
     flags.DEFINE_string("out", None, "JSON report path (default: aot_<config>_<topology>.json).",
                         flag_values=fv)
     flags.DEFINE_string("dump_dir", "", "Keep the compiler's HLO dump here.", flag_values=fv)
+    flags.DEFINE_enum("what", "train_step", ["train_step", "weights_io"],
+                      "train_step, or weights_io: per-host load/publish bytes and the compiled "
+                      "publish reshard (gagar_jax/aot_weights_io.py).", flag_values=fv)
     try:
         fv(argv)
     except (flags.Error, AttributeError, OSError) as e:
@@ -40,6 +44,14 @@ def main(argv) -> int:
     from gagar_jax import aot
 
     name = os.path.splitext(os.path.basename(fv["config"].config_filename))[0]
+    if fv.what == "weights_io":
+        from gagar_jax import aot_weights_io
+        report = {"config": name, **aot_weights_io.weights_io_report(fv.config, fv.topology)}
+        out = fv.out or f"aot_weights_io_{name}_{fv.topology.replace(':', '_')}.json"
+        with open(out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(json.dumps(report))
+        return 0
     overrides = tuple(a for a in argv[1:] if a.startswith("--config."))
     report = aot.compile_report(fv.config, fv.topology, name=name, dump_dir=fv.dump_dir,
                                 overrides=overrides)
