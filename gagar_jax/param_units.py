@@ -117,10 +117,19 @@ def _out_sharding(lu: LeafUnits, mesh: Mesh) -> NamedSharding:
 
 
 def rearrange(x, lu: LeafUnits):
-    """`[*lead, *unit]` -> `[P * k, *unit]`: units in C order, padded, rotated by the offset."""
+    """`[*lead, *unit]` -> `[P * k, *unit]`: unit u at slot `lu.slot(u)`, empty slots zero.
+
+    Written as static-offset updates of a zero array (at most two contiguous pieces: the
+    rotation wraps once), which the SPMD partitioner turns into sends of each unit to its
+    owner's devices; a pad + roll would be all-gathered first."""
     u = x.reshape((lu.units,) + lu.unit_shape).astype(lu.dtype)
-    u = jnp.pad(u, [(0, lu.procs * lu.k - lu.units)] + [(0, 0)] * len(lu.unit_shape))
-    return jnp.roll(u, lu.offset * lu.k, axis=0)
+    out = jnp.zeros((lu.procs * lu.k,) + lu.unit_shape, lu.dtype)
+    start = lu.offset * lu.k
+    first = min(lu.units, lu.procs * lu.k - start)
+    out = jax.lax.dynamic_update_slice_in_dim(out, u[:first], start, axis=0)
+    if first < lu.units:
+        out = jax.lax.dynamic_update_slice_in_dim(out, u[first:], 0, axis=0)
+    return out
 
 
 @functools.lru_cache(maxsize=256)
