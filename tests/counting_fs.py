@@ -6,6 +6,7 @@ arithmetic. Neither supports rename or append, like an object store.
 - `LocalStore`: gs://bucket/x lives at $GAGAR_TEST_STORE_ROOT/bucket/x (shared by processes).
 """
 import collections
+import io
 import os
 
 import fsspec
@@ -61,6 +62,12 @@ class _ObjectStoreRules:
 class MemoryStore(_ObjectStoreRules, MemoryFileSystem):
     protocol = ("gs", "gcs")
     cachable = False
+
+    def _open(self, path, mode="rb", **kw):
+        f = super()._open(path, mode=mode, **kw)
+        if mode == "rb":   # fsspec hands every reader the same file object: give each its own
+            return _Counted(io.BytesIO(f.f.getvalue()))
+        return f
 
     @classmethod
     def _strip_protocol(cls, path):
