@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import types
 
 import jax
@@ -198,6 +199,33 @@ def test_publish_to_an_object_store_without_rename_or_append(small_ckpt, memory_
     again, _ = hf.from_pretrained("gs://t/work/published/step_00000002", **FAST)
     for a, b in zip(jax.tree.leaves(nnx.state(again)), jax.tree.leaves(nnx.state(model))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_next_publish_waits_for_the_write_in_flight(small_ckpt, tmp_path, devices):
+    model, _ = hf.from_pretrained(str(small_ckpt), **FAST)
+    gate, calls = threading.Event(), []
+
+    def slow(step, share, directory):
+        calls.append(step)
+        assert gate.wait(60)
+        if step == 3:
+            raise OSError("sync failed")
+
+    pub = publish.Publisher(tmp_path, dtype="float32", publish_fn=slow)
+    pub.publish(model, 1)            # returns with the write still running
+    assert publish.read_latest(tmp_path) is None
+    second = threading.Thread(target=pub.publish, args=(model, 2))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and calls == [1]   # step 2 waits for step 1's write
+    gate.set()
+    second.join(60)
+    pub.wait()
+    assert publish.read_latest(tmp_path)["step"] == 2 and calls == [1, 2]
+    pub.publish(model, 3)
+    with pytest.raises(RuntimeError, match="sync failed"):
+        pub.close()                  # a failed background write surfaces here
+    assert publish.read_latest(tmp_path)["step"] == 2 and publish.published_steps(tmp_path) == [1, 2]
 
 
 # -- the 2-process run --------------------------------------------------------------------------
