@@ -1,13 +1,13 @@
 """Hugging Face checkpoint families as plain data: tensor names, transforms, fp32-kept tensors,
 and what each family can express.
 
-One `Family` per `config.json` `model_type`. `hf.py` walks these tables to load and save weights,
-and the pod-scale loader reuses them, so names and transforms live here as data, not code.
+One `Family` per `config.json` `model_type`. The sharded loader and saver (`hf_load`, `hf_save`)
+walk these tables, so names and transforms live here as data, not code.
 
 A `TensorSpec` maps one of our parameters (its path inside a decoder layer, e.g. "attn/wq", or at
 the top of the model, e.g. "embedding") to a checkpoint name. "{i}" in a name is the layer index,
-"{e}" the expert index. Transforms (implemented in `hf.TRANSFORMS`; HF Linear weights are
-[out, in], ours [in, out] with heads split out):
+"{e}" the expert index. Transforms (load: `hf_load.view_of`, save: `hf_save.save_transform`;
+HF Linear weights are [out, in], ours [in, out] with heads split out):
 
   copy         same array (norm scales, embeddings, sinks, the correction bias)
   linear       [out, in] -> [in, out]
@@ -31,7 +31,7 @@ import dataclasses
 class TensorSpec:
     ours: str                  # our parameter path (inside a layer, or at the model's top)
     hf: str                    # checkpoint name; {i} = layer, {e} = expert
-    transform: str             # key of hf.TRANSFORMS
+    transform: str             # one of the transforms listed above
     fp32: bool = False         # written float32 whatever the publishing dtype
     load_aliases: tuple = ()   # further names accepted on load
     fused: tuple = ()          # (name, transform) of the fused-expert layout, accepted on load
