@@ -112,7 +112,7 @@ def _load_hf_params(path: str, step_cfg: StepConfig, like: Any, shardings: Any,
     (with `with_router_bias`: (params, router bias), the bias on the default device)."""
     model_cfg = step_cfg.model
     # Each process reads only its own shards, straight into the training sharding (hf_load).
-    mesh = jax.tree.leaves(shardings)[0].mesh
+    mesh = jax.tree.leaves(shardings)[0].mesh if shardings is not None else None
     model, ckpt_cfg = hf.from_pretrained(path, dtype=model_cfg.param_dtype, mesh=mesh)
     # Same shapes are not enough: a softmax checkpoint must not load into a sigmoid config.
     differ = [f for f in ARCHITECTURE_FIELDS if getattr(ckpt_cfg, f) != getattr(model_cfg, f)]
