@@ -258,6 +258,7 @@ def test_two_processes_load_and_publish_their_shares(tmp_path):
         assert p.returncode == 0, err[-3000:]
     one, *two = [json.loads((tmp_path / f"result_{n}_{i}.json").read_text()) for n, i, _ in runs]
     print(json.dumps({"checkpoint_bytes": ckpt_bytes, "one": one, "two": two}))
+    assert one["read"] >= ckpt_bytes       # the counter sees every byte a lone process needs
     for r in two:
         # Bytes read at the storage layer, and peak RSS growth against one process loading alone.
         assert 0.3 * ckpt_bytes <= r["read"] <= 0.6 * ckpt_bytes, (r["read"], ckpt_bytes)
