@@ -30,8 +30,9 @@ class TrainConfig:
     keep_published: int        # keep the last K published weight sets
     publish_dtype: str         # dtype of published weights ("bfloat16" | "float32" | "float16")
     log_every: int             # metrics interval in steps
-    init_from: str             # HF Qwen3-MoE / MiMo-V2-Flash directory to start from ("" = random)
-    reference_from: str        # KL reference policy directory ("" = initial weights)
+    init_from: str             # HF Qwen3-MoE / MiMo-V2-Flash directory to start from ("" = random);
+                               # read on a fresh run only, never on a resume
+    reference_from: str        # KL reference policy directory ("" = initial weights); fresh run only
 
     @classmethod
     def from_config(cls, c) -> "TrainConfig":
@@ -45,10 +46,8 @@ class TrainConfig:
         if out.publish_dtype not in ("bfloat16", "float32", "float16"):
             raise ConfigError(f"train.publish_dtype must be bfloat16, float32 or float16, "
                               f"got {out.publish_dtype!r}")
-        for name in ("init_from", "reference_from"):
-            path = getattr(out, name)
-            if path and not os.path.isdir(path):
-                raise ConfigError(f"train.{name}: no such directory: {path}")
+        # init_from / reference_from are checked at start-up, on a fresh run only (a resume
+        # never reads them): `startup.check_hf_dir`.
         return out
 
 

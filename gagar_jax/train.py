@@ -18,13 +18,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import signal
 import time
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from flax import nnx
 
 from gagar_jax import hf, hf_families, metrics as metrics_lib, publish, workdir_lock
@@ -34,6 +35,7 @@ from gagar_jax.feed.batcher import Feed, make_source
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.packing import make_global_batch
 from gagar_jax.sharding import batch_shardings, make_mesh
+from gagar_jax.startup import ARCHITECTURE_FIELDS, check_hf_dir, check_layout
 from gagar_jax.train_step import StepConfig, init_train_state, make_train_step
 
 log = logging.getLogger("gagar_jax.train")
@@ -96,16 +98,6 @@ class _Preemption:
         return multihost_utils.reached_preemption_sync_point(step)
 
 
-# ModelConfig fields that change the model's math (the rest are runtime choices or loss weights).
-ARCHITECTURE_FIELDS = (
-    "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-    "moe_intermediate_size", "intermediate_size", "num_experts", "top_k", "num_dense_layers",
-    "norm_topk_prob", "router", "rope_theta", "rms_norm_eps", "tie_embeddings", "layer_types",
-    "sliding_window", "sliding_kv_heads", "attention_sinks", "value_head_dim",
-    "attention_value_scale", "partial_rotary_factor", "sliding_rope_theta", "qk_norm", "n_group",
-    "topk_group", "routed_scaling_factor")
-
-
 def _load_hf_params(path: str, step_cfg: StepConfig, like: Any, shardings: Any,
                     with_router_bias: bool = False) -> Any:
     """Parameters of a HF checkpoint directory, checked against the configured model, sharded
@@ -128,6 +120,33 @@ def _load_hf_params(path: str, step_cfg: StepConfig, like: Any, shardings: Any,
                           "section (set model.* to the checkpoint's shapes)")
     params = jax.device_put(params, shardings)
     return (params, bias) if with_router_bias else params
+
+
+def _own_copy(tree: Any, shardings: Any) -> Any:
+    """A copy of `tree` in buffers of its own (the step donates the state: the KL reference
+    must never alias the live parameters)."""
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
+
+
+def _outside_weights(state: Any, rc: RunConfig, shardings: Any) -> Any:
+    """A fresh run's state with `init_from` and the KL reference applied.
+
+    The reference (kl_coef > 0) is `reference_from`, else the initial weights; either way it
+    gets its own parameter buffers and its own frozen router bias.
+    """
+    if rc.train.init_from:
+        params, bias = _load_hf_params(rc.train.init_from, rc.step, state.params,
+                                       shardings.params, with_router_bias=True)
+        bias = jax.device_put(bias, shardings.router_bias)  # MiMo: e_score_correction_bias
+        state = state.replace(params=params, router_bias=bias)
+    if state.ref_params is None or not (rc.train.init_from or rc.train.reference_from):
+        return state      # the jitted init gave the reference buffers of its own already
+    ref, ref_bias = state.params, state.router_bias
+    if rc.train.reference_from:
+        ref, ref_bias = _load_hf_params(rc.train.reference_from, rc.step, state.params,
+                                        shardings.params, with_router_bias=True)
+    return state.replace(ref_params=_own_copy(ref, shardings.params),
+                         ref_router_bias=_own_copy(ref_bias, shardings.router_bias))
 
 
 def _abstract(state: Any, shardings: Any) -> Any:
@@ -244,37 +263,38 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
     """The run itself; registers what it opens in `res`."""
     rc = RunConfig.from_config(cfg)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    os.makedirs(workdir, exist_ok=True)
+    wd = epath.Path(workdir)
+    wd.mkdir(parents=True, exist_ok=True)
     pidx, pcount = jax.process_index(), jax.process_count()
-    if rc.feed.rows_per_batch % pcount:
-        raise ConfigError(f"feed.rows_per_batch={rc.feed.rows_per_batch} must divide by the "
-                          f"{pcount} processes")
-    if rc.feed.path and not any(ch in rc.feed.path for ch in "*?[") and not os.path.exists(
-            rc.feed.path):
+    # Every cross-section rule before anything compiles (docs/reliability.md: exit 2).
+    if rc.feed.path and not any(ch in rc.feed.path for ch in "*?[") and not epath.Path(
+            rc.feed.path).exists():
         raise ConfigError(f"feed.path: no such file: {rc.feed.path}")
     try:
         mesh = make_mesh(cfg.mesh)
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from e
     model_cfg = rc.step.model
-    if rc.train.publish_every and model_cfg.export_family is None:  # fail before compiling
+    check_layout(rc.step, rc.feed, mesh, pcount)
+    if rc.train.publish_every and model_cfg.export_family is None:
         raise ConfigError(f"train.publish_every={rc.train.publish_every}: "
                           f"{hf_families.export_error(model_cfg)}")
+    # checkpoint_every = 0: only the forced saves (end of run, SIGTERM).
+    ckpt = res.ckpt = Checkpointer(str(wd / "checkpoints"),
+                                   save_interval_steps=rc.train.checkpoint_every,
+                                   max_to_keep=rc.train.keep_checkpoints)
+    fresh = ckpt.latest_step() is None
+    # Outside weights apply to a fresh run only: a resume restores the checkpoint and never
+    # reads init_from / reference_from (they may be gone, or changed, by then).
+    outside = [(key, path) for key, path in (("train.init_from", rc.train.init_from),
+                                             ("train.reference_from", rc.train.reference_from))
+               if path and fresh]
+    for key, path in outside:
+        check_hf_dir(path, key, model_cfg, rc.feed)
 
     state, graphdef, shardings = init_train_state(rc.step, mesh, jax.random.PRNGKey(rc.seed))
-    if rc.train.init_from:
-        params, bias = _load_hf_params(rc.train.init_from, rc.step, state.params,
-                                       shardings.params, with_router_bias=True)
-        bias = jax.device_put(bias, shardings.router_bias)  # MiMo: e_score_correction_bias
-        state = state.replace(params=params, opt_state=state.opt_state, router_bias=bias,
-                              ref_params=params if state.ref_params is not None else None)
-    if rc.train.reference_from and state.ref_params is not None:
-        state = state.replace(ref_params=_load_hf_params(
-            rc.train.reference_from, rc.step, state.params, shardings.params))
-
-    ckpt = res.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"),
-                                   save_interval_steps=max(rc.train.checkpoint_every, 1),
-                                   max_to_keep=rc.train.keep_checkpoints)
+    if fresh:
+        state = _outside_weights(state, rc, shardings)
     if source is None:  # SIGTERM must also end an idle wait on a live spool
         source = make_source(rc.feed, process_count=pcount, stop=lambda: preemption.requested)
     feed = Feed(rc.feed, workdir, vocab_size=model_cfg.vocab_size,
@@ -282,7 +302,7 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
                 num_experts=model_cfg.num_experts, source=source, process_index=pidx,
                 process_count=pcount)
     audit = None
-    if ckpt.latest_step() is not None:
+    if not fresh:
         restored = ckpt.restore(_abstract(state, shardings))
         state = restored.state
         feed.restore(restored.feed)
@@ -380,7 +400,6 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
     }
     summary["params_sha256"], summary["params_l2"] = metrics_lib.params_fingerprint(state.params)
     writer.close()
-    if pidx == 0:
-        with open(os.path.join(workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)
+    if pidx == 0:   # one object written whole: no rename needed on object stores
+        (wd / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
     return summary

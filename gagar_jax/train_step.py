@@ -89,6 +89,10 @@ class TrainState:
     applied / skipped as non-finite. params: nnx.State of the nnx.Param leaves (float32 master
     copy). opt_state: optax state. rng: PRNG key. router_bias: nnx.State of the non-trainable
     RouterBias leaves. ref_params: frozen KL reference parameters (None when kl_coef = 0).
+    ref_router_bias: the reference's own frozen copy of the router biases (None when kl_coef =
+    0): the reference's routing must not follow the live bias as aux-loss-free balancing moves
+    it. Both reference fields are buffers of their own, never aliases of params/router_bias
+    (the step donates the state).
     """
     step: jax.Array
     updates: jax.Array
@@ -98,6 +102,7 @@ class TrainState:
     rng: jax.Array
     router_bias: Any
     ref_params: Optional[Any] = None
+    ref_router_bias: Optional[Any] = None
 
 
 def split_model(model):
@@ -110,9 +115,12 @@ def _init_state(rng, cfg: StepConfig):
     init_rng, state_rng = jax.random.split(rng)
     _, params, bias = split_model(Transformer(cfg.model, rngs=nnx.Rngs(init_rng)))
     z = jnp.zeros((), jnp.int32)
+    kl = cfg.loss.kl_coef > 0
+    # Inside jit every output is a buffer of its own: the reference starts equal, not aliased.
     return TrainState(step=z, updates=z, skipped=z, params=params,
                       opt_state=make_optimizer(cfg.optim).init(params), rng=state_rng,
-                      router_bias=bias, ref_params=params if cfg.loss.kl_coef > 0 else None)
+                      router_bias=bias, ref_params=params if kl else None,
+                      ref_router_bias=bias if kl else None)
 
 
 def state_shardings(abstract: TrainState, mesh, cfg: StepConfig) -> TrainState:
@@ -124,9 +132,11 @@ def state_shardings(abstract: TrainState, mesh, cfg: StepConfig) -> TrainState:
         make_optimizer(cfg.optim), lambda _, s: s, abstract.opt_state, params,
         transform_non_params=lambda _: rep,
         is_leaf=lambda x: isinstance(x, (NamedSharding, optax.MaskedNode)))
+    bias = shd.state_shardings(abstract.router_bias, mesh)
     return TrainState(step=rep, updates=rep, skipped=rep, params=params, opt_state=opt, rng=rep,
-                      router_bias=shd.state_shardings(abstract.router_bias, mesh),
-                      ref_params=None if abstract.ref_params is None else params)
+                      router_bias=bias,
+                      ref_params=None if abstract.ref_params is None else params,
+                      ref_router_bias=None if abstract.ref_router_bias is None else bias)
 
 
 def abstract_train_state(cfg: StepConfig, mesh=None):
@@ -266,7 +276,8 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, cfg: StepConfig):
     if cfg.loss.recompute_old_logprobs:
         learner_old = _forward_only(graphdef, state.params, state.router_bias, tok_MxU)
     if cfg.loss.kl_coef > 0:
-        ref = _forward_only(graphdef, state.ref_params, state.router_bias, tok_MxU)
+        # The reference routes with its own frozen bias, not the live one.
+        ref = _forward_only(graphdef, state.ref_params, state.ref_router_bias, tok_MxU)
     # Advantages and denominators: once per batch, before the loops.
     inputs, adv = loss_lib.prepare(batch, cfg.loss, mini_batches=n_mini,
                             learner_old_logprobs_BxS=learner_old, ref_logprobs_BxS=ref)

@@ -271,8 +271,9 @@ def test_debug_checks_and_optional_paths(cfg, init, batch, mesh1, monkeypatch):
     loss = dataclasses.replace(cfg.loss, recompute_old_logprobs=True, tis_cap=2.0, kl_coef=0.1)
     dcfg = dataclasses.replace(cfg, debug_checks=True, loss=loss, mini_batches=1,
                                model=dataclasses.replace(cfg.model, router="sigmoid_bias"))
-    host = host.replace(ref_params=host.params)
-    shardings = shardings.replace(ref_params=shardings.params)
+    host = host.replace(ref_params=host.params, ref_router_bias=host.router_bias)
+    shardings = shardings.replace(ref_params=shardings.params,
+                                  ref_router_bias=shardings.router_bias)
     # Behavior log-probs 0.5 above the learner's: the TIS weight is exp(-0.5) on every token.
     # Routing replay: every token was routed to experts (0, 1) on every MoE layer.
     L_moe, K = dcfg.model.num_moe_layers, dcfg.model.top_k
@@ -336,3 +337,35 @@ def test_training_moves_logprobs_by_advantage(cfg, init, forward, mesh1, step1, 
     # 0.71 and 0.29, so t0 gains clearly more than t1 only under sum_preserving.
     assert adv_bin[0] == adv_bin[1] and adv_sp[0] > 2 * adv_sp[1]
     assert (d_sp[0] - d_sp[1]) > (d_bin[0] - d_bin[1]) + 0.02
+
+
+# ---------------------------------------------------------------- KL reference
+def test_kl_reference_routes_with_its_own_frozen_bias(cfg, init, batch, mesh1):
+    """The reference's log-probs use `ref_router_bias`, never the live bias: with reference
+    params equal to the live ones, the KL term is ~0 when both biases agree and clearly > 0 when
+    only the live bias moved (balancing re-routed the live policy, not the frozen reference)."""
+    host, _, _ = init
+    loss = dataclasses.replace(cfg.loss, kl_coef=0.1)
+    kcfg = dataclasses.replace(cfg, loss=loss, mini_batches=1,   # one update: KL at its params
+                               model=dataclasses.replace(cfg.model, router="sigmoid_bias"))
+    abstract, graphdef = TS.abstract_train_state(kcfg, mesh1)    # no compile: shapes only
+    assert abstract.ref_router_bias is not None
+    shardings = TS.state_shardings(abstract, mesh1, kcfg)
+    step = TS.make_train_step(kcfg, mesh1, shardings, shd.batch_shardings(batch, mesh1), graphdef)
+    frozen = jax.tree.map(np.zeros_like, host.router_bias)
+    # The live bias moved far: experts 4..7 now win every token's selection.
+    E = kcfg.model.num_experts
+    moved = jax.tree.map(lambda b: np.broadcast_to(np.where(np.arange(E) >= E // 2, 2.0, -2.0),
+                                                   b.shape).astype(b.dtype), frozen)
+    base = host.replace(ref_params=host.params, ref_router_bias=frozen, router_bias=moved)
+
+    def kl(state):
+        new, m = jax.device_get(step(fresh(state, shardings), batch))
+        # The reference is frozen: the step never writes it.
+        jax.tree.map(np.testing.assert_array_equal, new.ref_router_bias, state.ref_router_bias)
+        return float(m.kl_loss)
+
+    same = kl(base.replace(ref_router_bias=moved))
+    differ = kl(base)
+    assert abs(same) < 1e-6
+    assert differ > 1e-3, differ

@@ -1,0 +1,116 @@
+"""Cross-section rules, checked before anything compiles: each failure is one `ConfigError` line.
+
+    check_layout(step_cfg, feed_cfg, mesh, process_count)    # every run
+    check_hf_dir(path, "train.init_from", step_cfg.model, feed_cfg)  # fresh runs only
+
+A section's own rules live in its dataclass (`FeedConfig.__post_init__`, `TrainConfig`, ...);
+here are the rules that tie sections together: the feed's batch against the mesh and the step's
+splits, expert parallelism against the expert count, and an outside checkpoint (`init_from`,
+`reference_from`) against the model, read from its `config.json` alone (no tensor is opened).
+The CLI turns a `ConfigError` into one line and exit code 2.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+from etils import epath
+
+from gagar_jax.config import ConfigError
+from gagar_jax.hf_config import config_from_hf
+from gagar_jax.moe import resolve_backend
+from gagar_jax.sharding import mesh_axes
+
+# ModelConfig fields that change the model's math (the rest are runtime choices or loss weights).
+ARCHITECTURE_FIELDS = (
+    "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+    "moe_intermediate_size", "intermediate_size", "num_experts", "top_k", "num_dense_layers",
+    "norm_topk_prob", "router", "rope_theta", "rms_norm_eps", "tie_embeddings", "layer_types",
+    "sliding_window", "sliding_kv_heads", "attention_sinks", "value_head_dim",
+    "attention_value_scale", "partial_rotary_factor", "sliding_rope_theta", "qk_norm", "n_group",
+    "topk_group", "routed_scaling_factor")
+EP_BACKENDS = ("ep", "ep_a2a")     # expert backends that shard_map over the expert axis
+
+
+def check_layout(step_cfg, feed_cfg, mesh, process_count: int) -> None:
+    """The feed's global batch against the processes, the step's splits and the mesh.
+
+    Args:
+      step_cfg: the `StepConfig` (model, mini/micro-batch splits).
+      feed_cfg: the `FeedConfig` (rows_per_batch, seq_len, routing_replay).
+      mesh: the run's mesh (`sharding.make_mesh`).
+      process_count: number of JAX processes.
+    Raises:
+      ConfigError naming the keys that disagree.
+    """
+    rows, model = feed_cfg.rows_per_batch, step_cfg.model
+    if rows % process_count:
+        raise ConfigError(f"feed.rows_per_batch={rows} must divide by the {process_count} "
+                          "processes")
+    splits = step_cfg.mini_batches * step_cfg.micro_batches
+    if rows % splits:
+        raise ConfigError(f"feed.rows_per_batch={rows} must divide by train.mini_batches * "
+                          f"train.micro_batches = {step_cfg.mini_batches} * "
+                          f"{step_cfg.micro_batches}")
+    if feed_cfg.routing_replay and not (model.num_moe_layers and model.top_k):
+        raise ConfigError("feed.routing_replay needs a model with MoE layers "
+                          f"(model.num_layers={model.num_layers}, "
+                          f"model.num_dense_layers={model.num_dense_layers})")
+    try:
+        backend = resolve_backend(model.expert_backend, mesh, model.num_experts)
+    except ValueError as e:
+        raise ConfigError(f"model.expert_backend: {e}") from e
+    if backend not in EP_BACKENDS or not model.num_moe_layers:
+        return
+    (expert_axis,) = mesh_axes("expert", mesh) or (None,)
+    n_exp = mesh.shape[expert_axis] if expert_axis else 1
+    if model.num_experts % n_exp:
+        raise ConfigError(f"model.expert_backend={backend!r}: model.num_experts="
+                          f"{model.num_experts} must divide by mesh.expert={n_exp}")
+    tok_axes = mesh_axes("batch", mesh)
+    n_tok = math.prod(mesh.shape[a] for a in tok_axes)
+    tokens = rows // splits * feed_cfg.seq_len          # tokens of one micro-batch
+    if tokens % n_tok:
+        raise ConfigError(f"model.expert_backend={backend!r}: a micro-batch's {tokens} tokens "
+                          f"(feed.rows_per_batch / (mini_batches * micro_batches) * feed.seq_len)"
+                          f" must divide by the batch mesh axes {tok_axes} ({n_tok} devices)")
+
+
+def read_hf_config(path: str, what: str) -> dict:
+    """`<path>/config.json` as a dict (local or object-store path), or a ConfigError."""
+    f = epath.Path(path) / "config.json"
+    try:
+        return json.loads(f.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{what}: no config.json in {path}") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{what}: unreadable {f}: {e}") from None
+
+
+def check_hf_dir(path: str, what: str, model_cfg, feed_cfg) -> None:
+    """An outside HF checkpoint against the configured model and feed, from config.json alone.
+
+    Args:
+      path: the checkpoint directory (`train.init_from` / `train.reference_from`).
+      what: the config key, for the message.
+      model_cfg: the configured `ModelConfig`.
+      feed_cfg: the `FeedConfig`: trajectories must fit the checkpoint's positions.
+    Raises:
+      ConfigError: missing/unreadable config.json, a family we cannot read, an architecture
+        field that differs (all listed), or trajectories longer than max_position_embeddings.
+    """
+    hf = read_hf_config(path, what)
+    try:
+        ckpt = config_from_hf(hf)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{what}: {path}/config.json: {e}") from None
+    differ = [f for f in ARCHITECTURE_FIELDS if getattr(ckpt, f) != getattr(model_cfg, f)]
+    if differ:
+        raise ConfigError(
+            f"{what}: checkpoint architecture does not match the config's model section: "
+            f"checkpoint has {', '.join(f'{f}={getattr(ckpt, f)!r}' for f in differ)}; config "
+            f"has {', '.join(f'{f}={getattr(model_cfg, f)!r}' for f in differ)}")
+    max_pos = hf.get("max_position_embeddings")
+    if max_pos and feed_cfg.max_traj_tokens > int(max_pos):
+        raise ConfigError(f"feed.max_traj_tokens={feed_cfg.max_traj_tokens} exceeds {what}'s "
+                          f"max_position_embeddings={max_pos}")
