@@ -15,7 +15,8 @@ Directory layout (``directory`` is ``<workdir>/checkpoints`` in the trainer)::
         config/metadata                JSON: the run's config (ConfigDict.to_dict())
         audit/metadata                 JSON: positions of metrics.jsonl / groups.jsonl (optional)
       <step>.orbax-checkpoint-tmp-*/   a save in flight (or killed mid-save): never read
-      <step>.corrupt-<unix time>/      a step that failed to restore, moved aside (kept for forensics)
+      <step>.corrupt-<unix time>/      a step that failed to restore, moved aside (kept for forensics;
+                                       on an object store, which has no rename, it is deleted)
 
 Saves are asynchronous: `save` returns once the arrays are copied off the devices, and the files
 are written by a background thread, so the next train step may donate the state's buffers.
@@ -33,6 +34,9 @@ from typing import Any, Mapping, Optional
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+
+from gagar_jax.audit_file import is_remote
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +120,9 @@ class Checkpointer:
             raise ValueError(f"save_interval_steps must be >= 0, got {save_interval_steps}")
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
-        self.directory = os.path.abspath(os.fspath(directory))
+        directory = os.fspath(directory)
+        # Object stores (gs://...): orbax writes them itself (no rename; commit marker files).
+        self.directory = directory if is_remote(directory) else os.path.abspath(directory)
         self.save_interval_steps = save_interval_steps
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=max(save_interval_steps, 1),  # unused: we decide, see save()
@@ -247,13 +253,13 @@ class Checkpointer:
                                 f"(tried steps {candidates})")
 
     def _restore_step(self, abstract_state: Any, step: int) -> Restored:
-        step_dir = os.path.join(self.directory, str(step))
-        missing = [name for name in _REQUIRED if not os.path.exists(os.path.join(step_dir, name))]
+        step_dir = epath.Path(self.directory) / str(step)
+        missing = [name for name in _REQUIRED if not (step_dir / name).exists()]
         if missing:
             raise FileNotFoundError(f"step {step} is incomplete: missing {missing} in {step_dir}")
         items = dict(state=ocp.args.StandardRestore(abstract_state),
                      feed=ocp.args.JsonRestore(), config=ocp.args.JsonRestore())
-        has_audit = os.path.exists(os.path.join(step_dir, "audit"))
+        has_audit = (step_dir / "audit").exists()
         if has_audit:
             items["audit"] = ocp.args.JsonRestore()
         out = self._manager.restore(step, args=ocp.args.Composite(**items))
@@ -266,12 +272,18 @@ class Checkpointer:
                         audit=audit)
 
     def _quarantine(self, step: int) -> None:
-        """Moves a bad step out of orbax's sight, so later saves of that step number can happen."""
+        """Moves a bad step out of orbax's sight, so later saves of that step number can happen.
+
+        Object stores have no rename: there the bad step is deleted (and the warning says so).
+        """
         if jax.process_index() == 0:
-            src = os.path.join(self.directory, str(step))
-            dst = f"{src}.corrupt-{int(time.time())}"
-            if os.path.exists(src):
-                os.replace(src, dst)
+            src = epath.Path(self.directory) / str(step)
+            if src.exists() and is_remote(self.directory):
+                src.rmtree()
+                log.warning("deleted unusable checkpoint %s (object store: no rename)", src)
+            elif src.exists():
+                dst = src.parent / f"{src.name}.corrupt-{int(time.time())}"
+                src.replace(dst)
                 log.warning("moved unusable checkpoint %s to %s", src, dst)
         _barrier(f"gagar_checkpoint_quarantine_{step}")
         self._manager.reload()

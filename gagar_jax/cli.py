@@ -146,11 +146,11 @@ def _fatal(err: BaseException, workdir: str) -> None:
         reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     where = ""
     try:
-        path = os.path.join(workdir, "fatal_error.txt")
-        with open(path, "w") as f:
-            traceback.print_exception(err, file=f)
+        from etils import epath     # local or object-store workdir alike
+        path = epath.Path(workdir) / "fatal_error.txt"
+        path.write_text("".join(traceback.format_exception(err)))
         where = f" (traceback: {path})"
-    except OSError:
+    except Exception:  # noqa: BLE001 -- the workdir itself may be what failed
         pass
     print(f"gagar-train: fatal: {reason}{where}", file=sys.stderr)
     sys.stdout.flush()

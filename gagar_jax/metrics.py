@@ -8,8 +8,9 @@ Files written in the workdir (process 0 only):
   tensorboard/      TensorBoard event files (tensorboardX), one scalar per metric name.
 
 The JSONL files are flushed every step and checkpointed like the dead-letter file: their
-`AuditPosition`s are saved with each checkpoint (after an fsync), and a resumed run truncates
-them back, so a step is in them exactly once even after a SIGKILL.
+`AuditPosition`s are saved with each checkpoint (after an fsync), and a resumed run cuts them
+back, so a step is in them exactly once even after a SIGKILL. On an object-store workdir they
+are rolling segments instead of single files (`audit_file.py`).
 
 The loop (`train.py`) dispatches step N+1 before it reads step N's metrics (`to_host`), so the
 device never waits for the host to format numbers.
@@ -18,14 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import os
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
+from etils import epath
 
+from gagar_jax.audit_file import AuditFile, AuditPosition, is_remote, truncate_to  # noqa: F401
 from gagar_jax.fingerprint import params_fingerprint, params_l2, params_sha256  # noqa: F401
 from gagar_jax.sharding import leaf_path
 
@@ -182,59 +184,24 @@ def _json_line(obj: Mapping[str, Any]) -> str:
 
 
 AUDIT_FILES = ("metrics.jsonl", "groups.jsonl")
-_log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class AuditPosition:
-    """Where an append-only audit file ended when a checkpoint was taken.
-
-    Local and network file systems: `segment` is "" (the file itself) and `length` its size in
-    bytes. Object stores cannot append or truncate, so there an audit file becomes a series of
-    immutable segments (the weight-I/O work): `segment` then names the last segment that
-    belongs to the checkpoint and `length` its size; later segments are discarded on resume.
-    """
-
-    segment: str
-    length: int
-
-    def to_json(self) -> dict:
-        return {"segment": self.segment, "length": self.length}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "AuditPosition":
-        return cls(segment=str(d.get("segment", "")), length=int(d["length"]))
-
-
-def truncate_to(path: str, position: AuditPosition) -> None:
-    """Cuts a local audit file back to `position`; a shorter file is logged, never extended."""
-    if not os.path.exists(path):
-        if position.length:
-            _log.warning("%s is missing (checkpoint expects %d bytes); starting it empty",
-                         path, position.length)
-        return
-    size = os.path.getsize(path)
-    if size > position.length:
-        os.truncate(path, position.length)
-        _log.info("%s: cut back from %d to %d bytes (lines after the checkpoint)", path, size,
-                  position.length)
-    elif size < position.length:
-        _log.warning("%s is %d bytes, shorter than the checkpointed %d; not extending it",
-                     path, size, position.length)
 
 
 class MetricsWriter:
     """Writes `metrics.jsonl`, `groups.jsonl` and TensorBoard events in `workdir`.
 
     Only process 0 writes; on other processes every method is a no-op. Write errors are
-    raised as OSError naming the file.
+    raised as OSError naming the file. The JSONL files are `AuditFile`s: one file each on a
+    local workdir, rolling segments (metrics-000000.jsonl, ...) on an object store
+    (`audit_file.read_lines` reads either). TensorBoard events are written on local workdirs
+    only (tensorboardX appends to its event files); on an object store metrics.jsonl is the
+    record.
 
     Args:
-      workdir: the run's workdir (created if missing).
+      workdir: the run's workdir (created if missing); a local path or an `etils.epath` URI.
       tensorboard: also write TensorBoard event files under `workdir/tensorboard`.
       enabled: override the process-0 rule (tests).
       resume: positions saved with the checkpoint being resumed ({file name: AuditPosition});
-        the files are truncated back to them first. None: append without truncating (a fresh
+        the files are cut back to them first. None: continue without cutting (a fresh
         run, or a checkpoint written before positions were saved).
       purge_step: TensorBoard drops events at or after this step (the resumed step + 1).
     """
@@ -244,33 +211,20 @@ class MetricsWriter:
                  resume: Optional[Mapping[str, AuditPosition]] = None,
                  purge_step: Optional[int] = None):
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
-        self.workdir = os.fspath(workdir)
-        self._metrics = self._groups = self._tb = None
+        self.workdir = epath.Path(workdir)
+        self._files: dict = {}
+        self._tb = None
         if not self.enabled:
             return
-        os.makedirs(self.workdir, exist_ok=True)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._files = {name: AuditFile(self.workdir / name) for name in AUDIT_FILES}
         for name, position in (resume or {}).items():
-            truncate_to(os.path.join(self.workdir, name), position)
-        # Append: a resumed run continues the same files.
-        self._metrics = self._open("metrics.jsonl")
-        self._groups = self._open("groups.jsonl")
-        if tensorboard:
+            if name in self._files:
+                self._files[name].restore(position)
+        if tensorboard and not is_remote(workdir):
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(logdir=os.path.join(self.workdir, "tensorboard"),
+            self._tb = SummaryWriter(logdir=os.fspath(self.workdir / "tensorboard"),
                                      purge_step=purge_step)
-
-    def _open(self, name: str):
-        path = os.path.join(self.workdir, name)
-        try:
-            return open(path, "a")
-        except OSError as e:
-            raise OSError(e.errno, e.strerror, path) from e
-
-    def _io(self, f, fn, *args) -> None:
-        try:
-            fn(*args)
-        except OSError as e:
-            raise OSError(e.errno, e.strerror, f.name) from e
 
     def write(self, step: int, scalars: Mapping[str, float], *, wall_time: Optional[float] = None):
         """Writes one step's scalar metrics (non-finite values: null + listed in "nonfinite")."""
@@ -291,45 +245,43 @@ class MetricsWriter:
                 bad.append(name)
         if bad:
             record["nonfinite"] = sorted(bad)
-        self._io(self._metrics, self._metrics.write, _json_line(record))
+        self._files["metrics.jsonl"].write(_json_line(record))
 
     def write_groups(self, records: Sequence[Mapping[str, Any]]) -> None:
         """Appends `group_records(...)` output to groups.jsonl."""
         if not self.enabled:
             return
+        f = self._files["groups.jsonl"]
         for record in records:
-            self._io(self._groups, self._groups.write, _json_line(record))
+            f.write(_json_line(record))
 
     def flush(self) -> None:
-        """Hands buffered lines to the OS (the trainer calls this after every step)."""
+        """Hands buffered lines to storage (the trainer calls this after every step)."""
         if not self.enabled:
             return
-        self._io(self._metrics, self._metrics.flush)
-        self._io(self._groups, self._groups.flush)
+        for f in self._files.values():
+            f.flush()
         if self._tb is not None:
             self._tb.flush()
 
     def sync(self) -> dict:
-        """Flushes and fsyncs the JSONL files; returns their positions for a checkpoint.
+        """Makes the JSONL files durable; returns their positions for a checkpoint.
 
         Returns:
           {file name: AuditPosition.to_json()} ({} on processes that do not write).
         """
         if not self.enabled:
             return {}
-        self.flush()
-        out = {}
-        for name, f in zip(AUDIT_FILES, (self._metrics, self._groups)):
-            self._io(f, os.fsync, f.fileno())
-            out[name] = AuditPosition("", f.tell()).to_json()
+        out = {name: f.sync().to_json() for name, f in self._files.items()}
+        if self._tb is not None:
+            self._tb.flush()
         return out
 
     def close(self) -> None:
         if not self.enabled:
             return
-        self.flush()
-        self._metrics.close()
-        self._groups.close()
+        for f in self._files.values():
+            f.close()
         if self._tb is not None:
             self._tb.close()
 

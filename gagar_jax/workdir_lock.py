@@ -12,6 +12,9 @@ The kernel drops the lock when the holding process dies, SIGKILL included, so a 
 never blocks a restart on a live host. On NFSv4 the server keeps a dead client's lock until its
 lease expires (90 s by default). This module does not import JAX: the CLI takes the lock before
 JAX starts, and shares the result with the other processes afterwards (`agree`).
+
+Object-store workdirs (gs://, s3://) have no locks: `acquire` logs a warning and returns None;
+keeping one learner per such workdir is the scheduler's job there (docs/reliability.md).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import dataclasses
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
@@ -27,6 +31,7 @@ from typing import Optional
 LOCK_NAME = "gagar.lock"
 _KEY = "gagar_jax/workdir_lock"
 _held: dict = {}            # realpath(workdir) -> WorkdirLock held by this process
+_warned: set = set()        # object-store workdirs already warned about
 
 
 class LockHeld(RuntimeError):
@@ -54,7 +59,8 @@ def _holder(fd: int) -> dict:
         return {}
 
 
-def acquire(workdir: str, *, wait_s: float = 0.0, poll_s: float = 0.25) -> WorkdirLock:
+def acquire(workdir: str, *, wait_s: float = 0.0,
+            poll_s: float = 0.25) -> Optional[WorkdirLock]:
     """Takes the workdir's lock, waiting up to `wait_s` seconds for a holder to go away.
 
     Idempotent within a process (the CLI takes it, `train.run` asks again).
@@ -64,10 +70,17 @@ def acquire(workdir: str, *, wait_s: float = 0.0, poll_s: float = 0.25) -> Workd
       wait_s: how long to retry, e.g. a predecessor's SIGTERM grace period.
       poll_s: seconds between attempts while waiting.
     Returns:
-      The held lock (kept until the process exits).
+      The held lock (kept until the process exits); None on an object-store workdir.
     Raises:
       LockHeld: still held by another process after `wait_s`.
     """
+    if "://" in str(workdir):
+        if str(workdir) not in _warned:
+            _warned.add(str(workdir))
+            logging.getLogger(__name__).warning(
+                "workdir %s is on an object store: no workdir lock (run one learner per "
+                "workdir)", workdir)
+        return None
     real = os.path.realpath(workdir)
     if real in _held:
         return _held[real]

@@ -338,13 +338,14 @@ class Feed:
         return self.ledger
 
     def state(self) -> dict:
-        """JSON-able resume state: source position, ledger, buffered groups, dead-letter length."""
+        """JSON-able resume state: source position, ledger, buffered groups, dead-letter position."""
         return {
             "version": STATE_VERSION, "source": self.source.state(),
             "ledger": self.ledger.to_json(),
             "buffer": [schema.encode(pg.record, "json").decode() for pg in self.buffer],
             "seen_group_ids": dict(sorted(self.seen_group_ids.items())),
-            "dead_letter": {"length": self.dead_letter.length, "count": self.dead_letter.count},
+            "dead_letter": {**self.dead_letter.position().to_json(),
+                            "count": self.dead_letter.count},
         }
 
     def state_json(self) -> str:
@@ -362,8 +363,8 @@ class Feed:
         seen = state["seen_group_ids"]
         # Version 1 kept bare ids: give them version 0, so the window forgets them in time.
         self.seen_group_ids = dict(seen) if isinstance(seen, dict) else dict.fromkeys(seen, 0)
-        self.dead_letter.restore(int(state["dead_letter"]["length"]),
-                                 int(state["dead_letter"]["count"]))
+        dl = state["dead_letter"]
+        self.dead_letter.restore(int(dl["length"]), int(dl["count"]), str(dl.get("segment", "")))
         self._write_ledger(force=True)
 
 

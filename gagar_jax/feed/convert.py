@@ -2,8 +2,8 @@
 
 Conversion is record-for-record and schema-agnostic (records are re-encoded from their parsed
 form, so even records the learner would reject survive it); lines that do not parse at all are
-counted and skipped. Output files appear atomically (temp name + rename), which is also how a
-producer publishes a spool shard.
+counted and skipped. Output files appear atomically (temp name + rename; on an object store, one
+upload of the whole object), which is also how a producer publishes a spool shard.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import msgspec
 from etils import epath
 
 from gagar_jax.feed import schema
+from gagar_jax.feed.shards import is_remote
 from gagar_jax.feed.sources import ShardReader, shard_encoding
 
 
@@ -58,6 +59,9 @@ def write_shard(path: epath.PathLike, payloads: Iterable[bytes]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         local = epath.Path(tmp) / ("part" + path.suffix)
         n = _write_local(local, encoding, payloads)
+        if is_remote(path):     # one upload: an object appears whole, and there is no rename
+            path.write_bytes(local.read_bytes())
+            return n
         staged = path.parent / ("." + path.name + ".tmp")
         local.copy(staged, overwrite=True)
         staged.replace(path)

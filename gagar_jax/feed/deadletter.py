@@ -1,7 +1,8 @@
 """dead_letter.jsonl: one line per rejected record, with its reason and the original record.
 
-The file's length is part of the feed's checkpointed state: on resume it is truncated back to
-the checkpointed length, so records re-read after a crash are dead-lettered exactly once.
+The file's position is part of the feed's checkpointed state: on resume it is cut back to the
+checkpointed position, so records re-read after a crash are dead-lettered exactly once. On an
+object-store workdir the file is a series of segments (`audit_file.py`).
 
 Entries are bounded: a record over `max_record_bytes` (an `Oversized` payload, or any raw
 payload that large) is stored as its first `PREFIX_BYTES` bytes plus its size and sha256, never
@@ -14,12 +15,12 @@ import base64
 import dataclasses
 import hashlib
 import logging
-import os
 from typing import Any, Optional
 
 import msgspec
 from etils import epath
 
+from gagar_jax.audit_file import AuditFile, AuditPosition
 from gagar_jax.feed import schema
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,9 @@ def _original(raw: Any, encoding: str, limit: int) -> dict:
 class DeadLetter:
     """Appends rejected records to `path`; `enabled=False` (non-zero processes) writes nothing.
 
+    The file is an `AuditFile`: one file on local disk, rolling segments on an object store.
+    Each entry is flushed at once (an object store uploads the open segment again).
+
     Args:
       path: the dead-letter file.
       enabled: whether this process writes.
@@ -86,7 +90,16 @@ class DeadLetter:
         self.enabled = enabled
         self.limit = max_record_bytes
         self.count = 0
-        self.length = self.path.stat().length if enabled and self.path.exists() else 0
+        self._file = AuditFile(path) if enabled else None
+
+    def position(self) -> AuditPosition:
+        """Where the file ends (every entry is flushed when written): for the checkpoint."""
+        return self._file.position() if self.enabled else AuditPosition("", 0)
+
+    @property
+    def length(self) -> int:
+        """Bytes of the file (local) or of its open segment (object stores)."""
+        return self.position().length
 
     def entry(self, reason: str, detail: str, raw: Any, encoding: str, origin: str,
               group_id: Optional[str] = None) -> bytes:
@@ -110,35 +123,21 @@ class DeadLetter:
         self.count += 1
         if not self.enabled:
             return
-        line = self.entry(reason, detail, raw, encoding, origin, group_id)
-        with self.path.open("ab") as f:
-            f.write(line)
-        self.length += len(line)
+        self._file.write(self.entry(reason, detail, raw, encoding, origin, group_id))
+        self._file.flush()
 
     def sync(self) -> None:
-        """Forces the file to stable storage (before a checkpoint records `length`)."""
-        # Object-store writes are durable once the call returns: nothing to force there.
-        if self.enabled and "://" not in str(self.path) and self.path.exists():
-            fd = os.open(os.fspath(self.path), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        """Forces the file to stable storage (before a checkpoint records its position)."""
+        if self.enabled:
+            self._file.sync()
 
-    def restore(self, length: int, count: int) -> None:
-        """Truncates the file back to a checkpointed `length` (bytes); never extends it."""
+    def restore(self, length: int, count: int, segment: str = "") -> None:
+        """Cuts the file back to a checkpointed position (bytes of the file, or of `segment`
+        on an object store); never extends it."""
         self.count = count
-        if not self.enabled:
-            return
-        size = self.path.stat().length if self.path.exists() else 0
-        if size > length:
-            # Truncation needs a local file; remote workdirs are rewritten.
-            try:
-                os.truncate(os.fspath(self.path), length)
-            except (OSError, TypeError):
-                self.path.write_bytes(self.path.read_bytes()[:length])
-        elif size < length:
-            log.warning("%s is %d bytes, shorter than the checkpointed %d; not extending it",
-                        self.path, size, length)
-            length = size
-        self.length = length
+        if self.enabled:
+            self._file.restore(AuditPosition(segment, length))
+
+    def close(self) -> None:
+        if self.enabled:
+            self._file.close()

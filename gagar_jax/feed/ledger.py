@@ -17,6 +17,8 @@ from typing import Sequence
 
 from etils import epath
 
+from gagar_jax.audit_file import is_remote
+
 
 @dataclasses.dataclass
 class Ledger:
@@ -84,8 +86,13 @@ class Ledger:
         return cls(**kw)
 
     def write(self, path: epath.PathLike) -> None:
-        """Writes ledger.json atomically (temp file + rename)."""
+        """Writes ledger.json atomically: temp file + rename on a file system; on an object
+        store one object upload, which is atomic by itself (and there is no rename)."""
         path = epath.Path(path)
+        text = json.dumps(self.to_json(), indent=2) + "\n"
+        if is_remote(path):
+            path.write_text(text)
+            return
         tmp = path.parent / (path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        tmp.write_text(text)
         tmp.replace(path)
