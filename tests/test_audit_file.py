@@ -145,39 +145,3 @@ def test_object_store_workdir_lock_and_init_from_config(tmp_path, monkeypatch):
     assert list(fs.objects()) == ["bucket/ckpt/config.json"]
     assert not os.path.exists(tmp_path / "gs:")
 
-
-def test_training_run_with_its_workdir_in_the_bucket(tmp_path, monkeypatch):
-    """train.run with workdir gs://...: metrics, groups, ledger, dead-letter and summary land in
-    the bucket (no append, no rename). The orbax checkpoint goes to local disk here: its arrays
-    are written by tensorstore, which speaks gs:// itself, not fsspec."""
-    from gagar_jax import train
-    from gagar_jax.checkpoint import Checkpointer
-    from gagar_jax.config import load_config_file
-
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    fs = use_memory_bucket(monkeypatch)
-    monkeypatch.chdir(tmp_path)
-    seen = []
-
-    def local_checkpointer(directory, **kw):
-        seen.append(directory)
-        return Checkpointer(tmp_path / "checkpoints", **kw)
-    monkeypatch.setattr(train, "Checkpointer", local_checkpointer)
-    cfg = load_config_file(os.path.join(repo, "configs", "tiny_cpu.py"))
-    with cfg.unlocked():
-        cfg.feed.path = os.path.join(repo, "data", "sample_feed.jsonl")
-        cfg.train.steps = 2
-        cfg.train.checkpoint_every = 1
-    summary = train.run(cfg, "gs://bucket/run")
-    assert seen == ["gs://bucket/run/checkpoints"] and summary["steps"] == 2
-    objects = fs.objects()
-    assert json.loads(objects["bucket/run/summary.json"])["steps"] == 2
-    assert json.loads(objects["bucket/run/ledger.json"])["balanced"]
-    steps = [json.loads(x)["step"] for x in read_lines("gs://bucket/run/metrics.jsonl")]
-    assert steps == [1, 2]
-    groups = read_lines("gs://bucket/run/groups.jsonl")
-    assert len(groups) == summary["ledger"]["trained"]
-    assert not os.path.exists(tmp_path / "gs:")
-    # The checkpoint points at the bucket's segments.
-    audit = json.loads((tmp_path / "checkpoints" / "2" / "audit" / "metadata").read_text())
-    assert audit["metrics.jsonl"]["segment"].startswith("metrics-")

@@ -1,7 +1,8 @@
 """Start-up validation and outside weights: every cross-section rule fails before anything
 compiles; a KL run started from `init_from` trains; a resume never reads `init_from`.
 
-One in-process run pair of configs/tiny_cpu.py with kl_coef > 0 (one extra step compile).
+One in-process run pair of configs/tiny_cpu.py with kl_coef > 0 (one extra step compile), its
+workdir in an in-memory object store (tests/objectstore.py).
 """
 from __future__ import annotations
 
@@ -72,31 +73,42 @@ def test_cross_section_rules_fail_before_compiling(tmp_path, monkeypatch):
         assert needle in msg and "\n" not in msg, (over, msg)
 
 
-def test_kl_run_from_init_from_trains_and_a_resume_never_reads_it(tmp_path, monkeypatch):
+def test_kl_run_from_init_from_in_a_bucket_workdir_trains_and_resumes_without_it(
+        tmp_path, monkeypatch):
+    """kl_coef > 0 with init_from trains (it used to donate one buffer twice); the resume
+    restores the checkpoint and never reads init_from; checkpoint_every = 0 saves at the end
+    only. The workdir is an object store (in-memory bucket: no append, no rename), so metrics,
+    groups, ledger and summary go there, across the resume. The orbax checkpoint goes to local
+    disk: its arrays are written by tensorstore, which speaks gs:// itself, not fsspec."""
     import numpy as np
     from flax import nnx
 
     from gagar_jax import hf
+    from gagar_jax.audit_file import read_lines
+    from gagar_jax.checkpoint import Checkpointer
     from gagar_jax.model import ModelConfig, Transformer
+    from objectstore import use_memory_bucket
 
-    cfg = _cfg(train__steps=2, train__checkpoint_every=0, loss__kl_coef=0.05,
+    fs = use_memory_bucket(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    ckpt_dirs = []
+
+    def local_checkpointer(directory, **kw):
+        ckpt_dirs.append(directory)
+        return Checkpointer(tmp_path / "checkpoints", **kw)
+    monkeypatch.setattr(train, "Checkpointer", local_checkpointer)
+    cfg = _cfg(train__steps=1, train__checkpoint_every=0, loss__kl_coef=0.05,
                optim__warmup_steps=0)      # the first update moves the weights
     hf_dir = tmp_path / "hf"
     hf.save_pretrained(Transformer(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(7)),
                        str(hf_dir))
     with cfg.unlocked():
         cfg.train.init_from = str(hf_dir)
-    work = tmp_path / "w"
-    summary = train.run(cfg, str(work))       # before: "donate the same buffer twice"
-    assert summary["steps"] == 2 and np.isfinite(summary["final_loss"])
-    metrics = [json.loads(x) for x in open(work / "metrics.jsonl")]
-    # Step 1's only update runs at the init_from weights, which the reference is: KL ~ 0.
-    # Step 2 runs at updated weights: the reference stayed behind.
-    assert abs(metrics[0]["kl_loss"]) < 1e-6 and metrics[1]["kl_loss"] > 1e-7
-    # checkpoint_every = 0: the end of the run saves, no step before it did.
-    assert sorted(int(d) for d in os.listdir(work / "checkpoints") if d.isdigit()) == [2]
+    work = "gs://bucket/run"
+    summary = train.run(cfg, work)       # before: "attempt to donate the same buffer twice"
+    assert summary["steps"] == 1 and np.isfinite(summary["final_loss"])
 
-    # The resume restores step 2 and never touches init_from: gone, and any read would fail.
+    # The resume restores step 1 and never touches init_from: gone, and any read would fail.
     shutil.rmtree(hf_dir)
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text("{corrupt")
@@ -106,8 +118,20 @@ def test_kl_run_from_init_from_trains_and_a_resume_never_reads_it(tmp_path, monk
     monkeypatch.setattr(train, "_load_hf_params", touched)
     monkeypatch.setattr(train, "check_hf_dir", touched)
     with cfg.unlocked():
-        cfg.train.steps = 3
-    resumed = train.run(cfg, str(work))
-    assert resumed["steps"] == 3 and resumed["steps_this_run"] == 1
-    assert resumed["ledger"]["balanced"]
-    assert [json.loads(x)["step"] for x in open(work / "metrics.jsonl")] == [1, 2, 3]
+        cfg.train.steps = 2
+    resumed = train.run(cfg, work)
+    assert resumed["steps"] == 2 and resumed["steps_this_run"] == 1
+    assert ckpt_dirs == [f"{work}/checkpoints"] * 2
+    # checkpoint_every = 0: each run saved at its end only.
+    assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()) == [1, 2]
+    metrics = [json.loads(x) for x in read_lines(f"{work}/metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2]          # across the resume, exactly once
+    # Step 1's only update ran at the init_from weights, which the reference is: KL ~ 0. Step 2
+    # ran at updated weights against the reference restored from the checkpoint: KL > 0.
+    assert abs(metrics[0]["kl_loss"]) < 1e-6 and metrics[1]["kl_loss"] > 1e-7
+    objects = fs.objects()
+    assert json.loads(objects["bucket/run/summary.json"])["steps"] == 2
+    ledger = json.loads(objects["bucket/run/ledger.json"])
+    assert ledger["balanced"] and ledger["trained"] == resumed["ledger"]["trained"]
+    assert len(read_lines(f"{work}/groups.jsonl")) == ledger["trained"]
+    assert not os.path.exists(tmp_path / "gs:")             # nothing local named after the URI
