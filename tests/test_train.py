@@ -82,7 +82,19 @@ def test_corrupt_latest_checkpoint_falls_back(reference, tmp_path):
 
 def test_cli_errors_are_one_line_exit_2(capsys, tmp_path):
     cfg = os.path.join(REPO, "configs", "tiny_cpu.py")
+    other = tmp_path / "other_model"        # a checkpoint's config.json alone is enough to refuse
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "moe_intermediate_size": 32, "intermediate_size": 128, "num_experts": 8,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6}))
     cases = [
+        (["--config", cfg, "--workdir", str(tmp_path / "w"), f"--config.train.init_from={other}"],
+         "train.init_from: checkpoint architecture does not match"),
+        (["--config", cfg, "--workdir", str(tmp_path / "w"), "--config.train.micro_batches=3"],
+         "train.micro_batches"),
         (["--config", cfg, "--workdir", str(tmp_path), "--config.model.nope=1"], "model.nope"),
         (["--config", cfg, "--workdir", str(tmp_path), "--config.train.steps=abc"], "train.steps"),
         (["--config", str(tmp_path / "missing.py"), "--workdir", str(tmp_path)], "missing.py"),
