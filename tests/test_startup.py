@@ -80,13 +80,15 @@ def test_kl_run_from_init_from_in_a_bucket_workdir_trains_and_resumes_without_it
     only. The workdir is an object store (in-memory bucket: no append, no rename), so metrics,
     groups, ledger and summary go there, across the resume. The orbax checkpoint goes to local
     disk: its arrays are written by tensorstore, which speaks gs:// itself, not fsspec."""
+    import jax
     import numpy as np
     from flax import nnx
 
     from gagar_jax import hf
     from gagar_jax.audit_file import read_lines
     from gagar_jax.checkpoint import Checkpointer
-    from gagar_jax.model import ModelConfig, Transformer
+    from gagar_jax.sharding import make_mesh
+    from gagar_jax.train_step import StepConfig, init_train_state
     from objectstore import use_memory_bucket
 
     fs = use_memory_bucket(monkeypatch)
@@ -100,8 +102,11 @@ def test_kl_run_from_init_from_in_a_bucket_workdir_trains_and_resumes_without_it
     cfg = _cfg(train__steps=1, train__checkpoint_every=0, loss__kl_coef=0.05,
                optim__warmup_steps=0)      # the first update moves the weights
     hf_dir = tmp_path / "hf"
-    hf.save_pretrained(Transformer(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(7)),
-                       str(hf_dir))
+    # Weights other than the run's own seed-0 init, made by the run's own jitted init (one
+    # program for both: cheaper than an eager model build).
+    init, graphdef, _ = init_train_state(StepConfig.from_config(cfg), make_mesh(cfg.mesh),
+                                         jax.random.PRNGKey(7))
+    hf.save_pretrained(nnx.merge(graphdef, init.params, init.router_bias), str(hf_dir))
     with cfg.unlocked():
         cfg.train.init_from = str(hf_dir)
     work = "gs://bucket/run"
