@@ -7,6 +7,11 @@ One step consumes one feed batch. The loop dispatches step N+1 before it reads s
 feed position (exact resume), writes a checkpoint and exits 0 on SIGTERM (preemption), and ends
 when `train.steps` are done or a finite feed is exhausted.
 
+Before anything compiles, every cross-section rule is checked (`startup.py`; a `ConfigError`,
+exit 2 in the CLI). The checkpoint directory decides fresh run or resume first: `init_from` /
+`reference_from` apply to a fresh run only, a resume restores the checkpoint and never reads them.
+The workdir may be local or an object-store URI (`audit_file.py`: no append, rename or os.path).
+
 Audit logs are exactly-once: metrics.jsonl and groups.jsonl are flushed after every step,
 fsync'ed before each checkpoint with their positions saved in it, and cut back to those
 positions on resume. While the feed is idle, the finished step is read back at once, so its
@@ -214,7 +219,8 @@ def run(cfg, workdir: str, *, source: Any = None) -> Optional[dict]:
 
     Args:
       cfg: the locked ConfigDict (sections model, mesh, loss, optim, train, feed).
-      workdir: run directory; an existing checkpoint there is resumed from.
+      workdir: run directory (local path or object-store URI such as gs://bucket/run); an
+        existing checkpoint there is resumed from.
       source: optional feed source object (e.g. `IteratorSource` for in-process producers);
         default: `feed.path` / `feed.spool_dir` from the config.
     Returns:
