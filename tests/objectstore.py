@@ -7,6 +7,7 @@ them fails here. `use_memory_bucket(monkeypatch)` routes every `gs://...` path o
 from __future__ import annotations
 
 import errno
+import io
 
 from etils.epath import backend as epath_backend
 from fsspec.implementations.memory import MemoryFileSystem
@@ -21,7 +22,6 @@ class NoAppendNoRenameFS(MemoryFileSystem):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.store, self.pseudo_dirs = {}, [""]      # a store of its own, not the class's
-        self.opened_for_write: list = []
 
     @classmethod
     def _strip_protocol(cls, path):
@@ -31,8 +31,10 @@ class NoAppendNoRenameFS(MemoryFileSystem):
     def _open(self, path, mode="rb", **kwargs):
         if "a" in mode or "+" in mode:
             raise OSError(errno.EOPNOTSUPP, f"object store: no append ({mode!r})", path)
-        if "w" in mode:
-            self.opened_for_write.append(self._strip_protocol(path))
+        key = self._strip_protocol(path)
+        if "r" in mode and key in self.store:
+            # A reader of its own: fsspec hands every reader one shared file object.
+            return io.BytesIO(bytes(self.store[key].getvalue()))
         return super()._open(path, mode, **kwargs)
 
     def mv(self, *a, **k):
