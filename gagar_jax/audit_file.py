@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import os
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 from etils import epath
 
