@@ -111,6 +111,7 @@ def test_decode_errors_are_classified():
 # matching lengths, limits from the config, duplicate ids, and the decoder's nesting limit.
 LEARNER_ONLY = {Reason.LENGTH_MISMATCH, Reason.RECORD_TOO_LARGE, Reason.TOO_MANY_TRAJECTORIES,
                 Reason.TOO_LONG, Reason.TOKEN_OUT_OF_VOCAB, Reason.ROUTED_EXPERTS,
+                Reason.ROUTED_ENCODING,
                 Reason.GROUP_TOO_LARGE, Reason.DUPLICATE_GROUP, Reason.DUPLICATE_TRAJECTORY,
                 Reason.TOO_DEEPLY_NESTED}
 

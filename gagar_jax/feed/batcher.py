@@ -31,7 +31,7 @@ from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.deadletter import DeadLetter, Oversized
 from gagar_jax.feed.ledger import Ledger
 from gagar_jax.feed.sources import (FileSource, SourceEvents, SpoolSource,
-                                    broadcast_from_process0)
+                                    allgather_from_processes, broadcast_from_process0)
 from gagar_jax.feed.validate import (ModelShape, ParsedGroup, Reason, Rejected,
                                      classify_decode_error, validate_group)
 
@@ -65,6 +65,23 @@ class BatchInfo:
     counts: dict                # ledger deltas during this call (received, filtered, quarantined)
 
 
+def merge_failures(per_process: list) -> dict:
+    """The union of every process's row-build failures ({group_id: [reason, detail]}).
+
+    A group any process failed to build is failed everywhere; for a group several processes
+    report, the lowest process's entry wins, so every process writes the same.
+    """
+    merged: dict = {}
+    for failures in per_process:
+        for group_id, entry in failures.items():
+            merged.setdefault(group_id, list(entry))
+    return merged
+
+
+def _agree_across_processes(failures: dict) -> dict:
+    return merge_failures(allgather_from_processes(failures))
+
+
 def make_source(cfg: FeedConfig, *, process_count: int = 1, log: Callable[[str], None] = print,
                 stop: Optional[Callable[[], bool]] = None):
     """The source `cfg` names: the spool directory if set, else the file/glob `path`.
@@ -94,12 +111,17 @@ class Feed:
       process_index, process_count: this process's rows (`packing.local_row_slice`); only
         process 0 writes files.
       log: where progress lines go.
+      agree: maps this process's row-build failures ({group_id: [reason, detail]}: packed
+        payloads of its rows that did not decode) to the failures every process acts on;
+        default: `merge_failures` of all processes' (one small all-gather per batch when
+        process_count > 1), so a group is quarantined on every process or on none.
     """
 
     def __init__(self, cfg: FeedConfig, workdir: epath.PathLike, *, vocab_size: int,
                  num_moe_layers: int = 0, top_k: int = 0, num_experts: Optional[int] = None,
                  source: Any = None, factor_table: Any = None, process_index: int = 0,
-                 process_count: int = 1, log: Callable[[str], None] = print):
+                 process_count: int = 1, log: Callable[[str], None] = print,
+                 agree: Optional[Callable[[dict], dict]] = None):
         self.cfg = cfg
         self.shape = ModelShape(vocab_size, num_moe_layers, top_k, num_experts)
         if cfg.routing_replay and not (num_moe_layers and top_k):
@@ -119,6 +141,8 @@ class Feed:
         self.seen_group_ids: dict = {}
         self.exhausted = False
         self.on_idle: Callable[[], None] = lambda: None   # the trainer drains finished steps
+        self.agree = agree or (_agree_across_processes if process_count > 1 else
+                               (lambda failures: failures))
         self._busy = False            # inside next_batch: the ledger is mid-update
         self._ledger_written = -math.inf
         if hasattr(self.source, "events"):
@@ -198,6 +222,7 @@ class Feed:
             self.ledger.filtered_stale += 1
             return None
         self.seen_group_ids[group_id] = pg.policy_version
+        pg.origin = raw.origin
         if not pg.mixed:
             self.ledger.filtered_uniform += 1
             return None
@@ -218,9 +243,30 @@ class Feed:
             self._busy = False
 
     def _next_batch(self, learner_step: int):
-        cfg = self.cfg
         self._forget_old_ids(learner_step)
         before = self.ledger.to_json()
+        while True:
+            picked = self._select(learner_step)
+            if picked is None:
+                self._write_ledger()
+                return None
+            selected, plan = picked
+            batch, info, failures = self._assemble(selected, plan)
+            if self.cfg.routing_replay:     # else no payload is decoded: nothing to agree
+                failures = self.agree(failures)
+            if not failures:
+                break
+            self._quarantine_built(selected, failures)
+        self.ledger.trained += len(selected)
+        self._write_ledger()
+        after = self.ledger.to_json()
+        counts = {k: after[k] - before[k] for k in
+                  ("received", "trained", "filtered_uniform", "filtered_stale", "quarantined")}
+        return batch, dataclasses.replace(info, counts=counts)
+
+    def _select(self, learner_step: int):
+        """Whole groups for one batch and their packing plan (None: nothing to batch)."""
+        cfg = self.cfg
         queue, self.buffer = self.buffer, []
         selected, deferred, lengths, plan = [], [], [], None
         while len(selected) < cfg.groups_per_batch and len(deferred) < cfg.groups_per_batch:
@@ -251,17 +297,28 @@ class Feed:
             plan = new_plan
         self.buffer = deferred + queue
         self.ledger.leftover = len(self.buffer)
-        if not selected:
-            self._write_ledger()
-            return None
-        self.ledger.trained += len(selected)
-        self._write_ledger()
-        after = self.ledger.to_json()
-        counts = {k: after[k] - before[k] for k in
-                  ("received", "trained", "filtered_uniform", "filtered_stale", "quarantined")}
-        return self._assemble(selected, plan, counts)
+        return (selected, plan) if selected else None
 
-    def _assemble(self, groups: list, plan: packing.PackPlan, counts: dict):
+    def _quarantine_built(self, selected: list, failures: dict) -> None:
+        """Quarantines the groups whose rows failed to build (on every process alike); the
+        others go back to the front of the buffer, in order, for the batch to be re-planned."""
+        keep = []
+        for pg in selected:
+            if pg.group_id not in failures:
+                keep.append(pg)
+                continue
+            reason, detail = failures[pg.group_id]
+            self.ledger.quarantine(reason)
+            self.dead_letter.write(reason, f"group {pg.group_id!r} {detail}",
+                                   schema.encode(pg.record, "json"), "json",
+                                   pg.origin or "<buffered>", pg.group_id)
+            self.seen_group_ids.pop(pg.group_id, None)   # it may be re-sent, fixed
+        self.buffer = keep + self.buffer
+        self.ledger.leftover = len(self.buffer)
+
+    def _assemble(self, groups: list, plan: packing.PackPlan):
+        """The batch (this process's rows), its `BatchInfo` (counts filled by the caller) and
+        this process's row-build failures, {group_id: [reason, detail]}."""
         cfg = self.cfg
         T, G = cfg.max_trajectories, cfg.groups_per_batch
         trajs = [t for pg in groups for t in pg.trajectories]
@@ -313,8 +370,11 @@ class Feed:
             num_groups=len(groups), num_trajectories=n, num_tokens=num_tokens,
             num_generated_tokens=int(sum(t.loss_mask.sum() for t in trajs)),
             rows_used=plan.rows_used,
-            packing_efficiency=num_tokens / (cfg.rows_per_batch * cfg.seq_len), counts=counts)
-        return batch, info
+            packing_efficiency=num_tokens / (cfg.rows_per_batch * cfg.seq_len), counts={})
+        failures: dict = {}
+        for i, (reason, detail) in sorted(rows.failures.items()):
+            failures.setdefault(groups[int(slot_G[i])].group_id, [reason, detail])
+        return batch, info, failures
 
     # ---- ledger and checkpointed state ------------------------------------------------------
     def _write_ledger(self, force: bool = False) -> None:

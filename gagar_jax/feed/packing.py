@@ -11,6 +11,8 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
+from gagar_jax.feed import packed
+
 
 @dataclasses.dataclass(frozen=True)
 class PackPlan:
@@ -84,11 +86,17 @@ class RowArrays:
     loss_mask: np.ndarray
     old_logprobs: np.ndarray
     routed: Optional[np.ndarray]
+    # trajectory index -> (reason, detail) for payloads that failed to decode while building
+    # these rows (their tokens are in place, their routing left at -1).
+    failures: dict = dataclasses.field(default_factory=dict)
 
 
 def build_rows(plan: PackPlan, trajectories: Sequence, rows: slice, seq_len: int,
                routed_shape: Optional[tuple[int, int]]) -> RowArrays:
     """Fills the token arrays of `rows` from the trajectories the plan places there.
+
+    Only these trajectories' lazy payloads (packed routed_experts) are decoded; one that fails
+    is reported in `failures`, never raised (the batcher agrees on failures across processes).
 
     Args:
       plan: the batch's `PackPlan` (trajectory i is `trajectories[i]`, traj index i).
@@ -118,7 +126,10 @@ def build_rows(plan: PackPlan, trajectories: Sequence, rows: slice, seq_len: int
         out.loss_mask[r, a:b] = traj.loss_mask
         out.old_logprobs[r, a:b] = traj.logprobs * traj.loss_mask
         if out.routed is not None and traj.routed is not None:
-            out.routed[r, a:b] = traj.routed
+            try:
+                out.routed[r, a:b] = traj.routed_rows()
+            except packed.PayloadError as e:
+                out.failures[i] = (e.reason, f"trajectory {traj.trajectory_id!r}: {e.detail}")
     return out
 
 

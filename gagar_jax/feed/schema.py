@@ -9,7 +9,7 @@ Field names are documented in docs/feed.md; extend freely (unknown fields are ig
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import msgspec
 
@@ -18,6 +18,8 @@ from gagar_jax import grading
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
 MAX_ID_CHARS = 256          # group_id, task_id, trajectory_id (they are kept in checkpoints)
+PACKED_DTYPES = ("uint8", "uint16")                  # PackedArray.dtype values (little-endian)
+BASE64_PATTERN = "^([A-Za-z0-9+/]{4})*([A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 
 Tier = Literal["strong", "intermediate", "defective"]
 Outcome = Literal["pass", "fail", "infra_error"]
@@ -46,6 +48,19 @@ class Grading(msgspec.Struct, omit_defaults=True):
     evidence: Any = None
 
 
+class PackedArray(msgspec.Struct):
+    """A compact integer array: `shape`, unsigned little-endian `dtype`, base64 bytes (`b64`).
+
+    The form `routed_experts` takes for long trajectories (docs/feed.md, "Compact arrays"):
+    the same ids as the nested lists at 1-2 bytes each. `b64` stays a string until the row
+    holding the trajectory is built (`gagar_jax.feed.packed`).
+    """
+
+    dtype: str                      # "uint8" | "uint16" (checked by the learner, not the type)
+    shape: list[int]                # [n, L, K] for routed_experts
+    b64: str                        # standard base64 (RFC 4648, padded) of the raw bytes
+
+
 class Trajectory(msgspec.Struct, omit_defaults=True):
     """One rollout: the full token sequence (prompt and every turn, in order)."""
 
@@ -59,8 +74,8 @@ class Trajectory(msgspec.Struct, omit_defaults=True):
     adjustment: float = 0.0         # additive reward adjustment (e.g. a length penalty)
     # Routing replay: [n, L, K] expert ids, n = number of generated tokens (entry j = the
     # forward pass that produced the j-th generated token) or n = len(tokens) (entry t = token t
-    # as the input). -1 = no record.
-    routed_experts: Optional[list[list[list[int]]]] = None
+    # as the input). -1 = no record. Long trajectories send a `PackedArray` instead.
+    routed_experts: Optional[Union[list[list[list[int]]], PackedArray]] = None
 
 
 class Group(msgspec.Struct, omit_defaults=True):
@@ -148,6 +163,12 @@ def _add_learner_rules(defs: dict) -> None:
     # At least one trajectory that is not an infra error (no_valid_trajectory).
     group["trajectories"].update(minItems=1, contains={
         "properties": {"outcome": {"enum": ["pass", "fail"]}}, "required": ["outcome"]})
+    # A compact array: a known dtype, a 3-d shape and padded standard base64 (its byte length
+    # against the shape, and ids < E, are learner-only).
+    packed = defs["PackedArray"]["properties"]
+    packed["dtype"]["enum"] = list(PACKED_DTYPES)
+    packed["shape"].update(minItems=3, maxItems=3, items={"type": "integer", "minimum": 0})
+    packed["b64"]["pattern"] = BASE64_PATTERN
     traj = defs["Trajectory"]
     traj["properties"]["trajectory_id"]["maxLength"] = MAX_ID_CHARS
     # The learner reads nothing else of an infra_error trajectory; all others must have:
@@ -159,8 +180,10 @@ def _add_learner_rules(defs: dict) -> None:
                       "contains": {"const": 1}},
         "logprobs": {"items": _FINITE},
         "adjustment": _FINITE,
-        "routed_experts": {"anyOf": [{"type": "null"}, {"items": {"items": {"items": {
-            "type": "integer", "minimum": -1}}}}]},
+        "routed_experts": {"anyOf": [
+            {"type": "null"},
+            {"type": "array", "items": {"items": {"items": {"type": "integer", "minimum": -1}}}},
+            {"$ref": "#/$defs/PackedArray"}]},
         # A tier and a rank, or a factor alone (null = no quality: the grading fallback).
         "quality": {"anyOf": [{"type": "null"}, {"oneOf": [
             {"allOf": [_present("factor")],

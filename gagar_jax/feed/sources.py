@@ -80,6 +80,17 @@ def broadcast_from_process0(obj: Any) -> Any:
     return json.loads(bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))))
 
 
+def allgather_from_processes(obj: Any) -> list:
+    """Every process's JSON-able `obj`, in process order (one small all-gather)."""
+    from jax.experimental import multihost_utils
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(data.size))).reshape(-1)
+    buf = np.zeros(int(sizes.max()), np.uint8)
+    buf[:data.size] = data
+    bufs = np.asarray(multihost_utils.process_allgather(buf)).reshape(sizes.size, -1)
+    return [json.loads(bytes(bufs[p, :int(n)])) for p, n in enumerate(sizes)]
+
+
 def _ignored(name: str) -> bool:
     return (name.startswith((".", "_")) or name.endswith(".tmp")
             or not name.endswith(JSONL_SUFFIXES + ARRAYRECORD_SUFFIXES))

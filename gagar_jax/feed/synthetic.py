@@ -12,7 +12,7 @@ import dataclasses
 import msgspec
 import numpy as np
 
-from gagar_jax.feed import schema
+from gagar_jax.feed import packed, schema
 
 TIERS = ("strong", "intermediate", "defective")
 
@@ -36,6 +36,9 @@ class SyntheticSpec:
     top_k: int = 2
     num_experts: int = 8
     groups_per_step: int = 6         # policy_version advances once per this many groups
+    # routed_experts as nested lists ("list"), or compact ("packed": `schema.PackedArray`, the
+    # ids drawn with a fast generator: K distinct experts per token and layer, evenly strided).
+    routed_encoding: str = "list"
 
 
 def _trajectory(rng: np.random.Generator, spec: SyntheticSpec, tid: str, outcome: str,
@@ -54,7 +57,11 @@ def _trajectory(rng: np.random.Generator, spec: SyntheticSpec, tid: str, outcome
     tokens = rng.integers(0, spec.vocab_size, n)
     logprobs = np.where(mask == 1, -np.round(rng.exponential(0.7, n) + 1e-3, 4), 0.0)
     rexp = None
-    if routed:
+    if routed and spec.routed_encoding == "packed":
+        n_gen, E, K = int(mask.sum()), spec.num_experts, spec.top_k
+        first = rng.integers(0, E, (n_gen, spec.num_moe_layers, 1))
+        rexp = packed.pack((first + np.arange(K) * (E // K)) % E)
+    elif routed:
         n_gen = int(mask.sum())
         rexp = np.stack([rng.permutation(spec.num_experts)[:spec.top_k]
                          for _ in range(n_gen * spec.num_moe_layers)])
@@ -145,6 +152,13 @@ def malformed_records(seed: int = 0) -> list:
         loss_mask=[0] * len(t["tokens"]), logprobs=[0.0] * len(t["tokens"]),
         routed_experts=None))
     variant("routed_experts_shape", lambda r, t: t.update(routed_experts=[[[0]]]))
+
+    def short_payload(t):            # a packed array with fewer bytes than its shape needs
+        n_gen = sum(t["loss_mask"])
+        p = packed.pack(np.zeros((n_gen, spec.num_moe_layers, spec.top_k), np.int64), "uint8")
+        t["routed_experts"] = schema.to_builtins(msgspec.structs.replace(p, b64=p.b64[:-4]))
+
+    variant("routed_experts_encoding", lambda r, t: short_payload(t))
     variant("duplicate_trajectory_id", lambda r, t: r["trajectories"][1].update(
         trajectory_id=t["trajectory_id"]))
     variant("no_valid_trajectory", lambda r, t: [x.update(outcome="infra_error")

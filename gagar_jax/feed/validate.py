@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional
+from typing import Any, Optional
 
 import msgspec
 import numpy as np
 
-from gagar_jax.feed import schema
+from gagar_jax.feed import packed, schema
 
 
 class Reason:
@@ -30,7 +30,8 @@ class Reason:
     BAD_QUALITY = "bad_quality"                  # tier without rank, tier and factor together
     TOO_LONG = "trajectory_too_long"             # over max_traj_tokens (truncate_long=False)
     NO_GENERATED_TOKENS = "no_generated_tokens"  # a valid trajectory with no loss_mask=1 token
-    ROUTED_EXPERTS = "routed_experts_shape"      # routed_experts does not match the model
+    ROUTED_EXPERTS = packed.SHAPE                # routed_experts does not match the model
+    ROUTED_ENCODING = packed.ENCODING            # a packed routed_experts that cannot be read
     NO_VALID_TRAJECTORY = "no_valid_trajectory"  # empty, or every trajectory an infra error
     GROUP_TOO_LARGE = "group_too_large"          # cannot fit one global batch
     ID_TOO_LONG = "id_too_long"                  # group/task/trajectory id over MAX_ID_CHARS
@@ -68,7 +69,9 @@ class ParsedTrajectory:
     tokens: np.ndarray              # int32 [n]
     loss_mask: np.ndarray           # float32 [n] 0/1
     logprobs: np.ndarray            # float32 [n]
-    routed: Optional[np.ndarray]    # int32 [n, L, K] (token t as the input), or None
+    # int32 [n, L, K] (token t as the input), a `packed.RoutedPayload` decoded only when its
+    # row is built (`routed_rows`), or None.
+    routed: Any
     reward: float                   # 1.0 pass, 0.0 fail (hacked passes keep 1: the loss zeroes them)
     hacked: bool
     tier: int                       # schema.TIER_CODES, or -1 (factor sent directly / missing)
@@ -80,6 +83,16 @@ class ParsedTrajectory:
     def length(self) -> int:
         return int(self.tokens.shape[0])
 
+    def routed_rows(self) -> Optional[np.ndarray]:
+        """int32 [n, L, K] routed ids (-1 = no record), decoding a packed payload now.
+
+        Raises `packed.PayloadError` for a packed payload that is not valid base64 or has an
+        expert id >= E (found only here: hosts decode only the rows they build).
+        """
+        if isinstance(self.routed, packed.RoutedPayload):
+            return packed.decode_routed(self.routed, self.loss_mask)
+        return self.routed
+
 
 @dataclasses.dataclass
 class ParsedGroup:
@@ -89,6 +102,7 @@ class ParsedGroup:
     trajectories: list
     grading_ok: bool
     num_infra: int
+    origin: str = ""                # where the record came from (for a late dead-letter entry)
 
     @property
     def group_id(self) -> str:
@@ -123,10 +137,19 @@ def classify_decode_error(err: msgspec.DecodeError) -> Rejected:
     return Rejected(Reason.SCHEMA, msg)
 
 
-def _routed(traj: schema.Trajectory, mask: np.ndarray, shape: ModelShape, where: str):
+def _routed(traj: schema.Trajectory, mask: np.ndarray, shape: ModelShape, where: str,
+            length: int):
     if traj.routed_experts is None:
         return None
     L, K = shape.num_moe_layers, shape.top_k
+    if isinstance(traj.routed_experts, schema.PackedArray):
+        n, n_gen = mask.shape[0], int(mask.sum())
+        err = packed.header_error(traj.routed_experts, n, n_gen, L, K)
+        if err is not None:
+            raise Rejected(err.reason, f"{where}: {err.detail}")
+        per_generated = traj.routed_experts.shape[0] != n
+        return packed.RoutedPayload(traj.routed_experts, shape.num_experts, length,
+                                    per_generated)
     try:
         arr = np.asarray(traj.routed_experts, dtype=np.int64)
     except ValueError:
@@ -181,14 +204,15 @@ def _trajectory(traj: schema.Trajectory, limits, shape: ModelShape, where: str):
     if not np.isfinite(logprobs).all() or not np.isfinite(traj.adjustment):
         raise Rejected(Reason.NON_FINITE, f"{where}: non-finite logprobs or adjustment")
     tier, rank, factor = _quality(traj, where)
-    routed = _routed(traj, mask, shape, where)
-    if n > limits.max_traj_tokens:
+    keep = min(n, limits.max_traj_tokens)
+    routed = _routed(traj, mask, shape, where, keep)
+    if n > keep:
         if not limits.truncate_long:
             raise Rejected(Reason.TOO_LONG,
                            f"{where}: {n} tokens > max_traj_tokens {limits.max_traj_tokens}")
-        n = limits.max_traj_tokens
+        n = keep
         tokens, mask, logprobs = tokens[:n], mask[:n], logprobs[:n]
-        routed = None if routed is None else routed[:n]
+        routed = routed[:n] if isinstance(routed, np.ndarray) else routed
     if not mask.any():
         raise Rejected(Reason.NO_GENERATED_TOKENS, f"{where}: no loss_mask=1 token")
     return ParsedTrajectory(

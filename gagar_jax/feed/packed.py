@@ -1,0 +1,174 @@
+"""Compact integer arrays in feed records (`schema.PackedArray`) and their lazy decode.
+
+`routed_experts` for a 200k-token trajectory of a 47-layer top-8 model is ~75M ids: as nested
+JSON lists that is ~200 MB of text and seconds of parsing on every host. The compact form
+carries the same ids as little-endian `uint8` / `uint16` bytes in base64, with the shape beside
+them (docs/feed.md, "Compact arrays"):
+
+    {"dtype": "uint8", "shape": [n, L, K], "b64": "..."}
+
+A value is an expert id, except the dtype's all-ones value (255 / 65535), which means "no
+record" (-1 in the list form) whenever it is not a valid expert id (E <= 255 for uint8).
+
+Decoding is split so that multi-host learners stay cheap and consistent:
+- `header_error` (every host, every record): dtype, shape and the byte length implied by the
+  base64 text's length, without decoding a byte;
+- `decode_routed` (only the host that builds the row holding the trajectory): base64 ->
+  numpy, ids checked against E. Its failures are agreed between hosts by the batcher before a
+  batch is handed out (`gagar_jax.feed.batcher`), so every host quarantines the same group.
+"""
+from __future__ import annotations
+
+import binascii
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from gagar_jax.feed import schema
+
+# Little-endian on every host, whatever the machine's byte order.
+DTYPES = {"uint8": np.dtype("<u1"), "uint16": np.dtype("<u2")}
+
+
+class PayloadError(ValueError):
+    """A compact array that cannot be used; `reason` is a `validate.Reason` value."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+ENCODING = "routed_experts_encoding"    # = validate.Reason.ROUTED_ENCODING
+SHAPE = "routed_experts_shape"          # = validate.Reason.ROUTED_EXPERTS
+
+
+def _no_record(dtype: np.dtype) -> int:
+    return int(np.iinfo(dtype).max)
+
+
+def pack(ids: np.ndarray, dtype: Optional[str] = None) -> schema.PackedArray:
+    """Encodes an integer array (-1 = no record) as a `PackedArray`.
+
+    Args:
+      ids: expert ids >= -1, any shape (routed_experts: [n, L, K]).
+      dtype: "uint8" or "uint16"; None picks the smallest that holds `ids`.
+    Returns:
+      The `PackedArray`; raises ValueError when `ids` do not fit `dtype`.
+    """
+    ids = np.asarray(ids, np.int64)
+    has_none = bool(ids.size) and bool((ids == -1).any())
+    top = int(ids.max()) if ids.size else 0
+    if ids.size and int(ids.min()) < -1:
+        raise ValueError(f"ids must be >= -1, got {int(ids.min())}")
+    if dtype is None:
+        dtype = next(name for name, dt in DTYPES.items()
+                     if top < _no_record(dt) or (top == _no_record(dt) and not has_none)
+                     or name == "uint16")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    dt = DTYPES[dtype]
+    sentinel = _no_record(dt)
+    if top > sentinel or (top == sentinel and has_none):
+        raise ValueError(f"ids up to {top}{' with -1 entries' if has_none else ''} do not fit "
+                         f"{dtype} (all-ones {sentinel} means no record)")
+    raw = np.where(ids < 0, sentinel, ids).astype(dt).tobytes()
+    return schema.PackedArray(dtype=dtype, shape=[int(d) for d in ids.shape],
+                              b64=binascii.b2a_base64(raw, newline=False).decode("ascii"))
+
+
+def _b64_bytes(text: str) -> Optional[int]:
+    """Bytes that padded base64 text of this length decodes to (None: not a valid length)."""
+    n = len(text)
+    if n % 4:
+        return None
+    pad = (n >= 1 and text[-1] == "=") + (n >= 2 and text[-2] == "=")
+    return n // 4 * 3 - pad
+
+
+def header_error(packed: schema.PackedArray, n_tokens: int, n_generated: int,
+                 layers: int, top_k: int) -> Optional[PayloadError]:
+    """What is wrong with a packed routed_experts, found without decoding it (None: nothing).
+
+    Args:
+      packed: the trajectory's `routed_experts`.
+      n_tokens, n_generated: the trajectory's token count and generated-token count.
+      layers, top_k: the model's L and K.
+    """
+    if packed.dtype not in DTYPES:
+        return PayloadError(ENCODING, f"dtype {packed.dtype!r}, expected one of {tuple(DTYPES)}")
+    shape = tuple(packed.shape)
+    if len(shape) != 3 or min(shape) < 0:
+        return PayloadError(ENCODING, f"shape {list(shape)} is not [n, L, K] of sizes >= 0")
+    if shape[1:] != (layers, top_k) or shape[0] not in (n_tokens, n_generated):
+        return PayloadError(SHAPE, f"routed_experts shape {list(shape)}, expected [n, {layers}, "
+                            f"{top_k}] with n = {n_generated} generated tokens or {n_tokens} tokens")
+    want = int(np.prod(shape)) * DTYPES[packed.dtype].itemsize
+    got = _b64_bytes(packed.b64)
+    if got != want:
+        size = "not a padded base64 length" if got is None else f"{got} bytes"
+        return PayloadError(ENCODING, f"b64 holds {size} ({len(packed.b64)} characters), shape "
+                            f"{list(shape)} of {packed.dtype} needs {want} bytes")
+    return None
+
+
+def decode(packed: schema.PackedArray, num_experts: Optional[int]) -> np.ndarray:
+    """The ids of a packed array as int32 (-1 = no record), checked against E.
+
+    Assumes `header_error(packed, ...)` is None. Raises `PayloadError` for text that is not
+    strict base64 or an id >= `num_experts`.
+    """
+    dt = DTYPES[packed.dtype]
+    try:
+        raw = binascii.a2b_base64(packed.b64, strict_mode=True)
+    except (binascii.Error, ValueError) as e:
+        raise PayloadError(ENCODING, f"b64 is not valid base64: {e}") from None
+    values = np.frombuffer(raw, dt)
+    if values.size != int(np.prod(packed.shape)):
+        raise PayloadError(ENCODING, f"b64 decodes to {values.size} {packed.dtype} values, "
+                           f"shape {list(packed.shape)} needs {int(np.prod(packed.shape))}")
+    sentinel = _no_record(dt)
+    hi = num_experts if num_experts is not None else sentinel
+    bad = values >= hi
+    if hi <= sentinel:          # all-ones is not an expert id: it means no record
+        bad &= values != sentinel
+    if bad.any():
+        raise PayloadError(SHAPE, f"expert id {int(values[bad].max())} >= num_experts {hi}")
+    out = values.astype(np.int32).reshape(packed.shape)
+    if hi <= sentinel:
+        out[out == sentinel] = -1
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutedPayload:
+    """A trajectory's packed routed_experts, kept as text until its row is built.
+
+    `length` is the trajectory's token count after any truncation; `per_generated` says the
+    entries are one per generated token (else one per token).
+    """
+
+    packed: schema.PackedArray
+    num_experts: Optional[int]
+    length: int
+    per_generated: bool
+
+
+def decode_routed(payload: RoutedPayload, loss_mask: np.ndarray) -> np.ndarray:
+    """int32 [length, L, K] routed ids with token t as the input (-1 = no record).
+
+    Args:
+      payload: the lazy payload.
+      loss_mask: the trajectory's (possibly truncated) 0/1 mask, [length].
+    Raises:
+      `PayloadError` (bad base64, an id >= E).
+    """
+    ids = decode(payload.packed, payload.num_experts)
+    if not payload.per_generated:
+        return ids[:payload.length]
+    # Entry j produced the j-th generated token at position t: its input was token t - 1.
+    gen = np.flatnonzero(loss_mask[:payload.length])
+    full = np.full((payload.length,) + ids.shape[1:], -1, np.int32)
+    full[gen - 1] = ids[:gen.size]
+    return full
