@@ -111,6 +111,7 @@ def get_config() -> ml_collections.ConfigDict:
     f.spool_settle_s = 2.0          # read a shard once its size+mtime are this old unchanged (0 = off)
     f.rows_per_batch = 16           # B, packed rows per global batch
     f.seq_len = 128                 # S, tokens per row
+    f.tokens_per_batch = 0          # B x S: > 0 sizes the batch in tokens (rows_per_batch = 0)
     f.max_trajectories = 40         # T, trajectory slots per batch
     f.groups_per_batch = 6          # G, mixed groups per batch
     f.max_staleness = 4             # drop groups whose policy_version lags the step by more

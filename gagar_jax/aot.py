@@ -221,10 +221,11 @@ def lower_train_step(cfg: ml_collections.ConfigDict, devices: list):
     from gagar_jax import batch as batch_lib
     from gagar_jax import sharding
     from gagar_jax import train_step as ts
+    from gagar_jax.feed.config import FeedConfig
 
     step_cfg = ts.StepConfig.from_config(cfg)
     mesh = sharding.make_mesh(cfg.mesh, devices=devices)
-    f = cfg.feed
+    f = FeedConfig.from_config(cfg.feed)     # rows_per_batch resolved from tokens_per_batch
     abstract_state, graphdef = ts.abstract_train_state(step_cfg, mesh)
     mc = step_cfg.model
     abstract_batch = jax.eval_shape(lambda: batch_lib.dummy_batch(

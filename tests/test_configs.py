@@ -15,6 +15,7 @@ from flax import nnx
 
 from gagar_jax import flops
 from gagar_jax.config import load_config_file
+from gagar_jax.feed import FeedConfig
 from gagar_jax.model import ModelConfig, Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,7 +62,8 @@ def test_config_loads_with_tiny_schema_and_builds_model_config(name):
     mc = ModelConfig.from_config(cfg.model)
     assert mc.hidden_size == cfg.model.hidden_size
     # Batch rows split evenly into micro-batches.
-    assert cfg.feed.rows_per_batch % (cfg.train.mini_batches * cfg.train.micro_batches) == 0
+    rows = FeedConfig.from_config(cfg.feed).rows_per_batch     # or tokens_per_batch / seq_len
+    assert rows % (cfg.train.mini_batches * cfg.train.micro_batches) == 0
     assert cfg.feed.seq_len % mc.attn_block == 0 or mc.attention == "plain"
 
 
@@ -115,7 +117,8 @@ def test_pod_meshes_fill_their_slice_and_divide_shapes(name, chips):
         assert dim % sizes["tensor"] == 0, (name, dim)
     assert m.hidden_size % sizes["fsdp"] == 0
     batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    micro_rows = cfg.feed.rows_per_batch // (cfg.train.mini_batches * cfg.train.micro_batches)
+    rows = FeedConfig.from_config(cfg.feed).rows_per_batch
+    micro_rows = rows // (cfg.train.mini_batches * cfg.train.micro_batches)
     assert micro_rows % batch_shards == 0, "every batch shard gets whole rows"
 
 

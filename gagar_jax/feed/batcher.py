@@ -370,7 +370,7 @@ class Feed:
             num_groups=len(groups), num_trajectories=n, num_tokens=num_tokens,
             num_generated_tokens=int(sum(t.loss_mask.sum() for t in trajs)),
             rows_used=plan.rows_used,
-            packing_efficiency=num_tokens / (cfg.rows_per_batch * cfg.seq_len), counts={})
+            packing_efficiency=num_tokens / cfg.batch_tokens, counts={})
         failures: dict = {}
         for i, (reason, detail) in sorted(rows.failures.items()):
             failures.setdefault(groups[int(slot_G[i])].group_id, [reason, detail])

@@ -20,8 +20,12 @@ class FeedConfig:
       spool_log_every_s: seconds between "waiting for the feed" lines.
       spool_settle_s: read a spool shard only after its size and mtime stayed unchanged this
         long (local and network file systems; 0 = at once; object stores: always at once).
-      rows_per_batch: B, packed rows per global batch.
+      rows_per_batch: B, packed rows per global batch (0: from `tokens_per_batch`).
       seq_len: S, tokens per row.
+      tokens_per_batch: the batch's size in tokens, B x S; when > 0, a multiple of `seq_len`
+        that sets B = tokens_per_batch / seq_len (then `rows_per_batch` is 0 or that value).
+        Long rows (128k-256k tokens) are sized this way: the tokens per step stay fixed while
+        S changes.
       max_trajectories: T, trajectory slots per batch (static).
       groups_per_batch: G, mixed groups per batch (static).
       max_staleness: drop groups whose policy_version lags the learner step by more.
@@ -40,6 +44,7 @@ class FeedConfig:
     spool_settle_s: float = 2.0
     rows_per_batch: int = 16
     seq_len: int = 128
+    tokens_per_batch: int = 0
     max_trajectories: int = 40
     groups_per_batch: int = 6
     max_staleness: int = 4
@@ -50,11 +55,24 @@ class FeedConfig:
     routing_replay: bool = False
 
     def __post_init__(self):
+        if self.seq_len > 0 and self.tokens_per_batch:
+            rows, rest = divmod(int(self.tokens_per_batch), int(self.seq_len))
+            if rest or rows <= 0:
+                raise ValueError(f"feed.tokens_per_batch ({self.tokens_per_batch}) must be a "
+                                 f"positive multiple of feed.seq_len ({self.seq_len})")
+            if self.rows_per_batch not in (0, rows):
+                raise ValueError(
+                    f"feed.rows_per_batch ({self.rows_per_batch}) disagrees with "
+                    f"feed.tokens_per_batch / feed.seq_len = {rows}: set one of them (the other 0)")
+            object.__setattr__(self, "rows_per_batch", rows)    # frozen: resolved once, here
+        elif self.tokens_per_batch < 0:
+            raise ValueError(f"feed.tokens_per_batch must be >= 0, got {self.tokens_per_batch}")
         positive = ("rows_per_batch", "seq_len", "max_trajectories", "groups_per_batch",
                     "max_traj_tokens", "max_record_bytes", "max_group_trajectories")
         for name in positive:
             if int(getattr(self, name)) <= 0:
-                raise ValueError(f"feed.{name} must be > 0, got {getattr(self, name)}")
+                hint = " (or set feed.tokens_per_batch)" if name == "rows_per_batch" else ""
+                raise ValueError(f"feed.{name} must be > 0{hint}, got {getattr(self, name)}")
         if self.max_traj_tokens > self.seq_len:
             raise ValueError(f"feed.max_traj_tokens ({self.max_traj_tokens}) must be <= "
                              f"feed.seq_len ({self.seq_len}): a trajectory lives in one row")
@@ -66,6 +84,11 @@ class FeedConfig:
         if self.groups_per_batch > self.max_trajectories:
             raise ValueError("feed.groups_per_batch must be <= feed.max_trajectories "
                              "(every mixed group has at least two trajectories)")
+
+    @property
+    def batch_tokens(self) -> int:
+        """B x S, the batch's size in tokens."""
+        return self.rows_per_batch * self.seq_len
 
     @classmethod
     def from_config(cls, cfg: Any) -> "FeedConfig":

@@ -146,13 +146,16 @@ class RoutedPayload:
     """A trajectory's packed routed_experts, kept as text until its row is built.
 
     `length` is the trajectory's token count after any truncation; `per_generated` says the
-    entries are one per generated token (else one per token).
+    entries are one per generated token (else one per token); `generated_after_cut` says the
+    first token cut off by truncation was generated (its entry, whose input is the last kept
+    token, stays).
     """
 
     packed: schema.PackedArray
     num_experts: Optional[int]
     length: int
     per_generated: bool
+    generated_after_cut: bool = False
 
 
 def decode_routed(payload: RoutedPayload, loss_mask: np.ndarray) -> np.ndarray:
@@ -168,7 +171,9 @@ def decode_routed(payload: RoutedPayload, loss_mask: np.ndarray) -> np.ndarray:
     if not payload.per_generated:
         return ids[:payload.length]
     # Entry j produced the j-th generated token at position t: its input was token t - 1.
-    gen = np.flatnonzero(loss_mask[:payload.length])
+    inputs = np.flatnonzero(loss_mask[:payload.length]) - 1
+    if payload.generated_after_cut:
+        inputs = np.append(inputs, payload.length - 1)
     full = np.full((payload.length,) + ids.shape[1:], -1, np.int32)
-    full[gen - 1] = ids[:gen.size]
+    full[inputs] = ids[:inputs.size]
     return full

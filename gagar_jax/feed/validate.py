@@ -149,7 +149,7 @@ def _routed(traj: schema.Trajectory, mask: np.ndarray, shape: ModelShape, where:
             raise Rejected(err.reason, f"{where}: {err.detail}")
         per_generated = traj.routed_experts.shape[0] != n
         return packed.RoutedPayload(traj.routed_experts, shape.num_experts, length,
-                                    per_generated)
+                                    per_generated, bool(length < n and mask[length]))
     try:
         arr = np.asarray(traj.routed_experts, dtype=np.int64)
     except ValueError:
