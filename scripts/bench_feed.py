@@ -1,12 +1,16 @@
-"""Feed throughput: groups/s and tokens/s decoded, validated and packed, JSONL vs ArrayRecord.
+"""Feed throughput: groups/s and tokens/s decoded, validated and packed, JSONL vs ArrayRecord,
+and the per-host throughput at the long-row budget of one Flash step against its consumption.
 
 Usage:
   JAX_PLATFORMS=cpu python scripts/bench_feed.py [--groups 1500] [--long-groups 120] \
-      [--repeats 3] [--no-write]
+      [--repeats 3] [--step-fraction 1.0] [--no-write]
 
-Two shapes: the tiny config's (trajectories of 24-110 tokens, [16, 128] batches) and a
-long-context one (1-4k-token trajectories, [16, 8192] batches). Writes the
-"## Feed (scripts/bench_feed.py)" section of docs/performance.md.
+Three shapes: the tiny config's (trajectories of 24-110 tokens, [16, 128] batches), a
+long-context one (1-4k-token trajectories, [16, 8192] batches), and one step of long rows
+(`long_row_budget`): MiMo-V2-Flash (configs/flash_310b.py) with rows of 256k tokens and
+>= 256 x 32k tokens per step, trajectories of 64k-256k tokens with packed routed_experts
+(47 layers x top-8, uint8) for every generated token, timed as one host of the pod builds its
+share of the step. Writes the "## Feed (scripts/bench_feed.py)" section of docs/performance.md.
 """
 import argparse
 import dataclasses
@@ -16,7 +20,10 @@ import tempfile
 import time
 
 import grain.python  # noqa: F401  (imported up front: not part of the timed loop)
+import numpy as np
 
+from gagar_jax import flops
+from gagar_jax.config import load_config_file
 from gagar_jax.feed import Feed, FeedConfig, FileSource, convert, synthetic
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -65,7 +72,96 @@ def bench(name: str, num_groups: int, tmp: pathlib.Path, repeats: int) -> list:
     return rows
 
 
-def write_section(rows: list) -> None:
+# The step a long-row pod takes (docs/scaling.md): v5p, 459 TFLOP/s bf16 per chip, 512 chips,
+# 40% MFU; rows of 256k tokens, at least today's 256 x 32k tokens per step.
+V5P_FLOPS, CHIPS, MFU = 459e12, 512, 0.40
+ROW_TOKENS, STEP_TOKENS = 262_144, 256 * 32_768
+HOSTS = CHIPS // 4                        # v5p: 4 chips per host
+
+
+def step_consumption(config: str = "configs/flash_310b.py") -> dict:
+    """Tokens per step, FLOPs per token at 256k rows, step time at 40% MFU, tokens/s consumed."""
+    model = load_config_file(str(ROOT / config)).model
+    per_token = flops.train_flops_per_token(model, ROW_TOKENS)
+    step_s = STEP_TOKENS * per_token / (MFU * V5P_FLOPS * CHIPS)
+    return dict(config=config, flops_per_token=per_token, step_s=step_s,
+                tokens_per_s=STEP_TOKENS / step_s, num_moe_layers=flops.num_moe_layers(model),
+                top_k=model.top_k, num_experts=model.num_experts, vocab_size=model.vocab_size)
+
+
+def _time_step(cfg: FeedConfig, path: pathlib.Path, workdir: pathlib.Path, model: dict,
+               repeats: int):
+    """Best-of-`repeats` seconds for process 0 of `rows` processes to build one batch."""
+    best = None
+    for k in range(repeats):
+        feed = Feed(cfg, workdir / str(k), **model, source=FileSource(
+            str(path), max_record_bytes=cfg.max_record_bytes), process_index=0,
+            process_count=cfg.rows_per_batch, agree=lambda failures: failures,
+            log=lambda _: None)
+        t0 = time.perf_counter()
+        _, info = feed.next_batch(0)
+        seconds = time.perf_counter() - t0
+        best = min(best or (seconds, info), (seconds, info), key=lambda x: x[0])
+    return best
+
+
+def long_row_budget(fraction: float, tmp: pathlib.Path, repeats: int) -> dict:
+    """Times one host building its share of (a `fraction` of) one long-row step.
+
+    The host reads and validates every record (all hosts need every length for the packing
+    plan and every verdict for the ledger) and decodes the routing payloads of its own rows
+    only. Three figures per encoding: routing replay off (what every host does whatever its
+    share: the floor), on with one row per process (measured: the host decodes 1/rows of
+    the routing), and the pod estimate: on v5p-1024 rows are split along S over 128 hosts,
+    so a host's share of the routing work is rows/128 of the measured one-row share.
+    """
+    need = step_consumption()
+    rows = max(1, round(STEP_TOKENS // ROW_TOKENS * fraction))
+    spec = synthetic.SyntheticSpec(
+        vocab_size=need["vocab_size"], min_len=65_536, max_len=ROW_TOKENS, min_group=8,
+        max_group=8, p_uniform=0.0, p_infra=0.0, p_routed=1.0, routed_encoding="packed",
+        num_moe_layers=need["num_moe_layers"], top_k=need["top_k"],
+        num_experts=need["num_experts"], groups_per_step=10**9)
+    cfg = FeedConfig(rows_per_batch=0, seq_len=ROW_TOKENS, tokens_per_batch=rows * ROW_TOKENS,
+                     max_trajectories=max(64, 4 * rows), groups_per_batch=64,
+                     max_traj_tokens=ROW_TOKENS, max_staleness=10**9, routing_replay=True,
+                     max_record_bytes=2_000_000_000)
+    off = dataclasses.replace(cfg, routing_replay=False)
+    model = dict(vocab_size=need["vocab_size"], num_moe_layers=need["num_moe_layers"],
+                 top_k=need["top_k"], num_experts=need["num_experts"])
+    # Enough groups for one full batch plus the one that does not fit (read, then buffered),
+    # generated one at a time (a whole step of them does not fit this machine's memory twice).
+    mean_group = 8 * (spec.min_len + spec.max_len) / 2
+    num_groups = int(rows * ROW_TOKENS / mean_group) + 2
+    rng = np.random.default_rng(0)
+    jsonl = tmp / "long_rows.jsonl"
+    convert.write_groups(jsonl, (synthetic.make_group(rng, i, spec) for i in range(num_groups)))
+    out = []
+    for suffix in ("jsonl", "arrayrecord"):
+        path = tmp / f"long_rows.{suffix}"
+        if suffix != "jsonl":
+            convert.convert(jsonl, path)
+        s_off, info = _time_step(off, path, tmp / f"off-{suffix}", model, repeats)
+        s_on, info_on = _time_step(cfg, path, tmp / f"on-{suffix}", model, repeats)
+        assert info_on.num_tokens == info.num_tokens
+        s_pod = s_off + (s_on - s_off) * rows / HOSTS
+        r = dict(encoding=suffix, rows=rows, tokens=info.num_tokens, groups=info.num_groups,
+                 mb=path.stat().st_size / 2**20, efficiency=info.packing_efficiency,
+                 seconds=dict(off=s_off, on=s_on, pod=s_pod))
+        r["tokens_s"] = {k: info.num_tokens / v for k, v in r["seconds"].items()}
+        r["ratio"] = {k: v / need["tokens_per_s"] for k, v in r["tokens_s"].items()}
+        print(f"long rows {suffix:12s} {rows} x {ROW_TOKENS} rows, {info.num_tokens:,} tokens in "
+              f"{info.num_groups} groups, {r['mb']:.0f} MiB; per host, x the step's "
+              f"{need['tokens_per_s']:,.0f} tokens/s: "
+              + ", ".join(f"{k} {r['seconds'][k]:.2f} s = {r['tokens_s'][k]:,.0f} tokens/s = "
+                          f"{r['ratio'][k]:.1f}x" for k in ("off", "on", "pod")))
+        out.append(r)
+    for suffix in ("jsonl", "arrayrecord"):
+        (tmp / f"long_rows.{suffix}").unlink()
+    return dict(need=need, rows=out)
+
+
+def write_section(rows: list, long_rows: dict = None) -> None:
     lines = ["## Feed (scripts/bench_feed.py)", "",
              "Decode + validate + dynamic sampling + packing, single process, one CPU core, "
              "from a local shard, best of 3 runs (`JAX_PLATFORMS=cpu python scripts/bench_feed.py`). "
@@ -82,6 +178,8 @@ def write_section(rows: list) -> None:
         ratio = by[(shape, "arrayrecord")]["tokens_s"] / by[(shape, "jsonl")]["tokens_s"]
         lines.append("")
         lines.append(f"- {shape}: ArrayRecord/JSONL throughput ratio {ratio:.2f}x.")
+    if long_rows is not None:
+        lines += _long_row_lines(long_rows)
     section = "\n".join(lines) + "\n"
     doc = ROOT / "docs" / "performance.md"
     text = doc.read_text() if doc.exists() else "# Performance\n"
@@ -94,18 +192,62 @@ def write_section(rows: list) -> None:
     print(f"wrote the feed section of {doc}")
 
 
+def _long_row_lines(long_rows: dict) -> list:
+    need = long_rows["need"]
+    lines = [
+        "", "### One step of 256k-token rows, per host",
+        "",
+        f"The step: {STEP_TOKENS:,} tokens (256 x 32k, in rows of {ROW_TOKENS:,}) of "
+        f"MiMo-V2-Flash (`{need['config']}`), {need['flops_per_token'] / 1e9:.1f} model "
+        f"GFLOPs per token at S = 256k (`gagar_jax.flops.train_flops_per_token`: 3 x (2 x "
+        f"active matmul params + causal attention; 9 full layers see (S + 1) / 2 keys, 39 "
+        f"sliding ones 129)). On v5p-1024 (512 chips x 459 TFLOP/s bf16) at an assumed 40% "
+        f"MFU a step takes {need['step_s']:.1f} s, so the learner consumes "
+        f"**{need['tokens_per_s']:,.0f} tokens/s**; every host reads every record, so each "
+        "must keep up with that alone.",
+        "",
+        "Measured: one host (process 0) reads a local shard, decodes and validates every "
+        "record, plans the packing and builds its rows, decoding the packed routed_experts "
+        f"(47 x 8 uint8 ids per generated token) of its own rows only "
+        f"(`Feed.next_batch`, best of the runs). Trajectories of 64k-256k tokens, 8 per group. "
+        "Replay off: routing_replay = False, the work every host does whatever its share "
+        "(read, decode, validate every record, plan, build its token rows). Replay on: rows "
+        "are split between processes whole here, one row per process, so the host decodes "
+        f"1/{long_rows['rows'][0]['rows']} of the step's routing into its int32 "
+        "routed_experts rows. Pod share: on v5p-1024 rows are split along S over "
+        f"{HOSTS} hosts (context parallelism), a host's routing share is 1/{HOSTS} of the "
+        "step: off + (on - off) x rows / 128.",
+        "",
+        "| encoding | rows x S | tokens (groups) | shard MiB | replay off | replay on, 1 row "
+        "per host (measured) | pod share (estimate) |",
+        "|---|---|---|---|---|---|---|"]
+    for r in long_rows["rows"]:
+        cells = [f"{r['seconds'][k]:.2f} s = {r['tokens_s'][k]:,.0f} tokens/s = "
+                 f"**{r['ratio'][k]:.1f}x**" for k in ("off", "on", "pod")]
+        lines.append(f"| {r['encoding']} | {r['rows']} x {ROW_TOKENS:,} | {r['tokens']:,} "
+                     f"({r['groups']}) | {r['mb']:,.0f} | " + " | ".join(cells) + " |")
+    lines += ["", "Goal: at least 2x the consumption."]
+    return lines
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", type=int, default=1500, help="groups for the tiny shape")
     p.add_argument("--long-groups", type=int, default=120, help="groups for the long shape")
     p.add_argument("--repeats", type=int, default=3, help="runs per case (best is reported)")
+    p.add_argument("--step-fraction", type=float, default=0.25,
+                   help="share of one 256k-row step to build (1.0: the whole step, ~25 GB)")
+    p.add_argument("--only-long-rows", action="store_true", help="only the long-row budget")
     p.add_argument("--no-write", action="store_true", help="do not edit docs/performance.md")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = bench("tiny", args.groups, pathlib.Path(tmp), args.repeats)
-        rows += bench("long", args.long_groups, pathlib.Path(tmp), args.repeats)
-    if not args.no_write:
-        write_section(rows)
+        rows = []
+        if not args.only_long_rows:
+            rows = bench("tiny", args.groups, pathlib.Path(tmp), args.repeats)
+            rows += bench("long", args.long_groups, pathlib.Path(tmp), args.repeats)
+        long_rows = long_row_budget(args.step_fraction, pathlib.Path(tmp), args.repeats)
+    if not args.no_write and rows:
+        write_section(rows, long_rows)
 
 
 if __name__ == "__main__":

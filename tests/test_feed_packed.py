@@ -137,16 +137,16 @@ def test_bad_encodings_are_named():
 
 
 class _CountingDecode:
-    """Wraps `packed.decode` to record which payloads each process decoded."""
+    """Wraps `packed.decode_routed` to record which payloads each process decoded."""
 
     def __init__(self, monkeypatch):
         self.calls, self.local = [], threading.local()
-        real = packed.decode
+        real = packed.decode_routed
 
-        def counted(p, num_experts):
-            self.calls.append((getattr(self.local, "process", 0), p.b64))
-            return real(p, num_experts)
-        monkeypatch.setattr(packed, "decode", counted)
+        def counted(payload, *args, **kwargs):
+            self.calls.append((getattr(self.local, "process", 0), payload.packed.b64))
+            return real(payload, *args, **kwargs)
+        monkeypatch.setattr(packed, "decode_routed", counted)
 
 
 def _drain(feed):
@@ -241,3 +241,17 @@ def test_batch_sized_in_tokens():
         FeedConfig(rows_per_batch=16, seq_len=64, tokens_per_batch=64 * 8, max_traj_tokens=64)
     with pytest.raises(ValueError, match="tokens_per_batch"):
         FeedConfig(rows_per_batch=0, seq_len=64, max_traj_tokens=64)
+
+
+def test_batcher_stops_pulling_once_a_batch_of_tokens_waits(tmp_path):
+    """Long rows: when the groups waiting for the next batch hold a batch of tokens, reading
+    further records would only buffer them (G = 4 would otherwise read all eight)."""
+    cfg = FeedConfig(rows_per_batch=0, seq_len=64, tokens_per_batch=128, max_trajectories=8,
+                     groups_per_batch=4, max_traj_tokens=64)
+    groups = [msgspec.structs.replace(_group(None, n=60, gid=f"g{i}")) for i in range(8)]
+    feed = Feed(cfg, tmp_path, **MODEL, source=IteratorSource(groups))
+    _, info = feed.next_batch(0)
+    assert info.group_ids == ("g0",) and info.num_tokens == 120
+    assert feed.source.consumed == 3            # g1 and g2 (240 tokens >= 128) wait
+    assert [i.group_ids for _, i in _drain(feed)] == [(f"g{i}",) for i in range(1, 8)]
+    assert feed.finish().balanced

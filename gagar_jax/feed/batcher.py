@@ -269,7 +269,11 @@ class Feed:
         cfg = self.cfg
         queue, self.buffer = self.buffer, []
         selected, deferred, lengths, plan = [], [], [], None
-        while len(selected) < cfg.groups_per_batch and len(deferred) < cfg.groups_per_batch:
+        deferred_tokens = 0
+        # Pull until the batch holds G groups, or G groups / one batch of tokens wait for the
+        # next one (long rows: a few groups fill a batch; reading on would only buffer).
+        while (len(selected) < cfg.groups_per_batch and len(deferred) < cfg.groups_per_batch
+               and deferred_tokens < cfg.batch_tokens):
             if queue:
                 pg = queue.pop(0)
                 if self._stale(pg, learner_step):
@@ -291,6 +295,7 @@ class Feed:
                     lengths + pg.lengths, cfg.rows_per_batch, cfg.seq_len)
             if new_plan is None:
                 deferred.append(pg)     # keeps its place for the next batch: never split
+                deferred_tokens += sum(pg.lengths)
                 continue
             selected.append(pg)
             lengths += pg.lengths

@@ -74,9 +74,14 @@ def write_groups(path: epath.PathLike, groups: Iterable[schema.Group]) -> int:
     return write_shard(path, (schema.encode(g, encoding) for g in groups))
 
 
-def convert(src: epath.PathLike, dst: epath.PathLike) -> ConvertStats:
+def convert(src: epath.PathLike, dst: epath.PathLike, *,
+            max_record_bytes: int = 2**31 - 1) -> ConvertStats:
     """Converts a shard between JSONL and ArrayRecord (by suffix), record for record.
 
+    Args:
+      src, dst: the shards.
+      max_record_bytes: longer JSONL lines are skipped as unparseable (default 2 GiB: long
+        trajectories with packed routing run to hundreds of MB per group).
     Returns:
       Counts of records written and unparseable records skipped.
     """
@@ -85,9 +90,11 @@ def convert(src: epath.PathLike, dst: epath.PathLike) -> ConvertStats:
 
     def payloads():
         nonlocal skipped
-        reader = ShardReader(src)
+        reader = ShardReader(src, max_record_bytes=max_record_bytes)
         while (rec := reader.next()) is not None:
             try:
+                if not isinstance(rec.payload, bytes):      # an `Oversized` line
+                    raise msgspec.DecodeError("over max_record_bytes")
                 obj = schema.decode_untyped(rec.payload, src_enc)
             except msgspec.DecodeError:
                 skipped += 1

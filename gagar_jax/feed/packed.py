@@ -57,11 +57,14 @@ def pack(ids: np.ndarray, dtype: Optional[str] = None) -> schema.PackedArray:
     Returns:
       The `PackedArray`; raises ValueError when `ids` do not fit `dtype`.
     """
-    ids = np.asarray(ids, np.int64)
-    has_none = bool(ids.size) and bool((ids == -1).any())
+    ids = np.asarray(ids)
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"ids must be integers, got {ids.dtype}")
+    low = int(ids.min()) if ids.size else 0
     top = int(ids.max()) if ids.size else 0
-    if ids.size and int(ids.min()) < -1:
-        raise ValueError(f"ids must be >= -1, got {int(ids.min())}")
+    if low < -1:
+        raise ValueError(f"ids must be >= -1, got {low}")
+    has_none = low == -1
     if dtype is None:
         dtype = next(name for name, dt in DTYPES.items()
                      if top < _no_record(dt) or (top == _no_record(dt) and not has_none)
@@ -73,7 +76,7 @@ def pack(ids: np.ndarray, dtype: Optional[str] = None) -> schema.PackedArray:
     if top > sentinel or (top == sentinel and has_none):
         raise ValueError(f"ids up to {top}{' with -1 entries' if has_none else ''} do not fit "
                          f"{dtype} (all-ones {sentinel} means no record)")
-    raw = np.where(ids < 0, sentinel, ids).astype(dt).tobytes()
+    raw = (np.where(ids < 0, sentinel, ids) if has_none else ids).astype(dt).tobytes()
     return schema.PackedArray(dtype=dtype, shape=[int(d) for d in ids.shape],
                               b64=binascii.b2a_base64(raw, newline=False).decode("ascii"))
 
@@ -113,30 +116,37 @@ def header_error(packed: schema.PackedArray, n_tokens: int, n_generated: int,
     return None
 
 
-def decode(packed: schema.PackedArray, num_experts: Optional[int]) -> np.ndarray:
-    """The ids of a packed array as int32 (-1 = no record), checked against E.
-
-    Assumes `header_error(packed, ...)` is None. Raises `PayloadError` for text that is not
-    strict base64 or an id >= `num_experts`.
-    """
+def _values(packed: schema.PackedArray, num_experts: Optional[int]) -> tuple:
+    """(flat unsigned values, all-ones value, whether all-ones means no record), checked."""
     dt = DTYPES[packed.dtype]
     try:
         raw = binascii.a2b_base64(packed.b64, strict_mode=True)
     except (binascii.Error, ValueError) as e:
         raise PayloadError(ENCODING, f"b64 is not valid base64: {e}") from None
     values = np.frombuffer(raw, dt)
-    if values.size != int(np.prod(packed.shape)):
+    size = int(np.prod(packed.shape))
+    if values.size != size:
         raise PayloadError(ENCODING, f"b64 decodes to {values.size} {packed.dtype} values, "
-                           f"shape {list(packed.shape)} needs {int(np.prod(packed.shape))}")
+                           f"shape {list(packed.shape)} needs {size}")
     sentinel = _no_record(dt)
     hi = num_experts if num_experts is not None else sentinel
-    bad = values >= hi
-    if hi <= sentinel:          # all-ones is not an expert id: it means no record
-        bad &= values != sentinel
-    if bad.any():
-        raise PayloadError(SHAPE, f"expert id {int(values[bad].max())} >= num_experts {hi}")
+    no_record = hi <= sentinel          # all-ones is not an expert id: it means no record
+    if hi <= sentinel and values.size:  # else every value the dtype holds is an expert id
+        bad = (values >= hi) & (values != sentinel)
+        if bad.any():
+            raise PayloadError(SHAPE, f"expert id {int(values[bad].max())} >= num_experts {hi}")
+    return values, sentinel, no_record
+
+
+def decode(packed: schema.PackedArray, num_experts: Optional[int]) -> np.ndarray:
+    """The ids of a packed array as int32 (-1 = no record), checked against E.
+
+    Assumes `header_error(packed, ...)` is None. Raises `PayloadError` for text that is not
+    strict base64 or an id >= `num_experts`.
+    """
+    values, sentinel, no_record = _values(packed, num_experts)
     out = values.astype(np.int32).reshape(packed.shape)
-    if hi <= sentinel:
+    if no_record:
         out[out == sentinel] = -1
     return out
 
@@ -158,22 +168,30 @@ class RoutedPayload:
     generated_after_cut: bool = False
 
 
-def decode_routed(payload: RoutedPayload, loss_mask: np.ndarray) -> np.ndarray:
+def decode_routed(payload: RoutedPayload, loss_mask: np.ndarray,
+                  out: Optional[np.ndarray] = None) -> np.ndarray:
     """int32 [length, L, K] routed ids with token t as the input (-1 = no record).
 
     Args:
       payload: the lazy payload.
       loss_mask: the trajectory's (possibly truncated) 0/1 mask, [length].
-    Raises:
-      `PayloadError` (bad base64, an id >= E).
+      out: where to write (a [length, L, K] slice of the batch, already -1); default: a new
+        array. Writing in place spares a copy of the largest array the feed builds.
+    Returns:
+      `out`. Raises `PayloadError` (bad base64, an id >= E).
     """
-    ids = decode(payload.packed, payload.num_experts)
-    if not payload.per_generated:
-        return ids[:payload.length]
-    # Entry j produced the j-th generated token at position t: its input was token t - 1.
-    inputs = np.flatnonzero(loss_mask[:payload.length]) - 1
-    if payload.generated_after_cut:
-        inputs = np.append(inputs, payload.length - 1)
-    full = np.full((payload.length,) + ids.shape[1:], -1, np.int32)
-    full[inputs] = ids[:inputs.size]
-    return full
+    values, sentinel, no_record = _values(payload.packed, payload.num_experts)
+    ids = values.reshape(payload.packed.shape)          # unsigned: cast once, into `out`
+    if out is None:
+        out = np.full((payload.length,) + ids.shape[1:], -1, np.int32)
+    if payload.per_generated:
+        # Entry j produced the j-th generated token at position t: its input was token t - 1.
+        inputs = np.flatnonzero(loss_mask[:payload.length]) - 1
+        if payload.generated_after_cut:
+            inputs = np.append(inputs, payload.length - 1)
+        out[inputs] = ids[:inputs.size]
+    else:
+        out[:] = ids[:payload.length]
+    if no_record:
+        out[out == sentinel] = -1
+    return out

@@ -127,7 +127,7 @@ def build_rows(plan: PackPlan, trajectories: Sequence, rows: slice, seq_len: int
         out.old_logprobs[r, a:b] = traj.logprobs * traj.loss_mask
         if out.routed is not None and traj.routed is not None:
             try:
-                out.routed[r, a:b] = traj.routed_rows()
+                traj.routed_rows(out.routed[r, a:b])     # decoded in place
             except packed.PayloadError as e:
                 out.failures[i] = (e.reason, f"trajectory {traj.trajectory_id!r}: {e.detail}")
     return out

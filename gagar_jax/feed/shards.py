@@ -110,7 +110,7 @@ class ShardReader:
             if not line:
                 return None
             if len(line) <= self.limit or line.endswith(b"\n"):
-                if line.strip():
+                if not line.isspace():      # stops at the first byte (no copy of the line)
                     return line
                 continue
             digest, size, chunk = hashlib.sha256(), 0, line

@@ -59,8 +59,9 @@ def _trajectory(rng: np.random.Generator, spec: SyntheticSpec, tid: str, outcome
     rexp = None
     if routed and spec.routed_encoding == "packed":
         n_gen, E, K = int(mask.sum()), spec.num_experts, spec.top_k
-        first = rng.integers(0, E, (n_gen, spec.num_moe_layers, 1))
-        rexp = packed.pack((first + np.arange(K) * (E // K)) % E)
+        dt = np.uint8 if E <= 256 else np.uint16      # small temporaries for long trajectories
+        first = rng.integers(0, E, (n_gen, spec.num_moe_layers, 1), dtype=np.uint32)
+        rexp = packed.pack(((first + np.arange(K, dtype=np.uint32) * (E // K)) % E).astype(dt))
     elif routed:
         n_gen = int(mask.sum())
         rexp = np.stack([rng.permutation(spec.num_experts)[:spec.top_k]

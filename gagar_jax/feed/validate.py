@@ -83,14 +83,19 @@ class ParsedTrajectory:
     def length(self) -> int:
         return int(self.tokens.shape[0])
 
-    def routed_rows(self) -> Optional[np.ndarray]:
+    def routed_rows(self, out: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
         """int32 [n, L, K] routed ids (-1 = no record), decoding a packed payload now.
 
+        Args:
+          out: optional [n, L, K] int32 destination holding -1 (a slice of the batch).
         Raises `packed.PayloadError` for a packed payload that is not valid base64 or has an
         expert id >= E (found only here: hosts decode only the rows they build).
         """
         if isinstance(self.routed, packed.RoutedPayload):
-            return packed.decode_routed(self.routed, self.loss_mask)
+            return packed.decode_routed(self.routed, self.loss_mask, out)
+        if out is not None and self.routed is not None:
+            out[:] = self.routed
+            return out
         return self.routed
 
 
