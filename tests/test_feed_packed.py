@@ -247,8 +247,8 @@ def test_batcher_stops_pulling_once_a_batch_of_tokens_waits(tmp_path):
     """Long rows: when the groups waiting for the next batch hold a batch of tokens, reading
     further records would only buffer them (G = 4 would otherwise read all eight)."""
     cfg = FeedConfig(rows_per_batch=0, seq_len=64, tokens_per_batch=128, max_trajectories=8,
-                     groups_per_batch=4, max_traj_tokens=64)
-    groups = [msgspec.structs.replace(_group(None, n=60, gid=f"g{i}")) for i in range(8)]
+                     groups_per_batch=4, max_traj_tokens=64, max_staleness=100)
+    groups = [_group(None, n=60, gid=f"g{i}") for i in range(8)]
     feed = Feed(cfg, tmp_path, **MODEL, source=IteratorSource(groups))
     _, info = feed.next_batch(0)
     assert info.group_ids == ("g0",) and info.num_tokens == 120
