@@ -1,5 +1,6 @@
 """Hostile input and careless writers: special files, endless lines, shards changed in place,
 unbounded id sets, passes without quality. Nothing crashes the learner or grows its memory."""
+import io
 import json
 import math
 import os
@@ -9,8 +10,11 @@ import tracemalloc
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gagar_jax.feed import Feed, FeedConfig, IteratorSource, Reason, deadletter, schema, synthetic
+from gagar_jax.feed.shards import LineReader
 from gagar_jax.feed.sources import FileSource, SpoolSource
 
 MODEL = dict(vocab_size=256, num_moe_layers=2, top_k=2, num_experts=8)
@@ -185,3 +189,17 @@ def test_dead_letter_entries_never_raise(tmp_path, raw):
     dl.write("schema", "y", deep, "json", "o:1")
     entries = [json.loads(x) for x in (tmp_path / "dl.jsonl").read_text().splitlines()]
     assert [e["origin"] for e in entries] == ["o:0", "o:1"]
+
+
+@given(st.lists(st.sampled_from([b"a" * 7, b"\n", b" \n", b"xyz", b"a" * 40]), max_size=30),
+       st.integers(1, 40), st.integers(1, 20))
+def test_line_reader_reads_like_readline(pieces, limit, chunk):
+    """Property: the shard reader's fast `readline(limit)` returns what io's does."""
+    data = b"".join(pieces)
+    ours, ref = LineReader(io.BytesIO(data)), io.BytesIO(data)
+    ours.CHUNK = chunk
+    while True:
+        want = ref.readline(limit)
+        assert ours.readline(limit) == want
+        if not want:
+            break

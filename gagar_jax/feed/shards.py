@@ -1,9 +1,10 @@
 """Reading one feed shard (a JSONL or ArrayRecord file) with bounded memory.
 
 A JSONL line over `max_record_bytes` is handed out as an `Oversized` summary (prefix, size,
-sha256) without being read whole: memory per line is at most max_record_bytes + 1 MiB. A shard
-that is not a regular file (a directory, a symlink to /dev/zero, a FIFO) or cannot be read is
-skipped and reported through `SourceEvents`, never raised.
+sha256) without being read whole: memory per line is at most about twice max_record_bytes (its
+pieces and the joined line) plus a read buffer of at most 16 MiB. A shard that is not a regular file (a
+directory, a symlink to /dev/zero, a FIFO) or cannot be read is skipped and reported through
+`SourceEvents`, never raised.
 """
 from __future__ import annotations
 
@@ -80,6 +81,67 @@ def _not_regular(path: epath.Path) -> Optional[str]:
     return None
 
 
+class LineReader:
+    """`readline(limit)` over a binary file, reading up to 16 MiB at a time.
+
+    Same contract as `io.BufferedReader.readline(limit)` (at most `limit` bytes, ending after
+    the first newline), at memcpy speed: the buffered reader's readline scans 8 KiB chunks
+    and runs at ~0.4 GB/s on lines of hundreds of MB (long trajectories with packed routing).
+    """
+
+    CHUNK = 1 << 24
+
+    def __init__(self, file):
+        self.file = file
+        self.buf = b""
+        self.pos = 0
+
+    def readline(self, limit: int) -> bytes:
+        pieces, size = [], 0
+        while True:
+            end = min(len(self.buf), self.pos + (limit - size))
+            i = self.buf.find(b"\n", self.pos, end)
+            stop = end if i < 0 else i + 1
+            if stop > self.pos:
+                whole = self.pos == 0 and stop == len(self.buf)    # no copy of the buffer
+                pieces.append(self.buf if whole else memoryview(self.buf)[self.pos:stop])
+                size += stop - self.pos
+                self.pos = stop
+            if i >= 0 or size >= limit:
+                break
+            # Never read much past `limit`: memory stays bounded by the caller's limit.
+            self.buf, self.pos = self.file.read(min(self.CHUNK, max(1 << 16, limit - size))), 0
+            if not self.buf:
+                break
+        if len(pieces) == 1:
+            return pieces[0] if isinstance(pieces[0], bytes) else pieces[0].tobytes()
+        return b"".join(pieces)
+
+    def skip_line(self, consume) -> int:
+        """Passes the rest of the current line (without its newline) to `consume` in pieces
+        of at most `_CHUNK` bytes, never holding it whole; returns its length."""
+        size = 0
+        while True:
+            i = self.buf.find(b"\n", self.pos)
+            stop = len(self.buf) if i < 0 else i
+            if stop > self.pos:
+                consume(memoryview(self.buf)[self.pos:stop])
+                size += stop - self.pos
+            self.pos = stop if i < 0 else i + 1
+            if i >= 0:
+                return size
+            self.buf, self.pos = self.file.read(_CHUNK), 0
+            if not self.buf:
+                return size
+
+    @property
+    def closed(self) -> bool:
+        return self.file.closed
+
+    def close(self) -> None:
+        self.file.close()
+
+
 class ShardReader:
     """Sequential records of one shard starting at record `start` (blank JSONL lines skipped).
 
@@ -96,7 +158,7 @@ class ShardReader:
         if why:
             raise IsADirectoryError(f"{self.path}: {why}")
         if self.encoding == "json":
-            self._file = self.path.open("rb")           # streamed line by line, never slurped
+            self._file = LineReader(self.path.open("rb"))   # streamed line by line, never slurped
         else:
             import grain.python as grain  # deferred: grain is heavy to import
             self._source = grain.ArrayRecordDataSource([str(self.path)])
@@ -113,16 +175,9 @@ class ShardReader:
                 if not line.isspace():      # stops at the first byte (no copy of the line)
                     return line
                 continue
-            digest, size, chunk = hashlib.sha256(), 0, line
-            while True:     # hash the rest of the line in bounded chunks (no newline hashed)
-                body = chunk[:-1] if chunk.endswith(b"\n") else chunk
-                digest.update(body)
-                size += len(body)
-                if chunk.endswith(b"\n"):
-                    break
-                chunk = self._file.readline(_CHUNK)
-                if not chunk:
-                    break
+            digest = hashlib.sha256(line)
+            # The rest of the line is hashed straight from the read buffer (no newline hashed).
+            size = len(line) + self._file.skip_line(digest.update)
             return Oversized(line[:PREFIX_BYTES], size, digest.hexdigest())
 
     def next(self) -> Optional[RawRecord]:
