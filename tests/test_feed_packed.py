@@ -1,6 +1,7 @@
 """Compact routed_experts (`PackedArray`): round trips, rejection reasons, lazy per-host decode,
 failures agreed across processes, and the batch sized in tokens."""
 import base64
+import dataclasses
 import json
 import threading
 
@@ -12,6 +13,8 @@ from hypothesis import strategies as st
 
 from gagar_jax.feed import Feed, FeedConfig, IteratorSource, Reason, packed, schema, synthetic
 from gagar_jax.feed.batcher import merge_failures
+from gagar_jax.feed.shards import ShardReader
+from gagar_jax.feed.sources import FileSource
 from gagar_jax.feed.validate import ModelShape, Rejected, validate_group
 
 MODEL = dict(vocab_size=256, num_moe_layers=2, top_k=2, num_experts=8)
@@ -255,3 +258,20 @@ def test_batcher_stops_pulling_once_a_batch_of_tokens_waits(tmp_path):
     assert feed.source.consumed == 3            # g1 and g2 (240 tokens >= 128) wait
     assert [i.group_ids for _, i in _drain(feed)] == [(f"g{i}",) for i in range(1, 8)]
     assert feed.finish().balanced
+
+
+def test_convert_compacts_routing_and_the_feed_reads_it_the_same(tmp_path):
+    """convert_feed --compact-routing: list-form routing becomes packed, batches are equal."""
+    from gagar_jax.feed import convert
+    spec = synthetic.SyntheticSpec(p_routed=1.0)
+    src, dst = tmp_path / "list.jsonl", tmp_path / "packed.jsonl"
+    convert.write_groups(src, synthetic.make_groups(6, seed=9, spec=spec))
+    assert convert.convert(src, dst, compact_routing=True).records == 6
+    cfg = dataclasses.replace(CFG, max_trajectories=40, groups_per_batch=6)
+    want = _drain(Feed(cfg, tmp_path / "a", **MODEL, source=FileSource(str(src))))
+    got = _drain(Feed(cfg, tmp_path / "b", **MODEL, source=FileSource(str(dst))))
+    assert len(got) == len(want) > 0
+    for (x, _), (y, _) in zip(want, got):
+        np.testing.assert_array_equal(x.routed_experts_BxSxLxK, y.routed_experts_BxSxLxK)
+    routed = schema.decode(ShardReader(dst).next().payload, "json").trajectories[0].routed_experts
+    assert isinstance(routed, schema.PackedArray) and routed.dtype == "uint8"

@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-from typing import Iterable
+from typing import Any, Iterable
 
 import msgspec
+import numpy as np
 from etils import epath
 
-from gagar_jax.feed import schema
+from gagar_jax.feed import packed, schema
 from gagar_jax.feed.shards import is_remote
 from gagar_jax.feed.sources import ShardReader, shard_encoding
 
@@ -74,14 +75,34 @@ def write_groups(path: epath.PathLike, groups: Iterable[schema.Group]) -> int:
     return write_shard(path, (schema.encode(g, encoding) for g in groups))
 
 
-def convert(src: epath.PathLike, dst: epath.PathLike, *,
-            max_record_bytes: int = 2**31 - 1) -> ConvertStats:
+def pack_routed(obj: Any) -> Any:
+    """A parsed record with every nested-list `routed_experts` turned into the compact form
+    (docs/feed.md, "Compact arrays"); lists that are not a rectangular `[n, L, K]` of ids
+    >= -1 are left as they are (the learner names what is wrong with them)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("trajectories"), list):
+        return obj
+    for traj in obj["trajectories"]:
+        routed = traj.get("routed_experts") if isinstance(traj, dict) else None
+        if not isinstance(routed, list):
+            continue
+        try:
+            ids = np.asarray(routed)
+            if ids.ndim == 3:
+                traj["routed_experts"] = schema.to_builtins(packed.pack(ids))
+        except (ValueError, TypeError, OverflowError):
+            continue
+    return obj
+
+
+def convert(src: epath.PathLike, dst: epath.PathLike, *, max_record_bytes: int = 2**31 - 1,
+            compact_routing: bool = False) -> ConvertStats:
     """Converts a shard between JSONL and ArrayRecord (by suffix), record for record.
 
     Args:
       src, dst: the shards.
       max_record_bytes: longer JSONL lines are skipped as unparseable (default 2 GiB: long
         trajectories with packed routing run to hundreds of MB per group).
+      compact_routing: rewrite nested-list `routed_experts` in the compact form (`pack_routed`).
     Returns:
       Counts of records written and unparseable records skipped.
     """
@@ -99,7 +120,9 @@ def convert(src: epath.PathLike, dst: epath.PathLike, *,
             except msgspec.DecodeError:
                 skipped += 1
                 continue
-            if src_enc == dst_enc:
+            if compact_routing:
+                obj = pack_routed(obj)
+            if src_enc == dst_enc and not compact_routing:
                 yield rec.payload
             elif dst_enc == "json":
                 yield msgspec.json.encode(obj)
