@@ -275,3 +275,10 @@ def test_convert_compacts_routing_and_the_feed_reads_it_the_same(tmp_path):
         np.testing.assert_array_equal(x.routed_experts_BxSxLxK, y.routed_experts_BxSxLxK)
     routed = schema.decode(ShardReader(dst).next().payload, "json").trajectories[0].routed_experts
     assert isinstance(routed, schema.PackedArray) and routed.dtype == "uint8"
+
+
+def test_allgather_round_trips_in_one_process():
+    from gagar_jax.feed.sources import allgather_from_processes
+    failures = {"g1": [Reason.ROUTED_EXPERTS, "expert id 9 >= num_experts 8"]}
+    assert allgather_from_processes(failures) == [failures]
+    assert merge_failures([{}, failures, {"g1": ["other", "x"]}]) == failures
