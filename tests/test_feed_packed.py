@@ -21,7 +21,7 @@ MODEL = dict(vocab_size=256, num_moe_layers=2, top_k=2, num_experts=8)
 CFG = FeedConfig(rows_per_batch=8, seq_len=128, max_trajectories=24, groups_per_batch=4,
                  max_traj_tokens=128, max_staleness=10**9, routing_replay=True)
 SPEC = synthetic.SyntheticSpec(p_uniform=0.0, p_infra=0.0, p_routed=1.0, groups_per_step=10**9,
-                               routed_encoding="packed")
+                               routed_encoding="packed", token_encoding="packed")
 
 
 def _group(routed, n=12, gid="g"):
@@ -83,8 +83,12 @@ def test_packed_and_list_forms_give_the_same_batch(tmp_path, layout):
     ids[1] = -1
     as_list = msgspec.structs.replace(g, trajectories=[msgspec.structs.replace(
         g.trajectories[0], routed_experts=ids.tolist()), g.trajectories[1]])
-    as_packed = msgspec.structs.replace(g, trajectories=[msgspec.structs.replace(
-        g.trajectories[0], routed_experts=packed.pack(ids)), g.trajectories[1]])
+    t0, t1 = g.trajectories
+    as_packed = msgspec.structs.replace(g, trajectories=[
+        msgspec.structs.replace(t0, routed_experts=packed.pack(ids),
+                                tokens=packed.pack_array(t0.tokens, "uint32"),
+                                logprobs=packed.pack_array(t0.logprobs, "float32")),
+        msgspec.structs.replace(t1, tokens=packed.pack_array(t1.tokens, "int32"))])
     # truncate_long cuts both forms at the same token.
     cfg = FeedConfig(**{**CFG.__dict__, "max_traj_tokens": 16, "truncate_long": True})
     want, _ = Feed(cfg, tmp_path / "l", **MODEL, source=IteratorSource([as_list])).next_batch(0)
@@ -114,13 +118,13 @@ def test_bad_encodings_are_named():
     assert _reject(good) is None
     cases = {
         "wrong length": (msgspec.structs.replace(good, b64=good.b64[:-4]),
-                         Reason.ROUTED_ENCODING, "needs 28 bytes"),
+                         Reason.BAD_ENCODING, "needs 28 bytes"),
         "not padded": (msgspec.structs.replace(good, b64=good.b64[:-1]),
-                       Reason.ROUTED_ENCODING, "not a padded base64 length"),
-        "dtype": (msgspec.structs.replace(good, dtype="int8"), Reason.ROUTED_ENCODING, "int8"),
+                       Reason.BAD_ENCODING, "not a padded base64 length"),
+        "dtype": (msgspec.structs.replace(good, dtype="int8"), Reason.BAD_ENCODING, "int8"),
         "uint16 bytes as uint8": (msgspec.structs.replace(good, dtype="uint16"),
-                                  Reason.ROUTED_ENCODING, "needs 56 bytes"),
-        "rank": (msgspec.structs.replace(good, shape=[n_gen, 4]), Reason.ROUTED_ENCODING, "[n, L, K]"),
+                                  Reason.BAD_ENCODING, "needs 56 bytes"),
+        "rank": (msgspec.structs.replace(good, shape=[n_gen, 4]), Reason.BAD_ENCODING, "is not 3-d"),
         "shape vs model": (packed.pack(np.zeros((n_gen, 2, 3), np.int64)),
                            Reason.ROUTED_EXPERTS, "expected [n, 2, 2]"),
         "shape vs tokens": (packed.pack(np.zeros((n_gen + 1, 2, 2), np.int64)),
@@ -128,7 +132,7 @@ def test_bad_encodings_are_named():
         "id >= E": (packed.pack(np.full((n_gen, 2, 2), 8)), Reason.ROUTED_EXPERTS,
                     "at build: expert id 8 >= num_experts 8"),
         "alphabet": (msgspec.structs.replace(good, b64="*" + good.b64[1:]),
-                     Reason.ROUTED_ENCODING, "at build: b64 is not valid base64"),
+                     Reason.BAD_ENCODING, "at build: routed_experts: b64 is not valid base64"),
     }
     for name, (routed, reason, words) in cases.items():
         got = _reject(routed)
@@ -140,16 +144,17 @@ def test_bad_encodings_are_named():
 
 
 class _CountingDecode:
-    """Wraps `packed.decode_routed` to record which payloads each process decoded."""
+    """Wraps the payload decoders to record which payloads each process decoded."""
 
     def __init__(self, monkeypatch):
         self.calls, self.local = [], threading.local()
-        real = packed.decode_routed
+        for name in ("decode_routed", "decode_array"):
+            real = getattr(packed, name)
 
-        def counted(payload, *args, **kwargs):
-            self.calls.append((getattr(self.local, "process", 0), payload.packed.b64))
-            return real(payload, *args, **kwargs)
-        monkeypatch.setattr(packed, "decode_routed", counted)
+            def counted(payload, *args, real=real, **kwargs):
+                self.calls.append((getattr(self.local, "process", 0), payload.packed.b64))
+                return real(payload, *args, **kwargs)
+            monkeypatch.setattr(packed, name, counted)
 
 
 def _drain(feed):
@@ -164,7 +169,8 @@ def test_each_process_decodes_only_the_payloads_of_its_rows(tmp_path, monkeypatc
     groups = synthetic.make_groups(10, seed=5, spec=SPEC)
     counter = _CountingDecode(monkeypatch)
     full = _drain(Feed(CFG, tmp_path / "full", **MODEL, source=IteratorSource(groups)))
-    assert len(counter.calls) == sum(i.num_trajectories for _, i in full)
+    # tokens, logprobs and routing: three payloads per trajectory, each decoded once.
+    assert len(counter.calls) == 3 * sum(i.num_trajectories for _, i in full)
     counter.calls.clear()
     parts = []
     for p in range(2):
@@ -173,29 +179,49 @@ def test_each_process_decodes_only_the_payloads_of_its_rows(tmp_path, monkeypatc
                                  process_index=p, process_count=2,
                                  agree=lambda failures: failures)))
     by_process = [{b for q, b in counter.calls if q == p} for p in range(2)]
-    by_traj = {t.trajectory_id: t.routed_experts.b64 for g in groups for t in g.trajectories}
+    by_traj = {t.trajectory_id: {t.routed_experts.b64, t.tokens.b64, t.logprobs.b64}
+               for g in groups for t in g.trajectories}
     for k, (batch, info) in enumerate(full):
         flat = [tid for g in info.trajectory_ids for tid in g]
         for p in range(2):
             local = parts[p][k][0]
             rows = np.unique(local.traj_index_BxS[local.segment_ids_BxS > 0])
-            assert {by_traj[flat[i]] for i in rows} <= by_process[p]
+            assert set().union(*(by_traj[flat[i]] for i in rows)) <= by_process[p]
         np.testing.assert_array_equal(
             np.concatenate([parts[p][k][0].routed_experts_BxSxLxK for p in range(2)]),
             batch.routed_experts_BxSxLxK)
     assert not by_process[0] & by_process[1]            # nobody decodes another's rows
-    assert len(counter.calls) == sum(i.num_trajectories for _, i in full)
+    assert len(counter.calls) == 3 * sum(i.num_trajectories for _, i in full)
 
 
-def test_a_payload_that_fails_on_one_process_is_quarantined_on_all(tmp_path):
+_BAD_PAYLOADS = {   # field -> (bad value for a trajectory, reason, words in the detail)
+    "routed_experts": (lambda t: packed.pack(np.full(packed.decode(t.routed_experts, None).shape,
+                                                     9)), Reason.ROUTED_EXPERTS,
+                       "expert id 9 >= num_experts 8"),
+    "tokens": (lambda t: packed.pack_array(np.full(len(t.loss_mask), 256), "int32"),
+               Reason.TOKEN_OUT_OF_VOCAB, "tokens: token ids must be in [0, 256)"),
+    "logprobs": (lambda t: packed.pack_array(np.full(len(t.loss_mask), np.nan), "float32"),
+                 Reason.NON_FINITE, "logprobs: non-finite"),
+}
+
+
+@pytest.mark.parametrize("field", sorted(_BAD_PAYLOADS))
+def test_a_payload_that_fails_on_one_process_is_quarantined_on_all(tmp_path, field):
     """The bad payload lies in process 1's rows only; both processes drop the group, re-plan
     the batch identically, and process 0 (which never decoded it) writes the dead letter."""
     groups = synthetic.make_groups(6, seed=7, spec=SPEC)
-    bad_traj = groups[1].trajectories[0]
-    n = packed.decode(bad_traj.routed_experts, None).shape
-    bad = msgspec.structs.replace(groups[1], trajectories=[msgspec.structs.replace(
-        bad_traj, routed_experts=packed.pack(np.full(n, 9)))] + groups[1].trajectories[1:])
-    groups[1] = bad
+    make_bad, reason, words = _BAD_PAYLOADS[field]
+    # A trajectory that process 1's rows of the first batch hold.
+    local, info = Feed(CFG, tmp_path / "plan", **MODEL, source=IteratorSource(groups),
+                       process_index=1, process_count=2, agree=lambda f: f).next_batch(0)
+    flat = [tid for g in info.trajectory_ids for tid in g]
+    victim = flat[int(local.traj_index_BxS[local.segment_ids_BxS > 0][0])]
+    g = next(i for i, grp in enumerate(groups)
+             if victim in [t.trajectory_id for t in grp.trajectories])
+    bad = msgspec.structs.replace(groups[g], trajectories=[
+        msgspec.structs.replace(t, **{field: make_bad(t)}) if t.trajectory_id == victim else t
+        for t in groups[g].trajectories])
+    groups[g] = bad
     barrier, slots = threading.Barrier(2), [None, None]
 
     def agree_for(p):
@@ -220,14 +246,18 @@ def test_a_payload_that_fails_on_one_process_is_quarantined_on_all(tmp_path):
     for t in threads:
         t.join(60)
     (b0, ledger0), (b1, ledger1) = results
+    # Alone, process 0 would train the group: the bad payload is not in its rows.
+    alone = _drain(Feed(CFG, tmp_path / "alone", **MODEL, source=IteratorSource(groups),
+                        process_index=0, process_count=2, agree=lambda failures: failures))
+    assert bad.group_id in {g for _, i in alone for g in i.group_ids}
     assert [i.group_ids for _, i in b0] == [i.group_ids for _, i in b1]
     assert bad.group_id not in {g for _, i in b0 for g in i.group_ids}
     assert ledger0.to_json() == ledger1.to_json()
-    assert ledger0.quarantined_by_reason == {Reason.ROUTED_EXPERTS: 1} and ledger0.balanced
+    assert ledger0.quarantined_by_reason == {reason: 1} and ledger0.balanced
     assert ledger0.trained == 5
     entries = [json.loads(x) for x in (tmp_path / "p0" / "dead_letter.jsonl").read_text().splitlines()]
-    assert [(e["reason"], e["group_id"]) for e in entries] == [(Reason.ROUTED_EXPERTS, bad.group_id)]
-    assert "expert id 9 >= num_experts 8" in entries[0]["detail"]
+    assert [(e["reason"], e["group_id"]) for e in entries] == [(reason, bad.group_id)]
+    assert words in entries[0]["detail"]
     assert entries[0]["record"] == schema.to_builtins(bad)
     assert not (tmp_path / "p1" / "dead_letter.jsonl").exists()
 
@@ -282,3 +312,34 @@ def test_allgather_round_trips_in_one_process():
     failures = {"g1": [Reason.ROUTED_EXPERTS, "expert id 9 >= num_experts 8"]}
     assert allgather_from_processes(failures) == [failures]
     assert merge_failures([{}, failures, {"g1": ["other", "x"]}]) == failures
+
+
+def test_compact_tokens_and_logprobs_headers_are_checked_on_arrival():
+    g = _group(None)
+    t = g.trajectories[0]
+    tokens, logprobs = packed.pack_array(t.tokens, "int32"), packed.pack_array(t.logprobs, "float32")
+    cfg, shape = FeedConfig(max_traj_tokens=128, seq_len=128), ModelShape(256, 2, 2, 8)
+
+    def reason(**fields):
+        one = msgspec.structs.replace(g, trajectories=[msgspec.structs.replace(t, **fields)]
+                                      + g.trajectories[1:])
+        try:
+            validate_group(one, cfg, shape)
+        except Rejected as e:
+            return e.reason, e.detail
+        return None
+
+    assert reason(tokens=tokens, logprobs=logprobs) is None
+    for fields, want, words in [
+            (dict(tokens=msgspec.structs.replace(tokens, dtype="float32")), Reason.BAD_ENCODING,
+             "tokens: dtype 'float32'"),
+            (dict(tokens=msgspec.structs.replace(tokens, shape=[6, 2])), Reason.BAD_ENCODING,
+             "tokens: shape [6, 2] is not 1-d"),
+            (dict(tokens=msgspec.structs.replace(tokens, b64=tokens.b64[:-8])), Reason.BAD_ENCODING,
+             "needs 48 bytes"),
+            (dict(logprobs=msgspec.structs.replace(logprobs, dtype="int32")), Reason.BAD_ENCODING,
+             "logprobs: dtype 'int32'"),
+            (dict(tokens=packed.pack_array(t.tokens[:-1], "int32")), Reason.LENGTH_MISMATCH,
+             "11 tokens, 12 loss_mask, 12 logprobs")]:
+        got = reason(**fields)
+        assert got is not None and got[0] == want and words in got[1], (fields, got)

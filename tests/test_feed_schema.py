@@ -111,7 +111,7 @@ def test_decode_errors_are_classified():
 # matching lengths, limits from the config, duplicate ids, and the decoder's nesting limit.
 LEARNER_ONLY = {Reason.LENGTH_MISMATCH, Reason.RECORD_TOO_LARGE, Reason.TOO_MANY_TRAJECTORIES,
                 Reason.TOO_LONG, Reason.TOKEN_OUT_OF_VOCAB, Reason.ROUTED_EXPERTS,
-                Reason.ROUTED_ENCODING,
+                Reason.BAD_ENCODING,
                 Reason.GROUP_TOO_LARGE, Reason.DUPLICATE_GROUP, Reason.DUPLICATE_TRAJECTORY,
                 Reason.TOO_DEEPLY_NESTED}
 
@@ -146,6 +146,20 @@ def test_schema_accepts_exactly_the_learner_only_malformed_records(validator):
 def test_schema_accepts_every_valid_record(validator):
     for line in (ROOT / "data" / "sample_feed.jsonl").read_text().splitlines()[:40]:
         assert validator.is_valid(json.loads(line))
+
+
+def test_schema_checks_the_compact_forms(validator):
+    spec = synthetic.SyntheticSpec(p_routed=1.0, routed_encoding="packed", token_encoding="packed")
+    rec = schema.to_builtins(synthetic.make_groups(1, seed=5, spec=spec)[0])
+    assert validator.is_valid(rec)
+    t = next(t for t in rec["trajectories"] if t["outcome"] != "infra_error")
+    for field, key, value in [("tokens", "dtype", "float32"), ("logprobs", "dtype", "uint8"),
+                              ("routed_experts", "dtype", "int32"), ("tokens", "shape", [2, 3]),
+                              ("routed_experts", "shape", [4]), ("tokens", "b64", "not*base64")]:
+        bad = json.loads(json.dumps(rec))
+        next(x for x in bad["trajectories"] if x["trajectory_id"] == t["trajectory_id"])[
+            field][key] = value
+        assert not validator.is_valid(bad), (field, key, value)
 
 
 _MUTATIONS = [

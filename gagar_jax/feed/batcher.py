@@ -26,7 +26,7 @@ from etils import epath
 
 from gagar_jax import batch as batch_lib
 from gagar_jax import grading
-from gagar_jax.feed import packing, schema
+from gagar_jax.feed import packed, packing, schema
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.deadletter import DeadLetter, Oversized
 from gagar_jax.feed.ledger import Ledger
@@ -252,7 +252,7 @@ class Feed:
                 return None
             selected, plan = picked
             batch, info, failures = self._assemble(selected, plan)
-            if self.cfg.routing_replay:     # else no payload is decoded: nothing to agree
+            if self._decodes_payloads(selected):   # else no process can have failed alone
                 failures = self.agree(failures)
             if not failures:
                 break
@@ -303,6 +303,18 @@ class Feed:
         self.buffer = deferred + queue
         self.ledger.leftover = len(self.buffer)
         return (selected, plan) if selected else None
+
+    def _decodes_payloads(self, groups: list) -> bool:
+        """Whether building these groups' rows decodes a compact payload somewhere (known to
+        every process alike, from the records' headers)."""
+        for pg in groups:
+            for t in pg.trajectories:
+                if isinstance(t.tokens, packed.LazyArray) or isinstance(t.logprobs,
+                                                                        packed.LazyArray):
+                    return True
+                if self.cfg.routing_replay and isinstance(t.routed, packed.RoutedPayload):
+                    return True
+        return False
 
     def _quarantine_built(self, selected: list, failures: dict) -> None:
         """Quarantines the groups whose rows failed to build (on every process alike); the

@@ -28,7 +28,12 @@ import numpy as np
 from gagar_jax.feed import schema
 
 # Little-endian on every host, whatever the machine's byte order.
-DTYPES = {"uint8": np.dtype("<u1"), "uint16": np.dtype("<u2")}
+DTYPES = {"uint8": np.dtype("<u1"), "uint16": np.dtype("<u2"), "int32": np.dtype("<i4"),
+          "uint32": np.dtype("<u4"), "float32": np.dtype("<f4")}
+# What each field may use (docs/feed.md, "Compact arrays").
+ROUTED_DTYPES = schema.ROUTED_DTYPES
+TOKEN_DTYPES = schema.TOKEN_DTYPES
+LOGPROB_DTYPES = schema.LOGPROB_DTYPES
 
 
 class PayloadError(ValueError):
@@ -40,8 +45,11 @@ class PayloadError(ValueError):
         self.detail = detail
 
 
-ENCODING = "routed_experts_encoding"    # = validate.Reason.ROUTED_ENCODING
-SHAPE = "routed_experts_shape"          # = validate.Reason.ROUTED_EXPERTS
+# Reasons these checks report (validate.Reason holds them with the others).
+ENCODING = "bad_encoding"               # a compact array that cannot be read
+SHAPE = "routed_experts_shape"          # routing that does not match the model
+VOCAB = "token_out_of_vocab"
+NON_FINITE = "non_finite"
 
 
 def _no_record(dtype: np.dtype) -> int:
@@ -66,11 +74,11 @@ def pack(ids: np.ndarray, dtype: Optional[str] = None) -> schema.PackedArray:
         raise ValueError(f"ids must be >= -1, got {low}")
     has_none = low == -1
     if dtype is None:
-        dtype = next(name for name, dt in DTYPES.items()
-                     if top < _no_record(dt) or (top == _no_record(dt) and not has_none)
-                     or name == "uint16")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+        dtype = next(name for name in ROUTED_DTYPES
+                     if top < _no_record(DTYPES[name])
+                     or (top == _no_record(DTYPES[name]) and not has_none) or name == "uint16")
+    if dtype not in ROUTED_DTYPES:
+        raise ValueError(f"dtype must be one of {ROUTED_DTYPES}, got {dtype!r}")
     dt = DTYPES[dtype]
     sentinel = _no_record(dt)
     if top > sentinel or (top == sentinel and has_none):
@@ -90,6 +98,35 @@ def _b64_bytes(text: str) -> Optional[int]:
     return n // 4 * 3 - pad
 
 
+def pack_array(values: np.ndarray, dtype: str) -> schema.PackedArray:
+    """Encodes `tokens` ("int32" / "uint32") or `logprobs` ("float32") as a `PackedArray`."""
+    if dtype not in TOKEN_DTYPES + LOGPROB_DTYPES:
+        raise ValueError(f"dtype must be one of {TOKEN_DTYPES + LOGPROB_DTYPES}, got {dtype!r}")
+    values = np.asarray(values)
+    raw = values.astype(DTYPES[dtype]).tobytes()
+    return schema.PackedArray(dtype=dtype, shape=[int(d) for d in values.shape],
+                              b64=binascii.b2a_base64(raw, newline=False).decode("ascii"))
+
+
+def array_error(packed: schema.PackedArray, field: str, dtypes: tuple,
+                ndim: int) -> Optional[PayloadError]:
+    """What is wrong with a compact array's dtype, rank or byte length (None: nothing),
+    found without decoding it."""
+    if packed.dtype not in dtypes:
+        return PayloadError(ENCODING, f"{field}: dtype {packed.dtype!r}, expected one of {dtypes}")
+    shape = tuple(packed.shape)
+    if len(shape) != ndim or (shape and min(shape) < 0):
+        return PayloadError(ENCODING, f"{field}: shape {list(shape)} is not {ndim}-d with "
+                            "sizes >= 0")
+    want = int(np.prod(shape)) * DTYPES[packed.dtype].itemsize
+    got = _b64_bytes(packed.b64)
+    if got != want:
+        size = "not a padded base64 length" if got is None else f"{got} bytes"
+        return PayloadError(ENCODING, f"{field}: b64 holds {size} ({len(packed.b64)} "
+                            f"characters), shape {list(shape)} of {packed.dtype} needs {want} bytes")
+    return None
+
+
 def header_error(packed: schema.PackedArray, n_tokens: int, n_generated: int,
                  layers: int, top_k: int) -> Optional[PayloadError]:
     """What is wrong with a packed routed_experts, found without decoding it (None: nothing).
@@ -99,35 +136,63 @@ def header_error(packed: schema.PackedArray, n_tokens: int, n_generated: int,
       n_tokens, n_generated: the trajectory's token count and generated-token count.
       layers, top_k: the model's L and K.
     """
-    if packed.dtype not in DTYPES:
-        return PayloadError(ENCODING, f"dtype {packed.dtype!r}, expected one of {tuple(DTYPES)}")
+    err = array_error(packed, "routed_experts", ROUTED_DTYPES, 3)
+    if err is not None:
+        return err
     shape = tuple(packed.shape)
-    if len(shape) != 3 or min(shape) < 0:
-        return PayloadError(ENCODING, f"shape {list(shape)} is not [n, L, K] of sizes >= 0")
     if shape[1:] != (layers, top_k) or shape[0] not in (n_tokens, n_generated):
         return PayloadError(SHAPE, f"routed_experts shape {list(shape)}, expected [n, {layers}, "
                             f"{top_k}] with n = {n_generated} generated tokens or {n_tokens} tokens")
-    want = int(np.prod(shape)) * DTYPES[packed.dtype].itemsize
-    got = _b64_bytes(packed.b64)
-    if got != want:
-        size = "not a padded base64 length" if got is None else f"{got} bytes"
-        return PayloadError(ENCODING, f"b64 holds {size} ({len(packed.b64)} characters), shape "
-                            f"{list(shape)} of {packed.dtype} needs {want} bytes")
     return None
+
+
+def _raw(packed: schema.PackedArray, field: str) -> np.ndarray:
+    try:
+        raw = binascii.a2b_base64(packed.b64, strict_mode=True)
+    except (binascii.Error, ValueError) as e:
+        raise PayloadError(ENCODING, f"{field}: b64 is not valid base64: {e}") from None
+    values = np.frombuffer(raw, DTYPES[packed.dtype])
+    size = int(np.prod(packed.shape))
+    if values.size != size:
+        raise PayloadError(ENCODING, f"{field}: b64 decodes to {values.size} {packed.dtype} "
+                           f"values, shape {list(packed.shape)} needs {size}")
+    return values
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyArray:
+    """A trajectory's compact `tokens` or `logprobs`, kept as text until its row is built.
+
+    `length`: values kept (after any truncation); `vocab_size`: tokens are checked against it
+    (None: logprobs, checked finite).
+    """
+
+    packed: schema.PackedArray
+    field: str
+    length: int
+    vocab_size: Optional[int] = None
+
+
+def decode_array(lazy: LazyArray) -> np.ndarray:
+    """The first `length` values: int32 token ids in [0, V), or finite float32 log-probs.
+
+    Raises `PayloadError` (bad base64, a token id out of the vocabulary, a non-finite value).
+    """
+    values = _raw(lazy.packed, lazy.field)[:lazy.length]
+    if lazy.vocab_size is None:
+        if not np.isfinite(values).all():
+            raise PayloadError(NON_FINITE, f"{lazy.field}: non-finite values")
+        return values.astype(np.float32)
+    if values.size and (int(values.min()) < 0 or int(values.max()) >= lazy.vocab_size):
+        raise PayloadError(VOCAB, f"{lazy.field}: token ids must be in [0, {lazy.vocab_size}), "
+                           f"got [{int(values.min())}, {int(values.max())}]")
+    return values.astype(np.int32)
 
 
 def _values(packed: schema.PackedArray, num_experts: Optional[int]) -> tuple:
     """(flat unsigned values, all-ones value, whether all-ones means no record), checked."""
     dt = DTYPES[packed.dtype]
-    try:
-        raw = binascii.a2b_base64(packed.b64, strict_mode=True)
-    except (binascii.Error, ValueError) as e:
-        raise PayloadError(ENCODING, f"b64 is not valid base64: {e}") from None
-    values = np.frombuffer(raw, dt)
-    size = int(np.prod(packed.shape))
-    if values.size != size:
-        raise PayloadError(ENCODING, f"b64 decodes to {values.size} {packed.dtype} values, "
-                           f"shape {list(packed.shape)} needs {size}")
+    values = _raw(packed, "routed_experts")
     sentinel = _no_record(dt)
     hi = num_experts if num_experts is not None else sentinel
     no_record = hi <= sentinel          # all-ones is not an expert id: it means no record

@@ -119,17 +119,17 @@ def build_rows(plan: PackPlan, trajectories: Sequence, rows: slice, seq_len: int
         r -= rows.start
         a = int(plan.offset_T[i])
         b = a + traj.length
-        out.tokens[r, a:b] = traj.tokens
+        try:            # compact payloads are decoded (and checked) here, for these rows only
+            out.tokens[r, a:b] = traj.token_rows()
+            out.old_logprobs[r, a:b] = traj.logprob_rows() * traj.loss_mask
+            if out.routed is not None and traj.routed is not None:
+                traj.routed_rows(out.routed[r, a:b])     # decoded in place
+        except packed.PayloadError as e:
+            out.failures[i] = (e.reason, f"trajectory {traj.trajectory_id!r}: {e.detail}")
         out.segment_ids[r, a:b] = plan.segment_T[i]
         out.positions[r, a:b] = np.arange(traj.length)
         out.traj_index[r, a:b] = i
         out.loss_mask[r, a:b] = traj.loss_mask
-        out.old_logprobs[r, a:b] = traj.logprobs * traj.loss_mask
-        if out.routed is not None and traj.routed is not None:
-            try:
-                traj.routed_rows(out.routed[r, a:b])     # decoded in place
-            except packed.PayloadError as e:
-                out.failures[i] = (e.reason, f"trajectory {traj.trajectory_id!r}: {e.detail}")
     return out
 
 

@@ -39,6 +39,8 @@ class SyntheticSpec:
     # routed_experts as nested lists ("list"), or compact ("packed": `schema.PackedArray`, the
     # ids drawn with a fast generator: K distinct experts per token and layer, evenly strided).
     routed_encoding: str = "list"
+    # tokens and logprobs as lists ("list") or compact ("packed": int32 / float32 arrays).
+    token_encoding: str = "list"
 
 
 def _trajectory(rng: np.random.Generator, spec: SyntheticSpec, tid: str, outcome: str,
@@ -67,9 +69,12 @@ def _trajectory(rng: np.random.Generator, spec: SyntheticSpec, tid: str, outcome
         rexp = np.stack([rng.permutation(spec.num_experts)[:spec.top_k]
                          for _ in range(n_gen * spec.num_moe_layers)])
         rexp = rexp.reshape(n_gen, spec.num_moe_layers, spec.top_k).tolist()
+    compact = spec.token_encoding == "packed"
     return schema.Trajectory(
-        trajectory_id=tid, tokens=tokens.tolist(), loss_mask=mask.tolist(),
-        logprobs=[float(x) for x in logprobs], outcome=outcome, routed_experts=rexp,
+        trajectory_id=tid, loss_mask=mask.tolist(), outcome=outcome, routed_experts=rexp,
+        tokens=packed.pack_array(tokens, "int32") if compact else tokens.tolist(),
+        logprobs=(packed.pack_array(logprobs, "float32") if compact
+                  else [float(x) for x in logprobs]),
         adjustment=float(-round(0.1 * max(0, n - 0.9 * spec.max_len) / spec.max_len, 4)))
 
 
@@ -90,7 +95,8 @@ def make_group(rng: np.random.Generator, index: int,
     for j, outcome in enumerate(outcomes):
         t = _trajectory(rng, spec, f"g{index:06d}-t{j}", outcome, routed)
         if outcome == "infra_error":
-            t = msgspec.structs.replace(t, tokens=t.tokens[:5], loss_mask=[0] * 5,
+            head = t.tokens[:5] if isinstance(t.tokens, list) else [1, 2, 3, 4, 5]
+            t = msgspec.structs.replace(t, tokens=head, loss_mask=[0] * 5,
                                     logprobs=[0.0] * 5, routed_experts=None)
         if outcome == "pass":
             if direct:
@@ -159,7 +165,7 @@ def malformed_records(seed: int = 0) -> list:
         p = packed.pack(np.zeros((n_gen, spec.num_moe_layers, spec.top_k), np.int64), "uint8")
         t["routed_experts"] = schema.to_builtins(msgspec.structs.replace(p, b64=p.b64[:-4]))
 
-    variant("routed_experts_encoding", lambda r, t: short_payload(t))
+    variant("bad_encoding", lambda r, t: short_payload(t))
     variant("duplicate_trajectory_id", lambda r, t: r["trajectories"][1].update(
         trajectory_id=t["trajectory_id"]))
     variant("no_valid_trajectory", lambda r, t: [x.update(outcome="infra_error")

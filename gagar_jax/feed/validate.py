@@ -25,13 +25,13 @@ class Reason:
     DUPLICATE_TRAJECTORY = "duplicate_trajectory_id"
     LENGTH_MISMATCH = "length_mismatch"          # loss_mask / logprobs length != tokens length
     BAD_LOSS_MASK = "bad_loss_mask"              # values other than 0/1, or first token generated
-    TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
-    NON_FINITE = "non_finite"                    # NaN/inf log-prob or adjustment
+    TOKEN_OUT_OF_VOCAB = packed.VOCAB
+    NON_FINITE = packed.NON_FINITE               # NaN/inf log-prob or adjustment
     BAD_QUALITY = "bad_quality"                  # tier without rank, tier and factor together
     TOO_LONG = "trajectory_too_long"             # over max_traj_tokens (truncate_long=False)
     NO_GENERATED_TOKENS = "no_generated_tokens"  # a valid trajectory with no loss_mask=1 token
     ROUTED_EXPERTS = packed.SHAPE                # routed_experts does not match the model
-    ROUTED_ENCODING = packed.ENCODING            # a packed routed_experts that cannot be read
+    BAD_ENCODING = packed.ENCODING               # a compact array that cannot be read
     NO_VALID_TRAJECTORY = "no_valid_trajectory"  # empty, or every trajectory an infra error
     GROUP_TOO_LARGE = "group_too_large"          # cannot fit one global batch
     ID_TOO_LONG = "id_too_long"                  # group/task/trajectory id over MAX_ID_CHARS
@@ -66,9 +66,9 @@ class ModelShape:
 @dataclasses.dataclass
 class ParsedTrajectory:
     trajectory_id: str
-    tokens: np.ndarray              # int32 [n]
+    tokens: Any                     # int32 [n], or a `packed.LazyArray` (decoded when built)
     loss_mask: np.ndarray           # float32 [n] 0/1
-    logprobs: np.ndarray            # float32 [n]
+    logprobs: Any                   # float32 [n], or a `packed.LazyArray`
     # int32 [n, L, K] (token t as the input), a `packed.RoutedPayload` decoded only when its
     # row is built (`routed_rows`), or None.
     routed: Any
@@ -81,7 +81,19 @@ class ParsedTrajectory:
 
     @property
     def length(self) -> int:
-        return int(self.tokens.shape[0])
+        return int(self.loss_mask.shape[0])
+
+    def token_rows(self) -> np.ndarray:
+        """int32 [n] token ids; a compact payload is decoded (and checked) now."""
+        if isinstance(self.tokens, packed.LazyArray):
+            return packed.decode_array(self.tokens)
+        return self.tokens
+
+    def logprob_rows(self) -> np.ndarray:
+        """float32 [n] behavior log-probs; a compact payload is decoded (and checked) now."""
+        if isinstance(self.logprobs, packed.LazyArray):
+            return packed.decode_array(self.logprobs)
+        return self.logprobs
 
     def routed_rows(self, out: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
         """int32 [n, L, K] routed ids (-1 = no record), decoding a packed payload now.
@@ -188,25 +200,40 @@ def _quality(traj: schema.Trajectory, where: str) -> tuple[int, int, float]:
     return schema.TIER_CODES[q.tier], int(q.rank), float("nan")
 
 
+def _length(values, field: str, dtypes: tuple, where: str) -> int:
+    """A list's length, or a compact array's (after checking its header)."""
+    if isinstance(values, schema.PackedArray):
+        err = packed.array_error(values, field, dtypes, 1)
+        if err is not None:
+            raise Rejected(err.reason, f"{where}: {err.detail}")
+        return int(values.shape[0])
+    return len(values)
+
+
 def _trajectory(traj: schema.Trajectory, limits, shape: ModelShape, where: str):
-    n = len(traj.tokens)
-    if len(traj.loss_mask) != n or len(traj.logprobs) != n:
+    n = _length(traj.tokens, "tokens", schema.TOKEN_DTYPES, where)
+    n_logprobs = _length(traj.logprobs, "logprobs", schema.LOGPROB_DTYPES, where)
+    if len(traj.loss_mask) != n or n_logprobs != n:
         raise Rejected(Reason.LENGTH_MISMATCH,
                        f"{where}: {n} tokens, {len(traj.loss_mask)} loss_mask, "
-                       f"{len(traj.logprobs)} logprobs")
+                       f"{n_logprobs} logprobs")
+    # Compact tokens / logprobs are checked (vocabulary, finite) when their row is built.
+    compact_tokens = isinstance(traj.tokens, schema.PackedArray)
+    compact_logprobs = isinstance(traj.logprobs, schema.PackedArray)
     try:
-        tokens = np.asarray(traj.tokens, np.int64)
+        tokens = None if compact_tokens else np.asarray(traj.tokens, np.int64)
         mask = np.asarray(traj.loss_mask, np.int64)
     except OverflowError:
         raise Rejected(Reason.TOKEN_OUT_OF_VOCAB, f"{where}: integer out of range") from None
-    if n and (tokens.min() < 0 or tokens.max() >= shape.vocab_size):
+    if tokens is not None and n and (tokens.min() < 0 or tokens.max() >= shape.vocab_size):
         raise Rejected(Reason.TOKEN_OUT_OF_VOCAB, f"{where}: token ids must be in "
                        f"[0, {shape.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
     if n and (((mask != 0) & (mask != 1)).any() or mask[0] == 1):
         raise Rejected(Reason.BAD_LOSS_MASK, f"{where}: loss_mask must be 0/1 and 0 at the "
                        "first token (it has no context to be predicted from)")
-    logprobs = np.asarray(traj.logprobs, np.float64)
-    if not np.isfinite(logprobs).all() or not np.isfinite(traj.adjustment):
+    logprobs = None if compact_logprobs else np.asarray(traj.logprobs, np.float64)
+    if (logprobs is not None and not np.isfinite(logprobs).all()) or not np.isfinite(
+            traj.adjustment):
         raise Rejected(Reason.NON_FINITE, f"{where}: non-finite logprobs or adjustment")
     tier, rank, factor = _quality(traj, where)
     keep = min(n, limits.max_traj_tokens)
@@ -216,14 +243,20 @@ def _trajectory(traj: schema.Trajectory, limits, shape: ModelShape, where: str):
             raise Rejected(Reason.TOO_LONG,
                            f"{where}: {n} tokens > max_traj_tokens {limits.max_traj_tokens}")
         n = keep
-        tokens, mask, logprobs = tokens[:n], mask[:n], logprobs[:n]
+        mask = mask[:n]
+        tokens = tokens if tokens is None else tokens[:n]
+        logprobs = logprobs if logprobs is None else logprobs[:n]
         routed = routed[:n] if isinstance(routed, np.ndarray) else routed
     if not mask.any():
         raise Rejected(Reason.NO_GENERATED_TOKENS, f"{where}: no loss_mask=1 token")
     return ParsedTrajectory(
-        trajectory_id=traj.trajectory_id, tokens=tokens.astype(np.int32),
-        loss_mask=mask.astype(np.float32), logprobs=logprobs.astype(np.float32), routed=routed,
-        reward=1.0 if traj.outcome == "pass" else 0.0, hacked=bool(traj.hacked),
+        trajectory_id=traj.trajectory_id,
+        tokens=(packed.LazyArray(traj.tokens, "tokens", n, shape.vocab_size) if compact_tokens
+                else tokens.astype(np.int32)),
+        loss_mask=mask.astype(np.float32),
+        logprobs=(packed.LazyArray(traj.logprobs, "logprobs", n) if compact_logprobs
+                  else logprobs.astype(np.float32)),
+        routed=routed, reward=1.0 if traj.outcome == "pass" else 0.0, hacked=bool(traj.hacked),
         tier=tier, rank=rank, factor=factor, adjustment=float(traj.adjustment))
 
 
