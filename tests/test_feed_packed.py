@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gagar_jax.feed import Feed, FeedConfig, IteratorSource, Reason, packed, schema, synthetic
-from gagar_jax.feed.batcher import merge_failures
+from gagar_jax.feed.multihost import merge_failures
 from gagar_jax.feed.shards import ShardReader
 from gagar_jax.feed.sources import FileSource
 from gagar_jax.feed.validate import ModelShape, Rejected, validate_group
@@ -308,7 +308,7 @@ def test_convert_compacts_routing_and_the_feed_reads_it_the_same(tmp_path):
 
 
 def test_allgather_round_trips_in_one_process():
-    from gagar_jax.feed.sources import allgather_from_processes
+    from gagar_jax.feed.multihost import allgather_from_processes
     failures = {"g1": [Reason.ROUTED_EXPERTS, "expert id 9 >= num_experts 8"]}
     assert allgather_from_processes(failures) == [failures]
     assert merge_failures([{}, failures, {"g1": ["other", "x"]}]) == failures

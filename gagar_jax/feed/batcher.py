@@ -30,8 +30,8 @@ from gagar_jax.feed import packed, packing, schema
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.deadletter import DeadLetter, Oversized
 from gagar_jax.feed.ledger import Ledger
-from gagar_jax.feed.sources import (FileSource, SourceEvents, SpoolSource,
-                                    allgather_from_processes, broadcast_from_process0)
+from gagar_jax.feed.multihost import agree_across_processes
+from gagar_jax.feed.sources import SourceEvents, make_source
 from gagar_jax.feed.validate import (ModelShape, ParsedGroup, Reason, Rejected,
                                      classify_decode_error, validate_group)
 
@@ -63,40 +63,6 @@ class BatchInfo:
     rows_used: int
     packing_efficiency: float   # tokens / (B * S)
     counts: dict                # ledger deltas during this call (received, filtered, quarantined)
-
-
-def merge_failures(per_process: list) -> dict:
-    """The union of every process's row-build failures ({group_id: [reason, detail]}).
-
-    A group any process failed to build is failed everywhere; for a group several processes
-    report, the lowest process's entry wins, so every process writes the same.
-    """
-    merged: dict = {}
-    for failures in per_process:
-        for group_id, entry in failures.items():
-            merged.setdefault(group_id, list(entry))
-    return merged
-
-
-def _agree_across_processes(failures: dict) -> dict:
-    return merge_failures(allgather_from_processes(failures))
-
-
-def make_source(cfg: FeedConfig, *, process_count: int = 1, log: Callable[[str], None] = print,
-                stop: Optional[Callable[[], bool]] = None):
-    """The source `cfg` names: the spool directory if set, else the file/glob `path`.
-
-    `stop` (spool only, one process) ends an idle wait, e.g. on preemption.
-    """
-    if cfg.spool_dir:
-        return SpoolSource(cfg.spool_dir, poll_s=cfg.spool_poll_s, timeout_s=cfg.spool_timeout_s,
-                           log_every_s=cfg.spool_log_every_s, log=log,
-                           agree=broadcast_from_process0 if process_count > 1 else None,
-                           stop=stop if process_count == 1 else None,
-                           settle_s=cfg.spool_settle_s, max_record_bytes=cfg.max_record_bytes)
-    if cfg.path:
-        return FileSource(cfg.path, max_record_bytes=cfg.max_record_bytes)
-    raise ValueError("feed: set feed.path (file or glob) or feed.spool_dir, or pass a source")
 
 
 class Feed:
@@ -141,7 +107,7 @@ class Feed:
         self.seen_group_ids: dict = {}
         self.exhausted = False
         self.on_idle: Callable[[], None] = lambda: None   # the trainer drains finished steps
-        self.agree = agree or (_agree_across_processes if process_count > 1 else
+        self.agree = agree or (agree_across_processes if process_count > 1 else
                                (lambda failures: failures))
         self._busy = False            # inside next_batch: the ledger is mid-update
         self._ledger_written = -math.inf

@@ -1,21 +1,25 @@
-"""Compact integer arrays in feed records (`schema.PackedArray`) and their lazy decode.
+"""Compact arrays in feed records (`schema.PackedArray`) and their lazy decode.
 
 `routed_experts` for a 200k-token trajectory of a 47-layer top-8 model is ~75M ids: as nested
 JSON lists that is ~200 MB of text and seconds of parsing on every host. The compact form
-carries the same ids as little-endian `uint8` / `uint16` bytes in base64, with the shape beside
-them (docs/feed.md, "Compact arrays"):
+carries the same values as little-endian bytes in base64, with the shape beside them
+(docs/feed.md, "Compact arrays"):
 
-    {"dtype": "uint8", "shape": [n, L, K], "b64": "..."}
+    {"dtype": "uint8", "shape": [n, L, K], "b64": "..."}     # routed_experts: uint8 / uint16
+    {"dtype": "int32", "shape": [n], "b64": "..."}           # tokens: int32 / uint32
+    {"dtype": "float32", "shape": [n], "b64": "..."}         # logprobs
 
-A value is an expert id, except the dtype's all-ones value (255 / 65535), which means "no
-record" (-1 in the list form) whenever it is not a valid expert id (E <= 255 for uint8).
+A routing value is an expert id, except the dtype's all-ones value (255 / 65535), which means
+"no record" (-1 in the list form) whenever it is not a valid expert id (E <= 255 for uint8).
 
 Decoding is split so that multi-host learners stay cheap and consistent:
-- `header_error` (every host, every record): dtype, shape and the byte length implied by the
-  base64 text's length, without decoding a byte;
-- `decode_routed` (only the host that builds the row holding the trajectory): base64 ->
-  numpy, ids checked against E. Its failures are agreed between hosts by the batcher before a
-  batch is handed out (`gagar_jax.feed.batcher`), so every host quarantines the same group.
+- `array_error` / `header_error` (every host, every record): dtype, shape and the byte length
+  implied by the base64 text's length, without decoding a byte (lengths are all the packing
+  plan needs);
+- `decode_array` / `decode_routed` (only the host that builds the row holding the trajectory):
+  base64 -> numpy, values checked (vocabulary, finite, ids < E). Their failures are agreed
+  between hosts by the batcher before a batch is handed out (`gagar_jax.feed.batcher`), so
+  every host quarantines the same group.
 """
 from __future__ import annotations
 

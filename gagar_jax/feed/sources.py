@@ -8,15 +8,15 @@ Paths go through `etils.epath` (local disk, GCS, S3). Sources never crash on wha
 """
 from __future__ import annotations
 
-import json
 import os
 import stat as stat_lib
 import time
 from typing import Any, Callable, Iterable, Optional
 
-import numpy as np
 from etils import epath
 
+from gagar_jax.feed.config import FeedConfig
+from gagar_jax.feed.multihost import broadcast_from_process0
 from gagar_jax.feed.shards import (ARRAYRECORD_SUFFIXES, DONE_MARKER, JSONL_SUFFIXES,  # noqa: F401
                                    RawRecord, ShardReader, SourceEvents, is_remote, open_shard,
                                    read_next, shard_encoding)
@@ -68,27 +68,6 @@ class FileSource:
                                       self.events)
             if self._reader is None:
                 self._file += 1
-
-
-def broadcast_from_process0(obj: Any) -> Any:
-    """Every process gets process 0's JSON-able `obj` (so all processes see one spool listing)."""
-    from jax.experimental import multihost_utils
-    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-    n = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
-    buf = np.zeros(n, np.uint8)
-    buf[:min(n, data.size)] = data[:n]
-    return json.loads(bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))))
-
-
-def allgather_from_processes(obj: Any) -> list:
-    """Every process's JSON-able `obj`, in process order (one small all-gather)."""
-    from jax.experimental import multihost_utils
-    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.int32(data.size))).reshape(-1)
-    buf = np.zeros(int(sizes.max()), np.uint8)
-    buf[:data.size] = data
-    bufs = np.asarray(multihost_utils.process_allgather(buf)).reshape(sizes.size, -1)
-    return [json.loads(bytes(bufs[p, :int(n)])) for p, n in enumerate(sizes)]
 
 
 def _ignored(name: str) -> bool:
@@ -284,3 +263,20 @@ class IteratorSource:
             if next(self._it, None) is None:
                 break
         self.consumed = int(state["consumed"])
+
+
+def make_source(cfg: FeedConfig, *, process_count: int = 1, log: Callable[[str], None] = print,
+                stop: Optional[Callable[[], bool]] = None):
+    """The source `cfg` names: the spool directory if set, else the file/glob `path`.
+
+    `stop` (spool only, one process) ends an idle wait, e.g. on preemption.
+    """
+    if cfg.spool_dir:
+        return SpoolSource(cfg.spool_dir, poll_s=cfg.spool_poll_s, timeout_s=cfg.spool_timeout_s,
+                           log_every_s=cfg.spool_log_every_s, log=log,
+                           agree=broadcast_from_process0 if process_count > 1 else None,
+                           stop=stop if process_count == 1 else None,
+                           settle_s=cfg.spool_settle_s, max_record_bytes=cfg.max_record_bytes)
+    if cfg.path:
+        return FileSource(cfg.path, max_record_bytes=cfg.max_record_bytes)
+    raise ValueError("feed: set feed.path (file or glob) or feed.spool_dir, or pass a source")
