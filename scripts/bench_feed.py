@@ -14,6 +14,7 @@ share of the step. Writes the "## Feed (scripts/bench_feed.py)" section of docs/
 """
 import argparse
 import dataclasses
+import itertools
 import pathlib
 import re
 import tempfile
@@ -127,7 +128,7 @@ def long_row_budget(fraction: float, tmp: pathlib.Path, repeats: int) -> dict:
     """
     need = step_consumption()
     rows = max(1, round(STEP_TOKENS // ROW_TOKENS * fraction))
-    spec = synthetic.SyntheticSpec(
+    base = synthetic.SyntheticSpec(
         vocab_size=need["vocab_size"], min_len=65_536, max_len=ROW_TOKENS, min_group=8,
         max_group=8, p_uniform=0.0, p_infra=0.0, p_routed=1.0, routed_encoding="packed",
         num_moe_layers=need["num_moe_layers"], top_k=need["top_k"],
@@ -141,33 +142,38 @@ def long_row_budget(fraction: float, tmp: pathlib.Path, repeats: int) -> dict:
                  top_k=need["top_k"], num_experts=need["num_experts"])
     # About three batches of groups, generated one at a time (this machine cannot hold a
     # whole step of them twice).
-    mean_group = 8 * (spec.min_len + spec.max_len) / 2
+    mean_group = 8 * (base.min_len + base.max_len) / 2
     num_groups = max(3, round(3 * rows * ROW_TOKENS / mean_group))
-    rng = np.random.default_rng(0)
-    jsonl = tmp / "long_rows.jsonl"
-    convert.write_groups(jsonl, (synthetic.make_group(rng, i, spec) for i in range(num_groups)))
     out = []
-    for suffix in ("jsonl", "arrayrecord"):
-        path = tmp / f"long_rows.{suffix}"
-        if suffix != "jsonl":
+    for tokens_as, suffix in itertools.product(("list", "packed"), ("jsonl", "arrayrecord")):
+        spec = dataclasses.replace(base, token_encoding=tokens_as)
+        jsonl = tmp / f"long_rows_{tokens_as}.jsonl"
+        path = tmp / f"long_rows_{tokens_as}.{suffix}"
+        if suffix == "jsonl":
+            rng = np.random.default_rng(0)
+            convert.write_groups(jsonl, (synthetic.make_group(rng, i, spec)
+                                         for i in range(num_groups)))
+        else:
             convert.convert(jsonl, path)
         s_off, tokens, batches, eff = _time_feed(off, path, tmp / f"off-{suffix}", model, repeats)
         s_on, tokens_on, _, _ = _time_feed(cfg, path, tmp / f"on-{suffix}", model, repeats)
         assert tokens_on == tokens
         s_pod = s_off + (s_on - s_off) * rows / HOSTS
-        r = dict(encoding=suffix, rows=rows, tokens=tokens, batches=batches, groups=num_groups,
+        r = dict(encoding=suffix, tokens_as=tokens_as, rows=rows, tokens=tokens, batches=batches,
+                 groups=num_groups,
                  mb=path.stat().st_size / 2**20, efficiency=eff,
                  seconds=dict(off=s_off, on=s_on, pod=s_pod))
         r["tokens_s"] = {k: tokens / v for k, v in r["seconds"].items()}
         r["ratio"] = {k: v / need["tokens_per_s"] for k, v in r["tokens_s"].items()}
-        print(f"long rows {suffix:12s} {batches} batches of {rows} x {ROW_TOKENS}, {tokens:,} "
+        print(f"long rows {suffix:12s} tokens {tokens_as:6s} {batches} batches of {rows} x {ROW_TOKENS}, {tokens:,} "
               f"tokens in {num_groups} groups, {r['mb']:.0f} MiB; per host, x the step's "
               f"{need['tokens_per_s']:,.0f} tokens/s: "
               + ", ".join(f"{k} {r['seconds'][k]:.2f} s = {r['tokens_s'][k]:,.0f} tokens/s = "
                           f"{r['ratio'][k]:.1f}x" for k in ("off", "on", "pod")))
         out.append(r)
-    for suffix in ("jsonl", "arrayrecord"):
-        (tmp / f"long_rows.{suffix}").unlink()
+        if suffix == "arrayrecord":
+            path.unlink()
+            jsonl.unlink()
     return dict(need=need, rows=out)
 
 
@@ -219,7 +225,8 @@ def _long_row_lines(long_rows: dict) -> list:
         "",
         "Measured: one host (process 0) reads a local shard, decodes and validates every "
         "record, plans the packing and builds its rows, decoding the packed routed_experts "
-        f"(47 x 8 uint8 ids per generated token) of its own rows only "
+        "(47 x 8 uint8 ids per generated token), and the compact tokens and logprobs where "
+        "the records carry them (`packed` rows), of its own rows only "
         "(`Feed.next_batch` until the shard is drained; tokens/s = packed tokens / CPU seconds "
         "of the process, the benchmark machine's 2 cores being shared). "
         "Trajectories of 64k-256k tokens (uniform), 8 per group, every group mixed. "
@@ -231,17 +238,19 @@ def _long_row_lines(long_rows: dict) -> list:
         f"{HOSTS} hosts (context parallelism), a host's routing share is 1/{HOSTS} of the "
         "step: off + (on - off) x rows / 128.",
         "",
-        "| encoding | batches x [rows, S] | tokens (groups) | shard MiB | replay off | replay "
-        "on, 1 row per host (measured) | pod share (estimate) |",
-        "|---|---|---|---|---|---|---|"]
+        "| encoding | tokens, logprobs | batches x [rows, S] | tokens (groups) | shard MiB | "
+        "replay off | replay on, 1 row per host (measured) | pod share (estimate) |",
+        "|---|---|---|---|---|---|---|---|"]
     for r in long_rows["rows"]:
         cells = [f"{r['seconds'][k]:.1f} s = {r['tokens_s'][k]:,.0f} tokens/s = "
                  f"**{r['ratio'][k]:.1f}x**" for k in ("off", "on", "pod")]
-        lines.append(f"| {r['encoding']} | {r['batches']} x [{r['rows']}, {ROW_TOKENS:,}] | "
+        lines.append(f"| {r['encoding']} | {r['tokens_as']} | {r['batches']} x [{r['rows']}, "
+                     f"{ROW_TOKENS:,}] | "
                      f"{r['tokens']:,} ({r['groups']}) | {r['mb']:,.0f} | " + " | ".join(cells)
                      + " |")
-    met = [r["encoding"] for r in long_rows["rows"] if r["ratio"]["pod"] >= 2.0]
-    missed = [r["encoding"] for r in long_rows["rows"] if r["ratio"]["pod"] < 2.0]
+    name = lambda r: f"{r['encoding']} with {r['tokens_as']} tokens"  # noqa: E731
+    met = [name(r) for r in long_rows["rows"] if r["ratio"]["pod"] >= 2.0]
+    missed = [name(r) for r in long_rows["rows"] if r["ratio"]["pod"] < 2.0]
     lines += [
         "", f"Goal: at least 2x the consumption at the pod share: met by "
         f"{', '.join(met) or 'none'}" + (f", missed by {', '.join(missed)}" if missed else "")
