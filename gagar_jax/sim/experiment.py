@@ -116,8 +116,10 @@ class Learner:
 
     def init_state(self, mode: str, warm: WarmStart, seed: int):
         """A fresh TrainState holding (copies of) the warm-start weights; fresh Adam moments."""
-        step_cfg = self.step_config(mode)
-        state, graphdef, shardings = init_train_state(step_cfg, self.mesh, jax.random.key(seed))
+        self.step_config(mode)   # validates the mode
+        # The state's structure does not depend on the advantage mode: one init compile for all.
+        state, graphdef, shardings = init_train_state(self.step_config("binary"), self.mesh,
+                                                      jax.random.key(seed))
         params = jax.device_put(warm.params, shardings.params)
         bias = jax.device_put(warm.router_bias, shardings.router_bias)
         return state.replace(params=params, router_bias=bias), graphdef, shardings
