@@ -41,7 +41,8 @@ def devices():
 # The longest files first: `make test` runs two xdist workers with a file per worker
 # (--dist loadfile), handed out in collection order, so a long file collected last would run
 # alone at the end.
-_LONG_FIRST = ("test_train_mesh.py", "test_train.py", "test_train_signals.py", "test_train_step.py",
+_LONG_FIRST = ("test_train_mesh.py", "test_weights_io.py", "test_train.py", "test_train_signals.py",
+               "test_train_step.py", "test_startup.py",
                "test_reliability.py", "test_miniature.py", "test_aot.py", "test_configs.py",
                "test_hf_mimo.py", "test_bench_device.py", "test_sim.py")
 
