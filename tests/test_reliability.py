@@ -18,21 +18,13 @@ import time
 import pytest
 
 from gagar_jax import metrics as metrics_lib, train
-from gagar_jax.config import load_config_file
 from gagar_jax.feed import batcher, ledger as ledger_lib
+
+from trainer_runs import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = os.path.join(REPO, "data", "sample_feed.jsonl")
 
-
-def _cfg(**over):
-    cfg = load_config_file(os.path.join(REPO, "configs", "tiny_cpu.py"))
-    with cfg.unlocked():
-        cfg.feed.path = SAMPLE
-        for key, value in over.items():
-            section, name = key.split("__")
-            cfg[section][name] = value
-    return cfg
 
 
 def _jsonl(path):
@@ -45,7 +37,7 @@ def _non_daemon_threads():
 
 
 def test_sigkill_between_checkpoints_neither_loses_nor_repeats_an_audit_line(tmp_path):
-    cfg = _cfg(train__steps=3, train__checkpoint_every=2, train__keep_checkpoints=10)
+    cfg = tiny_config(train__steps=3, train__checkpoint_every=2, train__keep_checkpoints=10)
     train.run(cfg, str(tmp_path))
     metrics, groups = _jsonl(tmp_path / "metrics.jsonl"), _jsonl(tmp_path / "groups.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
@@ -107,7 +99,7 @@ def test_idle_spool_shows_the_finished_step_while_data_keeps_the_overlap(tmp_pat
             seen_when_idle.append((dispatched, logged))
             (spool / "_DONE").touch()
     monkeypatch.setattr(batcher._LedgerEvents, "idle", on_idle)
-    cfg = _cfg(feed__path="", feed__spool_dir=str(spool), feed__spool_poll_s=0.2,
+    cfg = tiny_config(feed__path="", feed__spool_dir=str(spool), feed__spool_poll_s=0.2,
                feed__spool_settle_s=0.0, train__steps=10, train__checkpoint_every=0)
     summary = train.run(cfg, str(tmp_path / "w"))
     # The shard ran dry while batch d + 1 was being gathered (it ends the run, with _DONE).
@@ -131,7 +123,7 @@ def test_full_disk_is_reported_at_the_first_step_naming_the_file(tmp_path):
     before = _non_daemon_threads()
     t0 = time.monotonic()
     with pytest.raises(OSError) as info:
-        train.run(_cfg(train__steps=6, train__checkpoint_every=1), str(tmp_path))
+        train.run(tiny_config(train__steps=6, train__checkpoint_every=1), str(tmp_path))
     assert info.value.errno == errno.ENOSPC                  # the disk really was full
     assert info.value.filename == str(tmp_path / "metrics.jsonl")
     assert not (tmp_path / "checkpoints" / "3").exists()     # surfaced at once, not steps later
@@ -151,7 +143,7 @@ def test_read_only_workdir_stops_the_writers_and_fails_fast(tmp_path, monkeypatc
     monkeypatch.setattr(ledger_lib.Ledger, "write", erofs_after_two)
     before = _non_daemon_threads()
     with pytest.raises(OSError) as info:
-        train.run(_cfg(train__steps=6, train__checkpoint_every=1), str(tmp_path))
+        train.run(tiny_config(train__steps=6, train__checkpoint_every=1), str(tmp_path))
     assert info.value.errno == errno.EROFS and failed_at
     assert info.value.filename == str(tmp_path / "ledger.json")
     assert time.monotonic() - failed_at[0] < train.ABORT_TIMEOUT_S

@@ -12,21 +12,12 @@ import shutil
 
 import pytest
 
-from gagar_jax import startup, train
-from gagar_jax.config import ConfigError, load_config_file
+from gagar_jax import train
+from gagar_jax.config import ConfigError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SAMPLE = os.path.join(REPO, "data", "sample_feed.jsonl")
+from trainer_runs import tiny_config
 
 
-def _cfg(**over):
-    cfg = load_config_file(os.path.join(REPO, "configs", "tiny_cpu.py"))
-    with cfg.unlocked():
-        cfg.feed.path = SAMPLE
-        for key, value in over.items():
-            section, name = key.split("__")
-            cfg[section][name] = value
-    return cfg
 
 
 def _hf_config(cfg, **changes) -> dict:
@@ -42,7 +33,7 @@ def test_cross_section_rules_fail_before_compiling(tmp_path, monkeypatch):
     def compiled(*a, **k):
         raise AssertionError("compiled before validating")
     monkeypatch.setattr(train, "init_train_state", compiled)
-    base = _cfg()
+    base = tiny_config()
     only_json = tmp_path / "ckpt"          # a config.json and no tensors: enough to refuse
     only_json.mkdir()
     (only_json / "config.json").write_text(json.dumps(_hf_config(base, hidden_size=32)))
@@ -68,7 +59,7 @@ def test_cross_section_rules_fail_before_compiling(tmp_path, monkeypatch):
     ]
     for i, (over, needle) in enumerate(cases):
         with pytest.raises(ConfigError) as info:
-            train.run(_cfg(**over), str(tmp_path / f"w{i}"))
+            train.run(tiny_config(**over), str(tmp_path / f"w{i}"))
         msg = str(info.value)
         assert needle in msg and "\n" not in msg, (over, msg)
 
@@ -99,7 +90,7 @@ def test_kl_run_from_init_from_in_a_bucket_workdir_trains_and_resumes_without_it
         ckpt_dirs.append(directory)
         return Checkpointer(tmp_path / "checkpoints", **kw)
     monkeypatch.setattr(train, "Checkpointer", local_checkpointer)
-    cfg = _cfg(train__steps=1, train__checkpoint_every=0, loss__kl_coef=0.05,
+    cfg = tiny_config(train__steps=1, train__checkpoint_every=0, loss__kl_coef=0.05,
                optim__warmup_steps=0)      # the first update moves the weights
     hf_dir = tmp_path / "hf"
     # Weights other than the run's own seed-0 init, made by the run's own jitted init (one

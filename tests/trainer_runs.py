@@ -83,3 +83,16 @@ def shared_reference(tmp_path_factory) -> tuple:
             run(workdir)
     with open(workdir / "summary.json") as f:
         return workdir, json.load(f)
+
+
+def tiny_config(**over):
+    """configs/tiny_cpu.py on the sample feed, for in-process `train.run` calls; keyword
+    `section__name=value` overrides (e.g. `train__steps=3`)."""
+    from gagar_jax.config import load_config_file
+    cfg = load_config_file(os.path.join(REPO, "configs", "tiny_cpu.py"))
+    with cfg.unlocked():
+        cfg.feed.path = os.path.join(REPO, "data", "sample_feed.jsonl")
+        for key, value in over.items():
+            section, name = key.split("__")
+            cfg[section][name] = value
+    return cfg
