@@ -43,7 +43,7 @@ from gagar_jax import attention_splash, sharding
 _NEG = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of inf - inf
 
 
-def _check(q, k, v, segment_ids_BxS, window=0, sinks_H=None):
+def _check(q, k, v, segment_ids_BxS, window=0, sinks_H=None, kv_segment_ids_BxK=None):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
         raise ValueError(f"q must be [B,S,H,Dh], k [B,S,Kv,Dh] and v [B,S,Kv,Dv]; "
                          f"got {q.shape}, {k.shape}, {v.shape}")
@@ -51,10 +51,14 @@ def _check(q, k, v, segment_ids_BxS, window=0, sinks_H=None):
         raise ValueError(f"window must be >= 0 (0 = full attention), got {window}")
     if sinks_H is not None and sinks_H.shape != (q.shape[2],):
         raise ValueError(f"sinks_H shape {sinks_H.shape} must be (H={q.shape[2]},)")
-    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
+    same_len = kv_segment_ids_BxK is None
+    if (q.shape[0] != k.shape[0] or (same_len and q.shape[1] != k.shape[1])
+            or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]):
         raise ValueError(f"q {q.shape} and k {k.shape} disagree (H must be a multiple of Kv)")
     if segment_ids_BxS.shape != q.shape[:2]:
         raise ValueError(f"segment_ids_BxS {segment_ids_BxS.shape} must be {q.shape[:2]}")
+    if not same_len and kv_segment_ids_BxK.shape != k.shape[:2]:
+        raise ValueError(f"kv_segment_ids_BxK {kv_segment_ids_BxK.shape} must be {k.shape[:2]}")
 
 
 def _mask(seg_q_BxQ, seg_k_BxK, idx_q_Q, idx_k_K, window=0):
@@ -68,7 +72,7 @@ def _mask(seg_q_BxQ, seg_k_BxK, idx_q_Q, idx_k_K, window=0):
 
 
 def plain_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, window: int = 0,
-                    sinks_H=None):
+                    sinks_H=None, kv_segment_ids_BxK=None, q_offset=0):
     """Reference attention materializing [B, H, S, S] scores (tests and short sequences).
 
     Args:
@@ -77,17 +81,20 @@ def plain_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, window:
       segment_ids_BxS: int segment ids, 0 = padding.
       window: sliding window W (a query sees W keys counting itself); 0 = full causal.
       sinks_H: optional per-head sink logits (denominator only).
+      kv_segment_ids_BxK, q_offset: keys of their own length K (context parallelism: a shard's
+        queries against gathered keys): the keys' segment ids, and the key index of query 0
+        (an int or a traced int scalar). Default: keys are the queries' rows, offset 0.
     Returns:
       [B, S, H, Dv] attention output in q's dtype (softmax in float32).
     """
-    _check(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, window, sinks_H)
+    _check(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, window, sinks_H, kv_segment_ids_BxK)
+    seg_k = segment_ids_BxS if kv_segment_ids_BxK is None else kv_segment_ids_BxK
     B, S, H, Dh = q_BxSxHxD.shape
     Kv, Dv = k_BxSxKxD.shape[2], v_BxSxKxD.shape[3]
     q = q_BxSxHxD.reshape(B, S, Kv, H // Kv, Dh)
     s = jnp.einsum("bqkgd,bskd->bkgqs", q, k_BxSxKxD, preferred_element_type=jnp.float32)
     s = s * (Dh ** -0.5)
-    idx = jnp.arange(S)
-    m = _mask(segment_ids_BxS, segment_ids_BxS, idx, idx, window)
+    m = _mask(segment_ids_BxS, seg_k, jnp.arange(S) + q_offset, jnp.arange(seg_k.shape[1]), window)
     s = jnp.where(m[:, None, None], s, _NEG)
     if sinks_H is None:
         p = jax.nn.softmax(s, axis=-1)
@@ -102,33 +109,39 @@ def plain_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, window:
 
 # ----------------------------------------------------------------------------- blockwise
 # Internal layout: the block index leads so loops can index it dynamically.
-#   q: [N, B, blk, Kv, G, Dh]   k: [N, B, blk, Kv, Dh]   v: [N, B, blk, Kv, Dv]   seg: [N, B, blk]
-#   o: [N, B, Kv, G, blk, Dv] (f32 accumulators)   lse / delta: [N, B, Kv, G, blk]   sink: [Kv, G]
+#   q: [Nq, B, blk, Kv, G, Dh]   k: [Nk, B, blk, Kv, Dh]   v: [Nk, B, blk, Kv, Dv]
+#   seg_q: [Nq, B, blk]   seg_k: [Nk, B, blk]
+#   o: [Nq, B, Kv, G, blk, Dv] (f32 accumulators)   lse / delta: [Nq, B, Kv, G, blk]   sink: [Kv, G]
+# `d` is the key index of query row 0 (0 when queries and keys are the same rows; a context
+# shard's offset into the gathered keys otherwise), an int32 scalar that may be traced.
 
 
-def _tile(q_i, k_j, seg_i, seg_j, i, j, blk, scale, window):
+def _tile(q_i, k_j, seg_i, seg_j, i, j, d, blk, scale, window):
     """Masked f32 scores of query block i against key block j: [B, Kv, G, blk, blk] and mask."""
     s = jnp.einsum("bqkgd,bskd->bkgqs", q_i, k_j, preferred_element_type=jnp.float32) * scale
     ar = jnp.arange(blk)
-    m = _mask(seg_i, seg_j, i * blk + ar, j * blk + ar, window)[:, None, None]
+    m = _mask(seg_i, seg_j, d + i * blk + ar, j * blk + ar, window)[:, None, None]
     return jnp.where(m, s, _NEG), m
 
 
-def _key_block_range(i, blk, window):
-    """Key blocks [lo, i] that query block i can see (causal, and inside the window)."""
-    lo = 0 if not window else jnp.maximum(i * blk - (window - 1), 0) // blk
-    return lo, i + 1
+def _key_block_range(i, nk, d, blk, window):
+    """Key blocks [lo, hi) that query block i can see (causal, and inside the window)."""
+    q_lo = d + i * blk
+    hi = jnp.minimum((q_lo + blk - 1) // blk + 1, nk)
+    lo = 0 if not window else jnp.maximum((q_lo - (window - 1)) // blk, 0)
+    return lo, hi
 
 
-def _query_block_range(j, n, blk, window):
-    """Query blocks [j, hi) that can see key block j."""
-    hi = n if not window else jnp.minimum((j * blk + blk - 1 + window - 1) // blk + 1, n)
-    return j, hi
+def _query_block_range(j, nq, d, blk, window):
+    """Query blocks [lo, hi) that can see key block j."""
+    lo = jnp.maximum(-((d + blk - 1 - j * blk) // blk), 0)
+    hi = nq if not window else jnp.minimum((j * blk + blk - 1 + window - 1 - d) // blk + 1, nq)
+    return lo, hi
 
 
-def _fwd_blocks(q, k, v, seg, sink, blk, window, has_sink):
-    n, B, _, Kv, G, Dh = q.shape
-    Dv = v.shape[-1]
+def _fwd_blocks(q, k, v, seg_q, seg_k, sink, d, blk, window, has_sink):
+    nq, B, _, Kv, G, Dh = q.shape
+    nk, Dv = k.shape[0], v.shape[-1]
     scale = Dh ** -0.5
 
     def one_query_block(args):
@@ -136,8 +149,8 @@ def _fwd_blocks(q, k, v, seg, sink, blk, window, has_sink):
 
         def body(j, carry):
             o, m_run, l_run = carry
-            k_j, v_j, seg_j = k[j], v[j], seg[j]
-            s, mask = _tile(q_i, k_j, seg_i, seg_j, i, j, blk, scale, window)
+            k_j, v_j, seg_j = k[j], v[j], seg_k[j]
+            s, mask = _tile(q_i, k_j, seg_i, seg_j, i, j, d, blk, scale, window)
             m_new = jnp.maximum(m_run, s.max(-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             corr = jnp.exp(m_run - m_new)
@@ -151,21 +164,23 @@ def _fwd_blocks(q, k, v, seg, sink, blk, window, has_sink):
               else jnp.full((B, Kv, G, blk), _NEG, jnp.float32))
         l0 = jnp.full((B, Kv, G, blk), 1.0 if has_sink else 0.0, jnp.float32)
         init = (jnp.zeros((B, Kv, G, blk, Dv), jnp.float32), m0, l0)
-        lo, hi = _key_block_range(i, blk, window)
+        lo, hi = _key_block_range(i, nk, d, blk, window)
         o, m_run, l_run = jax.lax.fori_loop(lo, hi, body, init)
+        # Only padding rows past the keys see no key at all: give them o = 0, not 0 / 0.
+        l_run = jnp.where(l_run > 0, l_run, 1.0)
         return o / l_run[..., None], m_run + jnp.log(l_run)
 
-    return jax.lax.map(one_query_block, (jnp.arange(n), q, seg))
+    return jax.lax.map(one_query_block, (jnp.arange(nq), q, seg_q))
 
 
-def _bwd_blocks(q, k, v, seg, sink, o, lse, do, blk, window, has_sink):
-    n, B, _, Kv, G, Dh = q.shape
-    Dv = v.shape[-1]
+def _bwd_blocks(q, k, v, seg_q, seg_k, sink, d, o, lse, do, blk, window, has_sink):
+    nq, B, _, Kv, G, Dh = q.shape
+    nk, Dv = k.shape[0], v.shape[-1]
     scale = Dh ** -0.5
-    delta = jnp.sum(do * o, axis=-1)  # [N, B, Kv, G, blk]: rowsum(dO * O), the softmax-jacobian term
+    delta = jnp.sum(do * o, axis=-1)  # [Nq, B, Kv, G, blk]: rowsum(dO * O), the softmax-jacobian term
 
     def probs_and_ds(i, j):
-        s, mask = _tile(q[i], k[j], seg[i], seg[j], i, j, blk, scale, window)
+        s, mask = _tile(q[i], k[j], seg_q[i], seg_k[j], i, j, d, blk, scale, window)
         p = jnp.where(mask, jnp.exp(s - lse[i][..., None]), 0.0)
         dp = jnp.einsum("bkgqd,bskd->bkgqs", do[i], v[j], preferred_element_type=jnp.float32)
         return p, p * (dp - delta[i][..., None])
@@ -174,7 +189,7 @@ def _bwd_blocks(q, k, v, seg, sink, o, lse, do, blk, window, has_sink):
         def body(j, dq):
             _, ds = probs_and_ds(i, j)
             return dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, k[j].astype(jnp.float32)) * scale
-        lo, hi = _key_block_range(i, blk, window)
+        lo, hi = _key_block_range(i, nk, d, blk, window)
         return jax.lax.fori_loop(lo, hi, body, jnp.zeros((B, blk, Kv, G, Dh), jnp.float32))
 
     def dkv_block(j):
@@ -185,11 +200,11 @@ def _bwd_blocks(q, k, v, seg, sink, o, lse, do, blk, window, has_sink):
             dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, q[i].astype(jnp.float32)) * scale
             return dk, dv
         init = (jnp.zeros((B, blk, Kv, Dh), jnp.float32), jnp.zeros((B, blk, Kv, Dv), jnp.float32))
-        lo, hi = _query_block_range(j, n, blk, window)
+        lo, hi = _query_block_range(j, nq, d, blk, window)
         return jax.lax.fori_loop(lo, hi, body, init)
 
-    dq = jax.lax.map(dq_block, jnp.arange(n))
-    dk, dv = jax.lax.map(dkv_block, jnp.arange(n))
+    dq = jax.lax.map(dq_block, jnp.arange(nq))
+    dk, dv = jax.lax.map(dkv_block, jnp.arange(nk))
     # d lse / d sink = p_sink = exp(sink - lse); d out / d sink = -p_sink * (rowsum(dO * O)).
     dsink = -jnp.sum(jnp.exp(sink[None, None, :, :, None] - lse) * delta, axis=(0, 1, 4))
     return dq, dk, dv, jnp.where(has_sink, dsink, 0.0)
@@ -203,68 +218,76 @@ def _from_blocks(x):
     return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _flash(q, k, v, seg, sink, blk, window, has_sink):
-    return _flash_fwd(q, k, v, seg, sink, blk, window, has_sink)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _flash(q, k, v, seg_q, seg_k, sink, d, blk, window, has_sink):
+    return _flash_fwd(q, k, v, seg_q, seg_k, sink, d, blk, window, has_sink)[0]
 
 
-def _flash_fwd(q, k, v, seg, sink, blk, window, has_sink):
+def _flash_fwd(q, k, v, seg_q, seg_k, sink, d, blk, window, has_sink):
     B, S, H, Dh = q.shape
-    Kv, Dv = k.shape[2], v.shape[3]
-    n = S // blk
-    qb = _to_blocks(q.reshape(B, S, Kv, H // Kv, Dh), n, blk)
+    Sk, Kv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    nq, nk = S // blk, Sk // blk
+    qb = _to_blocks(q.reshape(B, S, Kv, H // Kv, Dh), nq, blk)
     sink_kg = sink.astype(jnp.float32).reshape(Kv, H // Kv)
-    o, lse = _fwd_blocks(qb, _to_blocks(k, n, blk), _to_blocks(v, n, blk), _to_blocks(seg, n, blk),
-                         sink_kg, blk, window, has_sink)
+    o, lse = _fwd_blocks(qb, _to_blocks(k, nk, blk), _to_blocks(v, nk, blk),
+                         _to_blocks(seg_q, nq, blk), _to_blocks(seg_k, nk, blk), sink_kg, d, blk,
+                         window, has_sink)
     out = _from_blocks(jnp.moveaxis(o, 4, 2)).reshape(B, S, H, Dv).astype(q.dtype)
-    return out, (q, k, v, seg, sink, o, lse)
+    return out, (q, k, v, seg_q, seg_k, sink, d, o, lse)
 
 
 def _flash_bwd(blk, window, has_sink, res, dout):
-    q, k, v, seg, sink, o, lse = res
+    q, k, v, seg_q, seg_k, sink, d, o, lse = res
     B, S, H, Dh = q.shape
-    Kv, Dv = k.shape[2], v.shape[3]
-    n = S // blk
-    do = _to_blocks(dout.astype(jnp.float32).reshape(B, S, Kv, H // Kv, Dv), n, blk)
+    Sk, Kv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    nq, nk = S // blk, Sk // blk
+    do = _to_blocks(dout.astype(jnp.float32).reshape(B, S, Kv, H // Kv, Dv), nq, blk)
     do = jnp.moveaxis(do, 2, 4)  # to the accumulator layout [N, B, Kv, G, blk, Dv]
     sink_kg = sink.astype(jnp.float32).reshape(Kv, H // Kv)
-    dq, dk, dv, dsink = _bwd_blocks(_to_blocks(q.reshape(B, S, Kv, H // Kv, Dh), n, blk),
-                                    _to_blocks(k, n, blk), _to_blocks(v, n, blk),
-                                    _to_blocks(seg, n, blk), sink_kg, o, lse, do, blk, window,
-                                    has_sink)
+    dq, dk, dv, dsink = _bwd_blocks(_to_blocks(q.reshape(B, S, Kv, H // Kv, Dh), nq, blk),
+                                    _to_blocks(k, nk, blk), _to_blocks(v, nk, blk),
+                                    _to_blocks(seg_q, nq, blk), _to_blocks(seg_k, nk, blk),
+                                    sink_kg, d, o, lse, do, blk, window, has_sink)
     dq = _from_blocks(dq).reshape(B, S, H, Dh).astype(q.dtype)
-    return (dq, _from_blocks(dk).astype(k.dtype), _from_blocks(dv).astype(v.dtype), None,
-            dsink.reshape(H).astype(sink.dtype))
+    return (dq, _from_blocks(dk).astype(k.dtype), _from_blocks(dv).astype(v.dtype), None, None,
+            dsink.reshape(H).astype(sink.dtype), None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def blockwise_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, block: int = 512,
-                        window: int = 0, sinks_H=None):
+                        window: int = 0, sinks_H=None, kv_segment_ids_BxK=None, q_offset=0):
     """Flash-style attention in pure JAX; same contract as `plain_attention`.
 
     Args:
-      q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, window, sinks_H: as in `plain_attention`.
-      block: query/key block length; S is padded up to a multiple of it (padding sits after
-        every real token, so causality hides it from real queries).
+      q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, window, sinks_H, kv_segment_ids_BxK,
+        q_offset: as in `plain_attention`.
+      block: query/key block length; S (and the key length) is padded up to a multiple of it
+        (padding sits after every real token, so causality hides it from real queries).
     Returns:
       [B, S, H, Dv] attention output in q's dtype.
     """
-    _check(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, window, sinks_H)
+    _check(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, window, sinks_H, kv_segment_ids_BxK)
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     S, H = q_BxSxHxD.shape[1], q_BxSxHxD.shape[2]
+    seg_k = segment_ids_BxS if kv_segment_ids_BxK is None else kv_segment_ids_BxK
     blk = min(block, S)
-    pad = -S % blk
-    q, k, v, seg = q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS
-    if pad:
-        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
-        q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
-        seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
+
+    def pad(x, fill=0):
+        extra = -x.shape[1] % blk
+        if not extra:
+            return x
+        widths = ((0, 0), (0, extra)) + ((0, 0),) * (x.ndim - 2)
+        return jnp.pad(x, widths, constant_values=fill)
+
+    q, k, v = pad(q_BxSxHxD), pad(k_BxSxKxD), pad(v_BxSxKxD)
+    seg_q, seg_k = pad(segment_ids_BxS, -1), pad(seg_k, -1)
     has_sink = sinks_H is not None
     sink = sinks_H if has_sink else jnp.zeros((H,), jnp.float32)
-    return _flash(q, k, v, seg, sink, blk, int(window), has_sink)[:, :S]
+    d = jnp.asarray(q_offset, jnp.int32)
+    return _flash(q, k, v, seg_q, seg_k, sink, d, blk, int(window), has_sink)[:, :S]
 
 
 IMPLS = ("auto", "blockwise", "plain", "splash")   # the values `model.attention` accepts

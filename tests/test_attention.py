@@ -170,16 +170,18 @@ def test_window_sinks_and_value_width_match_numpy_and_plain_grads():
 
 
 @settings(max_examples=40)
-@given(st.integers(1, 12), st.integers(1, 9), st.integers(1, 40))
-def test_window_block_ranges_are_exactly_the_blocks_with_visible_keys(n, blk, window):
+@given(st.integers(1, 12), st.integers(1, 12), st.integers(1, 9), st.integers(0, 40),
+       st.integers(0, 30))
+def test_window_block_ranges_are_exactly_the_blocks_with_visible_keys(nq, nk, blk, window, d):
     """The loops visit exactly the (query block, key block) pairs holding a visible pair: a
-    sliding layer does O(S * W) work."""
+    sliding layer does O(S * W) work. Also with queries starting d keys in (context shards)."""
     from gagar_jax.attention import _key_block_range, _query_block_range
-    visible = lambda i, j: any(0 <= qi - kj < window for qi in range(i * blk, (i + 1) * blk)  # noqa: E731
+    visible = lambda i, j: any(0 <= qi - kj and (not window or qi - kj < window)  # noqa: E731
+                               for qi in range(d + i * blk, d + (i + 1) * blk)
                                for kj in range(j * blk, (j + 1) * blk))
-    for i in range(n):
-        lo, hi = (int(x) for x in _key_block_range(i, blk, window))
-        assert [j for j in range(n) if visible(i, j)] == list(range(lo, hi))
-    for j in range(n):
-        lo, hi = (int(x) for x in _query_block_range(j, n, blk, window))
-        assert [i for i in range(n) if visible(i, j)] == list(range(lo, hi))
+    for i in range(nq):
+        lo, hi = (int(x) for x in _key_block_range(i, nk, d, blk, window))
+        assert [j for j in range(nk) if visible(i, j)] == list(range(lo, max(lo, hi)))
+    for j in range(nk):
+        lo, hi = (int(x) for x in _query_block_range(j, nq, d, blk, window))
+        assert [i for i in range(nq) if visible(i, j)] == list(range(lo, max(lo, hi)))
