@@ -56,6 +56,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh.data = -1                # -1 = all remaining devices
     c.mesh.fsdp = 1
     c.mesh.expert = 1
+    c.mesh.context = 1              # sequence (context) parallelism: rows split along S
     c.mesh.tensor = 1
 
     t = c.train = ml_collections.ConfigDict()

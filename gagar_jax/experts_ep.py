@@ -1,7 +1,7 @@
 """Expert parallelism: the `ep` expert backend, with `jax.shard_map` over the mesh.
 
 Layout (from `sharding.LOGICAL_RULES`): tokens split over the batch axes
-('data', 'fsdp', 'expert'), expert weights split on E over 'expert' and on F over 'tensor'.
+('data', 'fsdp', 'expert') and, for the flattened sequence, 'context'; expert weights split on E over 'expert' and on F over 'tensor'.
 Per device:
 
   1. all_gather the tokens (x, ids, gate weights) of its 'expert' group: every device of the
@@ -84,7 +84,9 @@ def _layout(mesh, num_tokens: int, gate_ExDxF, backend: str) -> _Layout:
     e, n_exp = gate_ExDxF.shape[0], mesh.shape[expert_axis]
     if e % n_exp:
         raise ValueError(f"num_experts={e} is not divisible by mesh axis {expert_axis!r}={n_exp}")
-    tok_axes = sharding.mesh_axes("batch", mesh)
+    # Tokens are the flattened [B, S]: B over the batch axes, then S over the context axis.
+    tok_axes = sharding.mesh_axes("batch", mesh) + tuple(
+        a for a in sharding.mesh_axes("seq", mesh) if mesh.shape[a] > 1)
     if expert_axis not in tok_axes:
         raise ValueError(f"token axes {tok_axes} must include the expert axis {expert_axis!r}")
     n_tok = int(np.prod([mesh.shape[a] for a in tok_axes]))

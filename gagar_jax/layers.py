@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gagar_jax import attention
+from gagar_jax import attention_context
 from gagar_jax.sharding import constrain
 
 
@@ -94,11 +94,12 @@ class Attention(nnx.Module):
     def __call__(self, x_BxSxD, segment_ids_BxS, positions_BxS):
         cfg, dt = self.cfg, x_BxSxD.dtype
         q, k, v = self.project_qkv(x_BxSxD, positions_BxS)
-        q = constrain(q, "batch", None, "heads", None)
-        k = constrain(k, "batch", None, "kv_heads", None)
-        v = constrain(v, "batch", None, "kv_heads", None)
-        o = attention.attention(q, k, v, segment_ids_BxS, impl=cfg.attention, block=cfg.attn_block,
-                                window=self.window, sinks_H=self.sinks_H())
+        q = constrain(q, "batch", "seq", "heads", None)
+        k = constrain(k, "batch", "seq", "kv_heads", None)
+        v = constrain(v, "batch", "seq", "kv_heads", None)
+        o = attention_context.attention(q, k, v, segment_ids_BxS, impl=cfg.attention,
+                                        block=cfg.attn_block, window=self.window,
+                                        sinks_H=self.sinks_H())
         return jnp.einsum("bshk,hkd->bsd", o, self.wo[...].astype(dt))
 
 
@@ -115,5 +116,5 @@ class DenseMLP(nnx.Module):
         dt = x_BxSxD.dtype
         g = x_BxSxD @ self.mlp_gate[...].astype(dt)
         u = x_BxSxD @ self.mlp_up[...].astype(dt)
-        h = constrain(jax.nn.silu(g) * u, "batch", None, "mlp")
+        h = constrain(jax.nn.silu(g) * u, "batch", "seq", "mlp")
         return h @ self.mlp_down[...].astype(dt)

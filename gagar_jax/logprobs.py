@@ -62,8 +62,9 @@ def chunked_logprobs_entropy(h_NxD, w_DxV, targets_N, chunk: int):
 def next_token_mask(segment_ids_BxS):
     """1.0 where token t has a predecessor in its own segment (t > 0, same segment, not padding)."""
     seg = segment_ids_BxS
-    same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
-    return jnp.pad(same, ((0, 0), (1, 0))).astype(jnp.float32)
+    prev = jnp.roll(seg, 1, axis=1)  # a one-column shift: cheap also when S is split over chips
+    first = jnp.arange(seg.shape[1]) == 0
+    return ((seg == prev) & (seg > 0) & ~first[None]).astype(jnp.float32)
 
 
 def token_logprobs(model, tokens_BxS, segment_ids_BxS, positions_BxS, routed_experts_BxSxLxK=None):
@@ -72,6 +73,11 @@ def token_logprobs(model, tokens_BxS, segment_ids_BxS, positions_BxS, routed_exp
     Token t is predicted at position t - 1, so `logprobs_BxS[b, t] = log p(tokens[b, t] |
     tokens[b, <t])` and `entropy_BxS[b, t]` is the entropy of that predictive distribution; both
     are 0 at each segment's first token and on padding.
+
+    Every position scores the next token (the last one wraps to the row's first token, a value
+    the mask then drops), and the [B, S] results shift right by one. Nothing of width D moves
+    between positions, so with rows split along S over chips (context parallelism) only two
+    one-column shifts of [B, S] arrays cross a chip boundary, never the hidden states.
 
     Args:
       model: a `Transformer`.
@@ -83,8 +89,9 @@ def token_logprobs(model, tokens_BxS, segment_ids_BxS, positions_BxS, routed_exp
     h_BxSxD, aux = model.hidden_states(tokens_BxS, segment_ids_BxS=segment_ids_BxS,
                                        positions_BxS=positions_BxS,
                                        routed_experts_BxSxLxK=routed_experts_BxSxLxK)
-    lp, ent = chunked_logprobs_entropy(h_BxSxD[:, :-1], model.output_kernel_DxV(),
-                                       tokens_BxS[:, 1:], model.cfg.logprob_vocab_chunk)
+    next_BxS = jnp.roll(tokens_BxS, -1, axis=1)
+    lp, ent = chunked_logprobs_entropy(h_BxSxD, model.output_kernel_DxV(), next_BxS,
+                                       model.cfg.logprob_vocab_chunk)
     mask = next_token_mask(segment_ids_BxS)
-    shift = lambda x: jnp.pad(x, ((0, 0), (1, 0))) * mask  # noqa: E731  (prediction at t-1 -> t)
+    shift = lambda x: jnp.where(mask > 0, jnp.roll(x, 1, axis=1), 0.0)  # noqa: E731  (t-1 -> t)
     return shift(lp), shift(ent), aux

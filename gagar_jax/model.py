@@ -248,7 +248,7 @@ class Block(nnx.Module):
         self.is_moe = moe
 
     def __call__(self, x_BxSxD, segment_ids_BxS, positions_BxS, routed_BxSxK=None):
-        x_BxSxD = constrain(x_BxSxD, "batch", None, None)
+        x_BxSxD = constrain(x_BxSxD, "batch", "seq", None)
         h = x_BxSxD + self.attn(self.attn_norm(x_BxSxD), segment_ids_BxS, positions_BxS)
         if self.is_moe:
             y, stats = self.mlp(self.mlp_norm(h), segment_ids_BxS > 0, routed_BxSxK)
@@ -413,4 +413,4 @@ class Transformer(nnx.Module):
                                     routed_experts_BxSxLxK=routed_experts_BxSxLxK)
         logits = jnp.einsum("bsd,dv->bsv", h, self.output_kernel_DxV(),
                             preferred_element_type=jnp.float32)
-        return constrain(logits, "batch", None, "vocab"), aux
+        return constrain(logits, "batch", "seq", "vocab"), aux

@@ -160,7 +160,7 @@ class MoE(nnx.Module):
         y_TxD = expert_ffn(x_TxD, self.expert_gate[...].astype(dt), self.expert_up[...].astype(dt),
                            self.expert_down[...].astype(dt), idx_TxK, out.weights_TxK.astype(dt),
                            backend=cfg.expert_backend)
-        y = constrain(y_TxD.reshape(B, S, D), "batch", None, None)
+        y = constrain(y_TxD.reshape(B, S, D), "batch", "seq", None)
         stats = MoEStats(aux_loss=out.aux_loss, z_loss=out.z_loss, expert_load_E=out.load_E,
                          routed_BxSxK=out.idx_TxK.reshape(B, S, cfg.top_k))
         return y, stats

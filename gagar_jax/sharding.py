@@ -8,6 +8,11 @@ short tables below. Mesh axes:
   data    pure data parallelism (parameters replicated)
   fsdp    data parallelism with parameters sharded along their model width (ZeRO-3 style)
   expert  expert parallelism: expert weights split along E; tokens are also split over it
+  context context (sequence) parallelism: every [B, S, ...] activation split along S, so a
+          256k-token row spreads over `context` chips. Parameters are stored split over it like
+          over fsdp (ZeRO-3: a chip keeps 1 / (fsdp * context) of the model width) and their
+          gradients reduce over it as over the batch axes. Attention exchanges keys and values
+          across it (`attention_context.py`); everything else is per token.
   tensor  tensor parallelism: heads, MLP width and vocabulary split
 
 A mesh axis is dropped from a dimension it does not divide (e.g. 2 KV heads on tensor = 4), so
@@ -21,13 +26,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
+MESH_DEFAULTS = {"context": 1}   # axes a mesh config may leave out (configs from before the axis)
 
 # logical name -> mesh axis, tuple of mesh axes, or None (replicated).
 LOGICAL_RULES: dict[str, Any] = {
     "batch": ("data", "fsdp", "expert"),  # token rows: every non-model axis splits the batch
-    "seq": None,
-    "embed": "fsdp",                      # parameter model width (activations keep D whole)
+    "seq": "context",                     # the sequence of token rows (context parallelism)
+    "embed": ("fsdp", "context"),         # parameter model width (activations keep D whole)
     "vocab": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
@@ -57,16 +63,16 @@ PARAM_AXES: dict[str, tuple] = {
 }
 STACKED_CONTAINERS = ("dense_layers", "moe_layers")  # their leaves get a leading "layers" axis
 
-# `Batch` field -> logical axes: token arrays split along B; per-trajectory / per-group arrays
-# are small and replicated. A field missing here is an error (`batch_shardings`).
+# `Batch` field -> logical axes: token arrays split along B and S; per-trajectory / per-group
+# arrays are small and replicated. A field missing here is an error (`batch_shardings`).
 BATCH_AXES: dict[str, tuple] = {
-    "tokens_BxS": ("batch", None),
-    "segment_ids_BxS": ("batch", None),
-    "positions_BxS": ("batch", None),
-    "traj_index_BxS": ("batch", None),
-    "loss_mask_BxS": ("batch", None),
-    "old_logprobs_BxS": ("batch", None),
-    "routed_experts_BxSxLxK": ("batch", None, None, None),
+    "tokens_BxS": ("batch", "seq"),
+    "segment_ids_BxS": ("batch", "seq"),
+    "positions_BxS": ("batch", "seq"),
+    "traj_index_BxS": ("batch", "seq"),
+    "loss_mask_BxS": ("batch", "seq"),
+    "old_logprobs_BxS": ("batch", "seq"),
+    "routed_experts_BxSxLxK": ("batch", "seq", None, None),
     "group_ids_T": (None,),
     "rewards_T": (None,),
     "valid_T": (None,),
@@ -78,17 +84,18 @@ BATCH_AXES: dict[str, tuple] = {
 
 
 def make_mesh(mesh_cfg, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-    """Builds the ('data', 'fsdp', 'expert', 'tensor') mesh.
+    """Builds the ('data', 'fsdp', 'expert', 'context', 'tensor') mesh.
 
     Args:
-      mesh_cfg: anything with integer attributes data, fsdp, expert, tensor; at most one may be
-        -1 (= all remaining devices).
+      mesh_cfg: anything with integer attributes data, fsdp, expert, context, tensor (context may
+        be missing: 1); at most one may be -1 (= all remaining devices).
       devices: devices to use (default: all of `jax.devices()`).
     Returns:
       A `Mesh` whose axis sizes multiply to the device count.
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [int(getattr(mesh_cfg, a)) for a in MESH_AXES]
+    sizes = [int(getattr(mesh_cfg, a)) if a not in MESH_DEFAULTS or hasattr(mesh_cfg, a)
+             else MESH_DEFAULTS[a] for a in MESH_AXES]
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
         raise ValueError(f"mesh sizes {dict(zip(MESH_AXES, sizes))}: positive, at most one -1")
     known = int(np.prod([s for s in sizes if s != -1]))
@@ -142,7 +149,9 @@ def logical_to_spec(axes: Sequence, shape: Optional[Sequence[int]] = None, mesh=
     """PartitionSpec for logical `axes`; with `shape` and `mesh`, drops non-dividing mesh axes."""
     spec = []
     for i, name in enumerate(axes):
-        axes_i = mesh_axes(name)
+        axes_i = mesh_axes(name, mesh)
+        if mesh is not None:  # an optional axis of size 1 stays out: specs read as without it
+            axes_i = tuple(a for a in axes_i if a not in MESH_DEFAULTS or mesh.shape[a] > 1)
         if shape is not None and mesh is not None:
             kept, size = [], 1
             for a in axes_i:
@@ -202,8 +211,22 @@ def state_shardings(state, mesh: Mesh):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(state, mesh))
 
 
+def axis_size(name: str, mesh=None) -> int:
+    """How many shards logical axis `name` has on `mesh` (default: the ambient mesh; 1 without)."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if mesh is None or mesh.empty:
+        return 1
+    return int(np.prod([mesh.shape[a] for a in mesh_axes(name, mesh)]))
+
+
 def batch_shardings(batch, mesh: Mesh):
-    """NamedShardings (same tree as `batch`) for a `Batch`, by the `BATCH_AXES` table."""
+    """NamedShardings (same tree as `batch`) for a `Batch`, by the `BATCH_AXES` table.
+
+    Raises a clear error when the rows S do not divide by the context axis: a sequence-sharded
+    row must not silently fall back to whole rows per chip.
+    """
+    n_ctx = axis_size("seq", mesh)
+
     def one(path, x):
         name = leaf_path(path)
         if name not in BATCH_AXES:
@@ -211,5 +234,8 @@ def batch_shardings(batch, mesh: Mesh):
         axes = BATCH_AXES[name]
         if len(axes) != len(x.shape):
             raise ValueError(f"batch field {name} has {len(x.shape)} dims, axes {axes}")
+        if "seq" in axes and x.shape[axes.index("seq")] % n_ctx:
+            raise ValueError(f"batch field {name}: sequence length {x.shape[axes.index('seq')]} "
+                             f"is not divisible by the context axis ({n_ctx})")
         return named_sharding(mesh, axes, x.shape)
     return jax.tree_util.tree_map_with_path(one, batch)

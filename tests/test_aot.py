@@ -46,7 +46,7 @@ def test_last_line_is_the_summary(tiny_report):
 def test_tiny_compiles_and_fits(tiny_report):
     r = tiny_report["report"]
     assert r["num_devices"] == 4 and r["fits"] and not r["error"]
-    assert r["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 1}
+    assert r["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "context": 1, "tensor": 1}
     m = r["memory"]
     assert m["arguments"] > 0 and m["outputs"] > 0 and m["temporaries"] > 0
     assert r["per_device_bytes"] == (m["arguments"] + m["outputs"] - m["aliases"]

@@ -90,7 +90,7 @@ def test_grouped_bf16_close_to_fp32_dense(problem, reference):
 
 
 def _mesh(shape):
-    return sharding.make_mesh(types.SimpleNamespace(**dict(zip(sharding.MESH_AXES, shape))))
+    return sharding.make_mesh(types.SimpleNamespace(**dict(zip(("data", "fsdp", "expert", "tensor"), shape))))
 
 
 @pytest.mark.parametrize("shape", [(8, 1, 1, 1), (2, 1, 4, 1), (1, 2, 2, 2)])

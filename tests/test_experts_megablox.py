@@ -42,7 +42,7 @@ def reference(problem):
 
 
 def _mesh(shape):
-    return sharding.make_mesh(types.SimpleNamespace(**dict(zip(sharding.MESH_AXES, shape))))
+    return sharding.make_mesh(types.SimpleNamespace(**dict(zip(("data", "fsdp", "expert", "tensor"), shape))))
 
 
 def test_megablox_matches_dense_with_empty_experts(problem, reference):

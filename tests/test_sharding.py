@@ -31,7 +31,7 @@ def mesh_of(data, fsdp, expert, tensor, devices=None):
 
 def test_make_mesh_fill_and_errors(devices):
     m = mesh_of(-1, 2, 1, 1)
-    assert dict(m.shape) == {"data": 4, "fsdp": 2, "expert": 1, "tensor": 1}
+    assert dict(m.shape) == {"data": 4, "fsdp": 2, "expert": 1, "context": 1, "tensor": 1}
     with pytest.raises(ValueError, match="at most one"):
         mesh_of(-1, -1, 1, 1)
     with pytest.raises(ValueError, match="needs 6 devices"):

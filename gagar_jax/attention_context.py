@@ -1,0 +1,119 @@
+"""Attention over rows split along the sequence across the `context` mesh axis.
+
+With context parallelism (`sharding.LOGICAL_RULES["seq"] = "context"`, n = the axis size) chip r
+holds rows [r * S / n, (r + 1) * S / n) of every sequence: its queries, keys, values and segment
+ids. Everything else in the model is per token; attention alone reads other chips' keys. Inside a
+`jax.shard_map` over the mesh, each chip gathers the keys its queries can see and runs an
+ordinary per-shard attention kernel on them (`LOCAL_KERNELS`), told where its first query sits
+among the keys (`q_offset`); segment ids travel with the keys, so packing masks, causality and
+sinks hold across chip boundaries exactly as on one chip.
+
+* Full-attention layers: all-gather K, V and segment ids over `context` (`all_gather`; its
+  transpose, a reduce-scatter, returns dK / dV in the backward pass). GQA keeps this small: for
+  MiMo-V2-Flash at 256k tokens, K + V of a row are 256k x 4 x (192 + 128) x 2 B = 625 MiB per
+  full layer, gathered one layer at a time. The ring alternative (pass K/V blocks around the axis
+  with `ppermute`, zig-zag placement for causal balance) is not built; docs/scaling.md has the
+  figures that chose all-gather.
+* Sliding-window layers (window W): a query needs only the W - 1 keys before its chip's chunk,
+  so each chip receives just those rows, from the chip(s) before it (`ppermute`, as many hops
+  as W - 1 spans chunks). The first chip receives segment id -1 (no key) there.
+
+The per-shard kernel is pluggable: any function with the contract of
+`attention.blockwise_attention` (keys of their own length via `kv_segment_ids_BxK`, a traced
+`q_offset`). The blockwise kernel is the one used; the Pallas splash kernel takes no query
+offset yet, so `impl="auto"` runs blockwise per shard under context parallelism on TPU too.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from gagar_jax import attention as attention_lib
+from gagar_jax import sharding
+
+# impl -> per-shard kernel under context parallelism ("auto" = blockwise on every platform).
+LOCAL_KERNELS = {"auto": attention_lib.blockwise_attention,
+                 "blockwise": attention_lib.blockwise_attention,
+                 "plain": attention_lib.plain_attention}
+
+
+def _specs(q, k, mesh):
+    """PartitionSpecs of q / k (B, S, heads, None) inside the context shard_map, or None when the
+    sequence is not split over the context axis (S does not divide)."""
+    q_spec = sharding.logical_to_spec(("batch", "seq", "heads", None), q.shape, mesh)
+    k_spec = sharding.logical_to_spec(("batch", "seq", "kv_heads", None), k.shape, mesh)
+    ctx = sharding.mesh_axes("seq", mesh)
+    if len(ctx) != 1 or q_spec[1] != ctx[0] or k_spec[1] != ctx[0]:
+        return None
+    if q_spec[2] != k_spec[2]:  # heads split but KV heads not (or vice versa): keep GQA groups whole
+        q_spec = P(q_spec[0], q_spec[1], None, None)
+        k_spec = P(k_spec[0], k_spec[1], None, None)
+    return q_spec, k_spec
+
+
+def _preceding_keys(x, halo: int, axis: str, n: int, fill=0):
+    """The `halo` rows before this chip's chunk along axis 1, from the chips before it.
+
+    Chip r gets chunk r - h from `ppermute` shift h, for h = 1 .. ceil(halo / chunk); chips
+    with no such predecessor receive `fill`. Returns [chunks received..., own chunk] cut to the
+    last halo + chunk rows (fewer where the axis has too few chips).
+    """
+    chunk = x.shape[1]
+    hops = min(-(-halo // chunk), n - 1) if halo else 0
+    parts = []
+    for h in range(hops, 0, -1):
+        perm = [(i, i + h) for i in range(n - h)]
+        if fill:  # ppermute leaves non-receivers at 0: shift so that 0 arrives as `fill`
+            parts.append(jax.lax.ppermute(x - fill, axis, perm) + fill)
+        else:
+            parts.append(jax.lax.ppermute(x, axis, perm))
+    full = jnp.concatenate(parts + [x], axis=1) if parts else x
+    return full[:, max(0, full.shape[1] - halo - chunk):]
+
+
+def attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, impl: str = "auto",
+              block: int = 512, window: int = 0, sinks_H=None):
+    """`attention.attention` with rows split along S over the ambient mesh's context axis.
+
+    Without a context axis larger than 1 (or when S does not split over it) this is exactly
+    `attention.attention`. Arguments as there; `impl` "splash" is refused under context
+    parallelism (the kernel takes no query offset), "auto" runs blockwise per shard.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    n = sharding.axis_size("seq", mesh)
+    specs = _specs(q_BxSxHxD, k_BxSxKxD, mesh) if n > 1 else None
+    if specs is None:
+        return attention_lib.attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS,
+                                       impl=impl, block=block, window=window, sinks_H=sinks_H)
+    if impl not in LOCAL_KERNELS:
+        raise ValueError(f"attention impl {impl!r} has no per-shard kernel under context "
+                         f"parallelism (context={n}); use one of {sorted(LOCAL_KERNELS)}")
+    kernel = LOCAL_KERNELS[impl]
+    q_spec, k_spec = specs
+    (axis,) = sharding.mesh_axes("seq", mesh)
+    seg_spec, has_sink = P(q_spec[0], q_spec[1]), sinks_H is not None
+    kw = {"block": block} if kernel is attention_lib.blockwise_attention else {}
+
+    def local(q, k, v, seg, sinks):
+        chunk = q.shape[1]
+        if window:
+            halo = window - 1
+            k_all = _preceding_keys(k, halo, axis, n)
+            v_all = _preceding_keys(v, halo, axis, n)
+            seg_all = _preceding_keys(seg, halo, axis, n, fill=-1)
+            offset = k_all.shape[1] - chunk
+        else:
+            gather = functools.partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
+            k_all, v_all, seg_all = gather(k), gather(v), gather(seg)
+            offset = jax.lax.axis_index(axis) * chunk
+        return kernel(q, k_all, v_all, seg, kv_segment_ids_BxK=seg_all, q_offset=offset,
+                      window=window, sinks_H=sinks if has_sink else None, **kw)
+
+    sinks = sinks_H if has_sink else jnp.zeros((q_BxSxHxD.shape[2],), jnp.float32)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, k_spec, k_spec, seg_spec,
+                                                   P(q_spec[2])),
+                       out_specs=q_spec, check_vma=False)
+    return fn(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, sinks)
