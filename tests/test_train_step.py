@@ -225,12 +225,15 @@ def test_bad_batch_split_is_a_clear_error(cfg, init):
 # ---------------------------------------------------------------- sharding and accumulation
 # Each mesh also uses a different number of micro-batches than the single-device reference
 # (J=2): the accumulated gradient must equal it whatever J is (J=1 is the single-shot gradient).
-@pytest.mark.parametrize("shape,micro", [((8, 1, 1, 1), 1), ((2, 1, 4, 1), 4), ((1, 2, 2, 2), 2)])
+# A 5-entry shape adds the context axis: rows split along S (context parallelism, 8 tokens a chip).
+@pytest.mark.parametrize("shape,micro", [((8, 1, 1, 1), 1), ((2, 1, 4, 1), 4), ((1, 2, 2, 2), 2),
+                                         ((1, 2, 1, 4, 1), 2)])
 def test_sharded_accumulated_step_matches_single_device(shape, micro, cfg, init, batch, ref_out,
                                                         devices):
     host, graphdef, _ = init
     c = dataclasses.replace(cfg, micro_batches=micro)
-    mesh = make_mesh(type("M", (), dict(zip(("data", "fsdp", "expert", "tensor"), shape))), devices)
+    names = ("data", "fsdp", "expert", "tensor") if len(shape) == 4 else shd.MESH_AXES
+    mesh = make_mesh(type("M", (), dict(zip(names, shape))), devices)
     if shape == (1, 2, 2, 2):  # born sharded: eval_shape -> shardings -> jit(init)
         state, _, shardings = TS.init_train_state(c, mesh, jax.random.key(0))
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), host.params)
@@ -241,6 +244,9 @@ def test_sharded_accumulated_step_matches_single_device(shape, micro, cfg, init,
     step = TS.make_train_step(c, mesh, shardings, bsh, graphdef)
     new, m = step(state, jax.device_put(batch, bsh))
     gate = [x for p, x in jax.tree_util.tree_leaves_with_path(new.params) if "expert_gate" in str(p)][0]
+    if len(shape) == 5:  # the rows really are split along S, the parameters over fsdp x context
+        assert bsh.tokens_BxS.spec[1] == "context"
+        assert "context" in str(gate.sharding.spec)
     if shape[2] > 1:  # experts really are split over the expert axis
         assert "expert" in str(gate.sharding.spec) and not gate.sharding.is_fully_replicated
     ref_state, ref_m = ref_out
