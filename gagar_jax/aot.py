@@ -25,11 +25,10 @@ from typing import Optional
 import ml_collections
 
 from gagar_jax import flops
+from gagar_jax.hlo_stats import COLLECTIVES, collective_bytes_per_step, count_collectives  # noqa: F401
 
 # HBM per chip as the TPU compiler counts it (the CompileTimeHbmOom message says 95.73G on v5p).
 HBM_BYTES = {"v5p": int(95.74 * 2**30), "v5e": 16 * 2**30, "v4": 32 * 2**30, "v6e": 32 * 2**30}
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "all-reduce",
-               "collective-permute")
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -57,20 +56,6 @@ def topology_devices(topology: str) -> list:
     configure_libtpu_env()
     from jax.experimental import topologies
     return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
-
-
-def count_collectives(hlo_text: str) -> dict[str, int]:
-    """Static count of each collective op in compiled HLO text (async `-start` forms included).
-
-    The TPU compiler emits most reduce-scatters as fusions calling an `%all-reduce-scatter`
-    computation; those calls count as reduce-scatters. A collective inside a loop body (the scan
-    over layers, the micro-batch loop) counts once.
-    """
-    counts = {}
-    for op in COLLECTIVES:
-        counts[op] = len(re.findall(rf"\s{op}(?:-start)?\(", hlo_text))
-    counts["reduce-scatter"] += len(re.findall(r"calls=%all-reduce-scatter", hlo_text))
-    return counts
 
 
 def _bytes(number: str, unit: str) -> int:
@@ -153,6 +138,7 @@ class AotReport:
     paper: dict                  # state / activation bytes per device worked out on paper
     error: str = ""
     overrides: tuple = ()        # command-line config overrides applied to the config file
+    collective_bytes: dict = dataclasses.field(default_factory=dict)  # per device and step
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -182,6 +168,8 @@ class AotReport:
             rows += [("FLOPs per step (compiler, all chips)", f"{self.flops_per_device * self.num_devices:.3e}")]
         rows += [("model FLOPs per step (6N + attn)", f"{self.model_flops_per_step:.3e}")]
         rows += [(f"{op} ops", str(n)) for op, n in self.collectives.items()]
+        rows += [(f"{op} bytes per step", g(n)) for op, n in self.collective_bytes.items()
+                 if op in COLLECTIVES]
         rows += [("compile time", f"{self.compile_seconds:.1f} s")]
         if self.error:
             rows += [("compiler error", self.error.splitlines()[0][:160])]
@@ -191,9 +179,12 @@ class AotReport:
 
 def _paper_estimate(model_cfg, mesh: dict, rows_per_shard: int, seq_len: int) -> dict:
     """State and remat activation bytes per device, worked out on paper (see docs/scaling.md)."""
-    expert_shards = mesh["expert"] * mesh["fsdp"] * mesh["tensor"]
-    state = flops.state_bytes_per_device(model_cfg, expert_shards, mesh["fsdp"] * mesh["tensor"])
-    act = flops.remat_activation_bytes_per_device(model_cfg, rows_per_shard * seq_len)
+    width = mesh["fsdp"] * mesh.get("context", 1)  # the model width D is stored over both
+    expert_shards = mesh["expert"] * width * mesh["tensor"]
+    state = flops.state_bytes_per_device(model_cfg, expert_shards, width * mesh["tensor"])
+    # A row is split along S over context: a chip holds seq_len / context of each of its rows.
+    act = flops.remat_activation_bytes_per_device(
+        model_cfg, rows_per_shard * seq_len // mesh.get("context", 1))
     return {"params_bytes": state.params, "grads_bytes": state.grads,
             "optimizer_bytes": state.optimizer, "state_bytes": state.state,
             "activation_bytes": act}
@@ -263,6 +254,7 @@ class CompileResult:
     collectives: dict
     seconds: float
     error: str = ""
+    collective_bytes: dict = dataclasses.field(default_factory=dict)
 
 
 def compile_lowered(lowered, dump_dir: str = "") -> CompileResult:
@@ -293,14 +285,18 @@ def compile_lowered(lowered, dump_dir: str = "") -> CompileResult:
                                  flops_per_device=None, collectives={op: 0 for op in COLLECTIVES},
                                  seconds=time.perf_counter() - t0, error=str(e))
         seconds = time.perf_counter() - t0
-        texts = sorted(glob.glob(os.path.join(dump, "*.after_optimizations.txt")))
-        hlo = "".join(open(t).read() for t in texts)
+        texts = [open(t).read() for t in
+                 sorted(glob.glob(os.path.join(dump, "*.after_optimizations.txt")))]
+        hlo = "".join(texts)
+        per_step = [collective_bytes_per_step(t) for t in texts]
+        moved = {k: sum(b[k] for b in per_step) for k in per_step[0]} if per_step else {}
     memory = MemoryFigures.from_compiled(compiled.memory_analysis())
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return CompileResult(per_device_bytes=memory.total, memory=memory,
                          flops_per_device=float(cost.get("flops", 0.0)),
-                         collectives=count_collectives(hlo), seconds=seconds)
+                         collectives=count_collectives(hlo), seconds=seconds,
+                         collective_bytes=moved)
 
 
 def compile_report(cfg: ml_collections.ConfigDict, topology: str, *, name: str = "",
@@ -333,4 +329,4 @@ def compile_report(cfg: ml_collections.ConfigDict, topology: str, *, name: str =
         collectives=r.collectives, compile_seconds=r.seconds,
         params_total=counts.total, params_active=counts.active,
         paper=_paper_estimate(model_cfg, meta["mesh"], b["rows_per_shard"], b["seq_len"]),
-        error=r.error, overrides=tuple(overrides))
+        error=r.error, overrides=tuple(overrides), collective_bytes=r.collective_bytes)

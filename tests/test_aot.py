@@ -1,4 +1,4 @@
-"""AOT compile for a TPU topology on this CPU host: the tiny config's real train step on v5p:2x2x1.
+"""AOT compile for a TPU topology on this CPU host: the tiny config's real train step on v5p:2x2x2.
 
 Needs libtpu (the `tpu` extra, installed by `make test`). One full compile per module.
 """
@@ -20,11 +20,13 @@ OOM_MESSAGE = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory 
 
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory):
-    """The CLI over the library: tiny config, a mesh with every kind of axis, v5p:2x2x1."""
+    """The CLI over the library: tiny config, a mesh with every kind of axis (rows split along S
+    over context, the context-parallel attention included), v5p:2x2x2."""
     out = tmp_path_factory.mktemp("aot") / "tiny.json"
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "aot_compile.py"),
-           "--config", os.path.join(ROOT, "configs", "tiny_cpu.py"), "--topology", "v5p:2x2x1",
+           "--config", os.path.join(ROOT, "configs", "tiny_cpu.py"), "--topology", "v5p:2x2x2",
            "--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.expert=2",
+           "--config.mesh.context=2",
            "--out", str(out)]
     # The TPU compiler keeps its own optimization level (conftest's flag is for XLA:CPU).
     flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
@@ -45,8 +47,8 @@ def test_last_line_is_the_summary(tiny_report):
 
 def test_tiny_compiles_and_fits(tiny_report):
     r = tiny_report["report"]
-    assert r["num_devices"] == 4 and r["fits"] and not r["error"]
-    assert r["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "context": 1, "tensor": 1}
+    assert r["num_devices"] == 8 and r["fits"] and not r["error"]
+    assert r["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "context": 2, "tensor": 1}
     m = r["memory"]
     assert m["arguments"] > 0 and m["outputs"] > 0 and m["temporaries"] > 0
     assert r["per_device_bytes"] == (m["arguments"] + m["outputs"] - m["aliases"]
@@ -69,6 +71,10 @@ def test_tiny_collectives_counted(tiny_report):
     # fsdp-sharded parameters are gathered; gradients are reduced across the batch shards.
     assert c["all-gather"] > 0
     assert c["all-reduce"] + c["reduce-scatter"] > 0
+    moved = tiny_report["report"]["collective_bytes"]
+    # Context parallelism: full layers all-gather K/V over context; the log-probs' shifts are
+    # collective-permutes of [B, S] columns.
+    assert moved["all-gather"] > 0 and moved["collective-permute"] > 0
 
 
 def test_parse_hbm_oom():
@@ -188,3 +194,37 @@ def test_kernels_compile_ahead_of_time_for_v5p(tmp_path):
     assert "ragged_all_to_all" in text
     result = aot.compile_lowered(lowered, dump_dir=str(tmp_path))
     assert result.error == "" and result.memory is not None
+
+
+HLO = """\
+%cond (p: (s32[], bf16[4,8])) -> pred[] {
+  %p = (s32[], bf16[4,8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %constant.1 = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %constant.1), direction=LT
+}
+
+%body (p: (s32[], bf16[4,8])) -> (s32[], bf16[4,8]) {
+  %p = (s32[], bf16[4,8]) parameter(0)
+  %x = bf16[2,8]{1,0} get-tuple-element(%p), index=1
+  %all-gather-start = (bf16[2,8]{1,0}, bf16[4,8]{1,0}) all-gather-start(%x), dimensions={0}
+  %fusion.1 = f32[16]{0} fusion(%x), kind=kCustom, calls=%all-reduce-scatter.2
+  ROOT %t = (s32[], bf16[4,8]) tuple(%i, %y)
+}
+
+ENTRY %main (a: f32[10]) -> f32[10] {
+  %a = f32[10]{0} parameter(0)
+  %all-reduce = f32[10]{0} all-reduce(%a), to_apply=%add
+  %while.1 = (s32[], bf16[4,8]) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[10]{0} copy(%all-reduce)
+}
+"""
+
+
+def test_collective_bytes_follow_loop_trip_counts():
+    """Hand-counted: a gather of bf16[4,8] (64 B) and a reduce-scatter to f32[16] (64 B) in a
+    loop of 3 trips, one all-reduce of f32[10] (40 B) outside."""
+    got = aot.collective_bytes_per_step(HLO)
+    assert got["all-gather"] == 3 * 64 and got["reduce-scatter"] == 3 * 64
+    assert got["all-reduce"] == 40 and got["collective-permute"] == 0
+    assert got["unknown_trip_loops"] == 0

@@ -1,0 +1,37 @@
+"""`pro_1t` on rows of 256k tokens with context parallelism (see configs/flash_310b_256k.py).
+
+Run:  gagar-train --config configs/pro_1t_256k.py --workdir gs://BUCKET/runs/pro_long \
+        --config.feed.spool_dir=gs://BUCKET/spool
+AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/pro_1t_256k.py --topology v5p:8x8x16
+Numbers (gagar_jax/flops.py, checked by tests/test_configs.py): 1022.3B total, 43.0B active
+params (the model of pro_1t). Figures of the compile: docs/scaling.md, docs/aot/.
+"""
+import pathlib
+
+import ml_collections
+
+from gagar_jax.config import load_config_file
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = load_config_file(str(pathlib.Path(__file__).with_name("pro_1t.py")))
+
+    # 1024 chips = fsdp 2 x expert 8 x context 8 x tensor 8: rows split 16 ways over fsdp x
+    # expert, each 8 ways along S (32768 tokens per chip); parameters over fsdp x context x tensor.
+    c.mesh.data = 1
+    c.mesh.fsdp = 2
+    c.mesh.expert = 8
+    c.mesh.context = 8
+    c.mesh.tensor = 8
+
+    c.train.micro_batches = 2         # 16 rows per micro-batch: one row per batch shard
+
+    c.loss.max_response_len = 262_144
+
+    f = c.feed
+    f.rows_per_batch = 32             # B: 32 x 262144 = 8.4M tokens per step
+    f.seq_len = 262_144               # S
+    f.max_traj_tokens = 262_144
+    f.max_trajectories = 256          # T
+    f.groups_per_batch = 32           # G
+    return c
