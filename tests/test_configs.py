@@ -19,7 +19,9 @@ from gagar_jax.feed import FeedConfig
 from gagar_jax.model import ModelConfig, Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAMES = ["tiny_cpu", "small", "qwen3_30b_a3b", "flash_310b", "pro_1t", "tiny_mimo"]
+NAMES = ["tiny_cpu", "small", "qwen3_30b_a3b", "flash_310b", "pro_1t", "tiny_mimo",
+         "flash_310b_256k", "pro_1t_256k"]
+MODELS = [n for n in NAMES if not n.endswith("_256k")]  # the 256k configs reuse these models
 # (total, active) parameters the paper / model card states, and the tolerance we hold them to.
 PUBLISHED = {
     "qwen3_30b_a3b": (30.5e9, 3.3e9, 0.02),   # Qwen3-30B-A3B model card: 30.5B / 3.3B
@@ -72,7 +74,7 @@ def _real_param_count(mc):
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", MODELS)
 def test_analytic_count_matches_model_parameters(name):
     mc = ModelConfig.from_config(_load(name).model)
     assert flops.param_counts(mc).total == _real_param_count(mc)
@@ -90,7 +92,8 @@ def test_tiny_counts_by_hand():
     assert flops.train_flops_per_token(ModelConfig.from_config(_load("tiny_cpu").model), S) == 3 * fwd
 
 
-@pytest.mark.parametrize("name", ["small", "qwen3_30b_a3b", "flash_310b", "pro_1t"])
+@pytest.mark.parametrize("name", ["small", "qwen3_30b_a3b", "flash_310b", "pro_1t",
+                                  "flash_310b_256k", "pro_1t_256k"])
 def test_docstring_states_the_counts(name):
     p = flops.param_counts(ModelConfig.from_config(_load(name).model))
     total, active = _docstring_claim(name)
@@ -106,16 +109,22 @@ def test_counts_match_published_sizes(name):
     assert p.active == pytest.approx(active, rel=tol)
 
 
-@pytest.mark.parametrize("name,chips", [("qwen3_30b_a3b", 64), ("flash_310b", 512), ("pro_1t", 1024)])
+@pytest.mark.parametrize("name,chips", [("qwen3_30b_a3b", 64), ("flash_310b", 512), ("pro_1t", 1024),
+                                        ("flash_310b_256k", 512), ("pro_1t_256k", 1024)])
 def test_pod_meshes_fill_their_slice_and_divide_shapes(name, chips):
     cfg = _load(name)
-    sizes = {a: cfg.mesh[a] for a in ("data", "fsdp", "expert", "tensor")}
+    sizes = {a: cfg.mesh[a] for a in ("data", "fsdp", "expert", "context", "tensor")}
     assert int(np.prod(list(sizes.values()))) == chips
     m = cfg.model
     assert m.num_experts % sizes["expert"] == 0
     for dim in (m.num_heads, m.num_kv_heads, m.moe_intermediate_size, m.vocab_size):
         assert dim % sizes["tensor"] == 0, (name, dim)
-    assert m.hidden_size % sizes["fsdp"] == 0
+    assert m.hidden_size % (sizes["fsdp"] * sizes["context"]) == 0
+    # Rows split along S over context in whole attention blocks.
+    assert cfg.feed.seq_len % (sizes["context"] * m.attn_block) == 0
+    if sizes["context"] > 1:  # long rows: at least the 32k configs' 256 x 32768 tokens a step
+        assert cfg.feed.rows_per_batch * cfg.feed.seq_len >= 256 * 32768
+        assert cfg.feed.max_traj_tokens == cfg.feed.seq_len >= 131072
     batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     rows = FeedConfig.from_config(cfg.feed).rows_per_batch
     micro_rows = rows // (cfg.train.mini_batches * cfg.train.micro_batches)
