@@ -239,3 +239,37 @@ def batch_shardings(batch, mesh: Mesh):
                              f"is not divisible by the context axis ({n_ctx})")
         return named_sharding(mesh, axes, x.shape)
     return jax.tree_util.tree_map_with_path(one, batch)
+
+
+def process_row_block(mesh: Mesh, num_rows: int, seq_len: int, process_index: Optional[int] = None,
+                      process_of=lambda d: d.process_index) -> tuple[slice, slice]:
+    """The rows and the sequence range of the [B, S] token arrays this process's devices hold.
+
+    A host builds these rows (and, with the context axis spanning hosts, several hosts build
+    the same rows: each device then takes its own S range of them,
+    `jax.make_array_from_process_local_data`). Replaces an even split of rows over processes,
+    which is wrong once a row spans hosts.
+
+    Args:
+      mesh: the training mesh.
+      num_rows, seq_len: B and S of the global batch.
+      process_index: default `jax.process_index()`.
+      process_of: device -> process index (tests fake several hosts with it).
+    Returns:
+      (rows, seq) slices; raises if the process's block is not one contiguous box.
+    """
+    process_index = jax.process_index() if process_index is None else process_index
+    shape = (num_rows, seq_len)
+    sh = named_sharding(mesh, BATCH_AXES["tokens_BxS"], shape)
+    boxes = [idx for d, idx in sh.devices_indices_map(shape).items() if process_of(d) == process_index]
+    if not boxes:
+        raise ValueError(f"process {process_index} holds no device of the mesh")
+    out = []
+    for dim, size in enumerate(shape):
+        spans = {(s.start or 0, size if s.stop is None else s.stop) for s in (b[dim] for b in boxes)}
+        lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+        if sum(b - a for a, b in spans) < hi - lo:
+            raise ValueError(f"process {process_index}'s devices hold a non-contiguous part of "
+                             f"dimension {dim} of the batch {shape}; reorder the mesh devices")
+        out.append(slice(lo, hi))
+    return out[0], out[1]

@@ -19,7 +19,7 @@ from etils import epath
 from gagar_jax.config import ConfigError
 from gagar_jax.hf_config import config_from_hf
 from gagar_jax.moe import resolve_backend
-from gagar_jax.sharding import mesh_axes
+from gagar_jax.sharding import axis_size, mesh_axes
 
 # ModelConfig fields that change the model's math (the rest are runtime choices or loss weights).
 ARCHITECTURE_FIELDS = (
@@ -44,9 +44,15 @@ def check_layout(step_cfg, feed_cfg, mesh, process_count: int) -> None:
       ConfigError naming the keys that disagree.
     """
     rows, model = feed_cfg.rows_per_batch, step_cfg.model
-    if rows % process_count:
+    n_ctx = axis_size("seq", mesh)
+    # Each process builds the rows its devices hold (`sharding.process_row_block`); without a
+    # context axis that is an even split of the rows over the processes.
+    if n_ctx == 1 and rows % process_count:
         raise ConfigError(f"feed.rows_per_batch={rows} must divide by the {process_count} "
                           "processes")
+    if feed_cfg.seq_len % n_ctx:
+        raise ConfigError(f"feed.seq_len={feed_cfg.seq_len} must divide by mesh.context={n_ctx} "
+                          "(rows are split along the sequence over it)")
     splits = step_cfg.mini_batches * step_cfg.micro_batches
     if rows % splits:
         raise ConfigError(f"feed.rows_per_batch={rows} must divide by train.mini_batches * "
@@ -67,7 +73,7 @@ def check_layout(step_cfg, feed_cfg, mesh, process_count: int) -> None:
     if model.num_experts % n_exp:
         raise ConfigError(f"model.expert_backend={backend!r}: model.num_experts="
                           f"{model.num_experts} must divide by mesh.expert={n_exp}")
-    tok_axes = mesh_axes("batch", mesh)
+    tok_axes = mesh_axes("batch", mesh) + (mesh_axes("seq", mesh) if n_ctx > 1 else ())
     n_tok = math.prod(mesh.shape[a] for a in tok_axes)
     tokens = rows // splits * feed_cfg.seq_len          # tokens of one micro-batch
     if tokens % n_tok:

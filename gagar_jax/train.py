@@ -39,7 +39,7 @@ from gagar_jax.config import ConfigError, TrainConfig
 from gagar_jax.feed.batcher import Feed, make_source
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.packing import make_global_batch
-from gagar_jax.sharding import batch_shardings, make_mesh
+from gagar_jax.sharding import batch_shardings, make_mesh, process_row_block
 from gagar_jax.startup import ARCHITECTURE_FIELDS, check_hf_dir, check_layout
 from gagar_jax.train_step import StepConfig, init_train_state, make_train_step
 
@@ -278,6 +278,9 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
         raise ConfigError(f"feed.path: no such file: {rc.feed.path}")
     try:
         mesh = make_mesh(cfg.mesh)
+        # The rows (and S range) of the batch this host's devices hold: with context
+        # parallelism several hosts share rows, each device taking its own part of S.
+        rows, _ = process_row_block(mesh, rc.feed.rows_per_batch, rc.feed.seq_len)
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from e
     model_cfg = rc.step.model
@@ -306,7 +309,7 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
     feed = Feed(rc.feed, workdir, vocab_size=model_cfg.vocab_size,
                 num_moe_layers=model_cfg.num_moe_layers, top_k=model_cfg.top_k,
                 num_experts=model_cfg.num_experts, source=source, process_index=pidx,
-                process_count=pcount)
+                process_count=pcount, rows=rows)
     audit = None
     if not fresh:
         restored = ckpt.restore(_abstract(state, shardings))

@@ -76,6 +76,8 @@ class Feed:
       factor_table: `grading.FactorTable` for tier/rank -> factor (default table if None).
       process_index, process_count: this process's rows (`packing.local_row_slice`); only
         process 0 writes files.
+      rows: the rows this process builds, overriding the even split (the trainer passes
+        `sharding.process_row_block`'s: with context parallelism hosts share rows).
       log: where progress lines go.
       agree: maps this process's row-build failures ({group_id: [reason, detail]}: packed
         payloads of its rows that did not decode) to the failures every process acts on;
@@ -86,7 +88,8 @@ class Feed:
     def __init__(self, cfg: FeedConfig, workdir: epath.PathLike, *, vocab_size: int,
                  num_moe_layers: int = 0, top_k: int = 0, num_experts: Optional[int] = None,
                  source: Any = None, factor_table: Any = None, process_index: int = 0,
-                 process_count: int = 1, log: Callable[[str], None] = print,
+                 process_count: int = 1, rows: Optional[slice] = None,
+                 log: Callable[[str], None] = print,
                  agree: Optional[Callable[[dict], dict]] = None):
         self.cfg = cfg
         self.shape = ModelShape(vocab_size, num_moe_layers, top_k, num_experts)
@@ -95,7 +98,8 @@ class Feed:
         self.workdir = epath.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.writer = process_index == 0
-        self.rows = packing.local_row_slice(cfg.rows_per_batch, process_index, process_count)
+        self.rows = rows if rows is not None else packing.local_row_slice(
+            cfg.rows_per_batch, process_index, process_count)
         self.source = source if source is not None else make_source(
             cfg, process_count=process_count, log=log)
         self.factor_table = factor_table if factor_table is not None else grading.FactorTable()
