@@ -10,10 +10,12 @@ sinks hold across chip boundaries exactly as on one chip.
 
 * Full-attention layers: all-gather K, V and segment ids over `context` (`all_gather`; its
   transpose, a reduce-scatter, returns dK / dV in the backward pass). GQA keeps this small: for
-  MiMo-V2-Flash at 256k tokens, K + V of a row are 256k x 4 x (192 + 128) x 2 B = 625 MiB per
-  full layer, gathered one layer at a time. The ring alternative (pass K/V blocks around the axis
-  with `ppermute`, zig-zag placement for causal balance) is not built; docs/scaling.md has the
-  figures that chose all-gather.
+  MiMo-V2-Flash at 256k tokens, K + V of a row are 256k x 4 x (192 + 128) x 2 B = 640 MiB per
+  full layer (160 MiB per chip at tensor = 4), gathered one layer at a time. Causal work is
+  balanced zig-zag style on the query side (`_balanced_full`): the row stays in order, and each
+  chip computes query half-chunks r and 2n - 1 - r, sent to it and back with `ppermute`. The ring
+  alternative (pass K/V blocks around the axis) is not built; docs/scaling.md has the figures
+  that chose all-gather.
 * Sliding-window layers (window W): a query needs only the W - 1 keys before its chip's chunk,
   so each chip receives just those rows, from the chip(s) before it (`ppermute`, as many hops
   as W - 1 spans chunks). The first chip receives segment id -1 (no key) there.
@@ -74,13 +76,45 @@ def _preceding_keys(x, halo: int, axis: str, n: int, fill=0):
     return full[:, max(0, full.shape[1] - halo - chunk):]
 
 
+def _balanced_full(kernel, q, k_all, v_all, seg, seg_all, axis: str, n: int, sinks, kw):
+    """Causal full attention with the query work balanced over the context axis (zig-zag).
+
+    With the row in order, chip r's queries see r + 1/2 chunks of keys on average: the last
+    chip does (2n - 1) / n times the mean work. Cut the row into 2n half-chunks; chip r
+    computes half-chunks r and 2n - 1 - r, whose key counts add up to the same on every chip:
+    each chip sends
+    its two query halves (and their segment ids) to the chips that compute them, runs the
+    kernel on what it received against the gathered keys, and sends the outputs back. Keys
+    stay in row order; only queries and outputs move (two `ppermute`s each way), and the
+    backward pass runs the inverse permutations.
+    """
+    half = q.shape[1] // 2
+    r = jax.lax.axis_index(axis)
+    dest = lambda h: h if h < n else 2 * n - 1 - h  # noqa: E731  (half-chunk -> computing chip)
+    outs = []
+    for j in (0, 1):  # chip s's half j is half-chunk 2s + j
+        perm = [(s, dest(2 * s + j)) for s in range(n)]
+        back = [(b, a) for a, b in perm]
+        part = slice(j * half, (j + 1) * half)
+        q_j = jax.lax.ppermute(q[:, part], axis, perm)
+        seg_j = jax.lax.ppermute(seg[:, part], axis, perm)
+        # Chip r receives half-chunk r from the even-or-odd set of r's parity, else 2n - 1 - r.
+        h = jnp.where(r % 2 == j, r, 2 * n - 1 - r)
+        o_j = kernel(q_j, k_all, v_all, seg_j, kv_segment_ids_BxK=seg_all, q_offset=h * half,
+                     window=0, sinks_H=sinks, **kw)
+        outs.append(jax.lax.ppermute(o_j, axis, back))
+    return jnp.concatenate(outs, axis=1)
+
+
 def attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, impl: str = "auto",
-              block: int = 512, window: int = 0, sinks_H=None):
+              block: int = 512, window: int = 0, sinks_H=None, balance: bool = True):
     """`attention.attention` with rows split along S over the ambient mesh's context axis.
 
     Without a context axis larger than 1 (or when S does not split over it) this is exactly
     `attention.attention`. Arguments as there; `impl` "splash" is refused under context
     parallelism (the kernel takes no query offset), "auto" runs blockwise per shard.
+    `balance`: full layers compute zig-zag placed query halves (`_balanced_full`), so every chip
+    does the same causal work; False keeps each chip on its own queries.
     """
     mesh = jax.sharding.get_abstract_mesh()
     n = sharding.axis_size("seq", mesh)
@@ -108,6 +142,9 @@ def attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, impl: str = "
         else:
             gather = functools.partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
             k_all, v_all, seg_all = gather(k), gather(v), gather(seg)
+            if balance and chunk % 2 == 0:
+                return _balanced_full(kernel, q, k_all, v_all, seg, seg_all, axis, n,
+                                      sinks if has_sink else None, kw)
             offset = jax.lax.axis_index(axis) * chunk
         return kernel(q, k_all, v_all, seg, kv_segment_ids_BxK=seg_all, q_offset=offset,
                       window=window, sinks_H=sinks if has_sink else None, **kw)

@@ -114,7 +114,8 @@ def test_context_parallel_model_equals_one_chip(reference, axes):
 def test_sliding_halo_and_full_gather_match_plain_attention():
     """The exchange alone, on a mesh of context 8 x nothing else, for full and sliding layers:
     queries against the keys they gathered equal the one-chip reference (values and all
-    gradients, sinks included); the window-6 halo crosses two chips of 4 tokens."""
+    gradients, sinks included); the window-6 halo crosses two chips of 4 tokens, and the
+    balanced full layers move query halves of 2 tokens between chips."""
     ks = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(ks[0], (B, S, 4, 8))
     k = jax.random.normal(ks[1], (B, S, 2, 8))
@@ -132,8 +133,10 @@ def test_sliding_halo_and_full_gather_match_plain_attention():
 
     want = both(attention.plain_attention)
     with jax.set_mesh(_mesh(context=8)):
-        got = both(lambda *a, **kw: attention_context.attention(*a, impl="blockwise", block=4, **kw))
-    assert_rel_close(jax.device_get(got), jax.device_get(want))
+        for balance in (True, False):  # zig-zag query halves on full layers, or own queries
+            got = both(lambda *a, **kw: attention_context.attention(
+                *a, impl="blockwise", block=2, balance=balance, **kw))
+            assert_rel_close(jax.device_get(got), jax.device_get(want), name=f"balance={balance}")
 
 
 def test_context_errors():
