@@ -1,7 +1,8 @@
 """Expert parallelism: the `ep` expert backend, with `jax.shard_map` over the mesh.
 
 Layout (from `sharding.LOGICAL_RULES`): tokens split over the batch axes
-('data', 'fsdp', 'expert') and, for the flattened sequence, 'context'; expert weights split on E over 'expert' and on F over 'tensor'.
+('data', 'fsdp', 'expert') and, for the flattened sequence, 'context'; expert weights split
+on E over 'expert' and on F over 'tensor'.
 Per device:
 
   1. all_gather the tokens (x, ids, gate weights) of its 'expert' group: every device of the

@@ -1,10 +1,11 @@
 """Context parallelism: rows split along S over the 'context' mesh axis give what one chip gives.
 
 One tiny MiMo-family model (a dense layer, full and sliding-window layers with sinks, MoE layers
-with routing replay; expert parallelism where the mesh has an expert axis) on packed rows whose segments cross every chip boundary; each mesh
-is one compile of logits, log-probs, entropy and their gradients, compared with the unsharded
-program (norm-relative, tests/close.py). The sliding window (6) spans more than one chip's chunk
-at context = 8 (4 tokens per chip), so the halo exchange takes two hops there.
+with routing replay; expert parallelism where the mesh has an expert axis) on packed rows whose
+segments cross every chip boundary; each mesh is one compile of logits, log-probs, entropy and
+their gradients, compared with the unsharded program (norm-relative, tests/close.py). The
+sliding window (6) spans more than one chip's chunk at context = 8 (4 tokens per chip), so the
+halo exchange takes two hops there.
 """
 import dataclasses
 import importlib.util
@@ -100,7 +101,8 @@ def reference():
 
 
 # context = 4 (with fsdp) runs in tests/test_train_step.py's whole-step comparison.
-@pytest.mark.parametrize("axes", [dict(context=8), dict(fsdp=2, expert=2, context=2)], ids=lambda a: "-".join(f"{k}{v}" for k, v in a.items()))
+@pytest.mark.parametrize("axes", [dict(context=8), dict(fsdp=2, expert=2, context=2)],
+                         ids=lambda a: "-".join(f"{k}{v}" for k, v in a.items()))
 def test_context_parallel_model_equals_one_chip(reference, axes):
     (logits, lp, ent, used), grads = _run(_mesh(**axes))
     (logits_r, lp_r, ent_r, used_r), grads_r = reference
