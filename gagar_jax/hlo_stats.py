@@ -50,7 +50,8 @@ def collective_bytes_per_step(hlo_text: str) -> dict:
     the attention block loops, count once and are reported in `unknown_trip_loops`), fusions and
     calls. The reduce-scatters XLA:TPU emits as fusions calling `%all-reduce-scatter` count as
     reduce-scatters. A figure of the program, per device: it is what `ppermute`, gathers and
-    reductions move, not link traffic.
+    reductions move, not link traffic. A ragged all-to-all counts its whole (worst-case)
+    receive buffer, an upper bound far above what it sends.
     """
     comps, calls, current = {}, {}, None
     for line in hlo_text.splitlines():
