@@ -8,7 +8,9 @@ sloppy, every factor is equal and the rescale reduces to the binary advantage).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -175,11 +177,15 @@ def sft_loss(model, tokens_BxS, segment_ids_BxS, positions_BxS, loss_mask_BxS):
     return -jnp.sum(lp * loss_mask_BxS) / jnp.maximum(jnp.sum(loss_mask_BxS), 1.0)
 
 
-@nnx.jit
-def _sft_step(model, optimizer, tokens, segs, positions, mask):
-    loss, grads = nnx.value_and_grad(sft_loss)(model, tokens, segs, positions, mask)
-    optimizer.update(model, grads)
-    return loss
+@functools.partial(jax.jit, static_argnames=("graphdef", "tx"),
+                   donate_argnames=("params", "opt_state"))
+def _sft_step(params, opt_state, rest, tokens, segs, positions, mask, *, graphdef, tx):
+    """One Adam step on the parameters, functional (split once: no graph walk per call)."""
+    def loss_fn(p):
+        return sft_loss(nnx.merge(graphdef, p, rest), tokens, segs, positions, mask)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
 
 
 def warm_start(model, demos, *, steps: int, batch_size: int, seq_len: int, lr: float = 3e-3,
@@ -198,7 +204,9 @@ def warm_start(model, demos, *, steps: int, batch_size: int, seq_len: int, lr: f
     if steps < 1 or not 1 <= batch_size <= len(demos):
         raise ValueError(f"need steps >= 1 and 1 <= batch_size <= {len(demos)} demos")
     packed = pack_episodes(demos, seq_len)
-    optimizer = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+    tx = optax.adam(lr)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    opt_state = tx.init(params)
     rng = np.random.default_rng(seed)
     order, losses = rng.permutation(len(demos)), []
     for step in range(steps):
@@ -206,7 +214,10 @@ def warm_start(model, demos, *, steps: int, batch_size: int, seq_len: int, lr: f
         if start + batch_size > len(demos):
             order, start = rng.permutation(len(demos)), 0
         idx = order[start:start + batch_size]
-        loss = _sft_step(model, optimizer, *(jnp.asarray(a[idx]) for a in (
-            packed.tokens_BxS, packed.segment_ids_BxS, packed.positions_BxS, packed.loss_mask_BxS)))
-        losses.append(float(loss))
-    return losses
+        rows = (jnp.asarray(a[idx]) for a in (packed.tokens_BxS, packed.segment_ids_BxS,
+                                               packed.positions_BxS, packed.loss_mask_BxS))
+        params, opt_state, loss = _sft_step(params, opt_state, rest, *rows, graphdef=graphdef,
+                                            tx=tx)
+        losses.append(loss)            # read once at the end: steps dispatch without a sync
+    nnx.update(model, params)
+    return [float(x) for x in jax.device_get(losses)]
