@@ -34,6 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.attn_block = 64               # query/key block for the blockwise path
     m.expert_backend = "grouped"    # dense | ragged | grouped | ep
     m.logprob_vocab_chunk = 128     # vocab chunk for log-probs/entropy
+    m.logprob_keep_logits_mib = 0   # 0: the log-prob backward recomputes logits (memory flat in V)
     m.router_aux_loss_coef = 1e-3
     m.router_z_loss_coef = 1e-4
     m.router_bias_update_rate = 1e-3

@@ -59,6 +59,9 @@ class ModelConfig:
         default): the fastest exact backend for the mesh's devices (`moe.resolve_backend`;
         grouped / ep on CPU, ragged / ep_a2a on TPU and GPU).
       logprob_vocab_chunk: vocab chunk of the log-prob / entropy computation.
+      logprob_keep_logits_mib: the log-prob backward reuses the forward's float32 logits when
+        they take at most this many MiB per call (saves one of four N x D x V matmuls); larger
+        batches, and 0 (the default), recompute them chunk by chunk (memory flat in V).
       router_aux_loss_coef, router_z_loss_coef: loss weights (read by the loss).
       router_bias_update_rate: step of the sigmoid_bias router's balancing-bias update.
 
@@ -101,6 +104,7 @@ class ModelConfig:
     attn_block: int = 512
     expert_backend: str = "auto"
     logprob_vocab_chunk: int = 8192
+    logprob_keep_logits_mib: int = 0
     router_aux_loss_coef: float = 1e-3
     router_z_loss_coef: float = 0.0
     router_bias_update_rate: float = 1e-3
@@ -125,6 +129,9 @@ class ModelConfig:
                      "attn_block", "logprob_vocab_chunk"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
+        if self.logprob_keep_logits_mib < 0:
+            raise ValueError(f"model.logprob_keep_logits_mib must be >= 0, "
+                             f"got {self.logprob_keep_logits_mib}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of "
                              f"model.num_kv_heads={self.num_kv_heads}")

@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from gagar_jax import hf  # noqa: E402
 from gagar_jax.config import load_config_file  # noqa: E402
-from gagar_jax.logprobs import chunked_logprobs_entropy, token_logprobs  # noqa: E402
+from gagar_jax.logprobs import chunked_logprobs_entropy, logits_bytes, token_logprobs  # noqa: E402
 from gagar_jax.model import ModelConfig, Transformer  # noqa: E402
 
 
@@ -91,8 +91,10 @@ def breakdown(model: Transformer, torch_model, tokens: np.ndarray, reps: int) ->
         return jnp.sum(h * r)
 
     def j_head(w, h):
+        keep = (logits_bytes(B * (S - 1), cfg.vocab_size, cfg.logprob_vocab_chunk)
+                <= cfg.logprob_keep_logits_mib * 2**20)     # as token_logprobs decides
         lp, _ = chunked_logprobs_entropy(h[:, :-1], w, jnp.asarray(tokens)[:, 1:],
-                                         cfg.logprob_vocab_chunk)
+                                         cfg.logprob_vocab_chunk, keep)
         return -jnp.mean(lp)
 
     jt = jax.jit(jax.value_and_grad(j_trunk))

@@ -6,7 +6,8 @@ import pytest
 from flax import nnx
 
 from configs.tiny_cpu import get_config
-from gagar_jax.logprobs import chunked_logprobs_entropy, next_token_mask, token_logprobs
+from gagar_jax.logprobs import (chunked_logprobs_entropy, logits_bytes, next_token_mask,
+                                token_logprobs)
 from gagar_jax.model import ModelConfig, Transformer
 from close import assert_rel_close
 
@@ -17,25 +18,51 @@ def _plain(h, w, tgt):
     return lp, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
-@pytest.mark.parametrize("chunk", [7, 32, 100])  # 7, 32 do not divide V=50; 100 > V
-def test_chunked_matches_plain_values_and_grads(chunk):
+# 7, 32 do not divide V=50 (padded last chunk); 100 > V; keep_logits: saved tiles vs recompute
+@pytest.mark.parametrize("chunk,keep", [(7, False), (32, True), (100, False), (7, True)])
+def test_chunked_matches_plain_values_and_grads(chunk, keep):
+    """Values, and the custom VJP against jax.grad of the plain log_softmax path, for cotangents
+    on both outputs, on the log-probs only and on the entropy only (symbolic zeros)."""
     kh, kw, kt = jax.random.split(jax.random.key(0), 3)
     h = jax.random.normal(kh, (12, 16))
     w = jax.random.normal(kw, (16, 50)) * 0.5
     tgt = jax.random.randint(kt, (12,), 0, 50)
-    lp, ent = jax.jit(chunked_logprobs_entropy, static_argnums=3)(h, w, tgt, chunk)
+    lp, ent = jax.jit(chunked_logprobs_entropy, static_argnums=(3, 4))(h, w, tgt, chunk, keep)
     lp0, ent0 = _plain(h, w, tgt)
     assert_rel_close((lp, ent), (lp0, ent0))
 
-    def scalar(fn):
+    def scalar(fn, a, b):
         def f(h, w):
             lp, ent = fn(h, w)
-            return jnp.sum(lp * jnp.arange(12.0)) + jnp.sum(ent * jnp.cos(jnp.arange(12.0)))
+            return a * jnp.sum(lp * jnp.arange(12.0)) + b * jnp.sum(ent * jnp.cos(jnp.arange(12.0)))
         return f
 
-    g = jax.grad(scalar(lambda h, w: chunked_logprobs_entropy(h, w, tgt, chunk)), (0, 1))(h, w)
-    g0 = jax.grad(scalar(lambda h, w: _plain(h, w, tgt)), (0, 1))(h, w)
-    assert_rel_close(g, g0)
+    chunked = lambda h, w: chunked_logprobs_entropy(h, w, tgt, chunk, keep)  # noqa: E731
+    plain = lambda h, w: _plain(h, w, tgt)  # noqa: E731
+    for a, b in ((1.0, 1.0), (1.0, 0), (0, 1.0)):   # python 0: that output gets no cotangent
+        g = jax.jit(jax.grad(scalar(chunked, a, b), (0, 1)))(h, w)
+        g0 = jax.grad(scalar(plain, a, b), (0, 1))(h, w)
+        assert_rel_close(g, g0)
+
+
+def test_unused_outputs_give_zero_grads():
+    h, w, tgt = jnp.ones((3, 4)), jnp.ones((4, 10)), jnp.array([0, 3, 9])
+    g = jax.grad(lambda h, w: jnp.sum(jax.lax.stop_gradient(
+        chunked_logprobs_entropy(h, w, tgt, 4)[0])), (0, 1))(h, w)
+    assert float(jnp.abs(g[0]).max()) == 0.0 and float(jnp.abs(g[1]).max()) == 0.0
+
+
+def test_bad_shapes_rejected():
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        chunked_logprobs_entropy(jnp.ones((3, 4)), jnp.ones((5, 10)), jnp.zeros((3,), jnp.int32), 4)
+    with pytest.raises(ValueError, match="chunk must be > 0"):
+        chunked_logprobs_entropy(jnp.ones((3, 4)), jnp.ones((4, 10)), jnp.zeros((3,), jnp.int32), 0)
+
+
+def test_logits_bytes_by_hand():
+    assert logits_bytes(4092, 32_000, 1_000) == 4 * 4092 * 32_000
+    assert logits_bytes(10, 50, 7) == 4 * 10 * 56        # padded to 8 chunks of 7
+    assert logits_bytes(10, 50, 100) == 4 * 10 * 50      # chunk clipped to V
 
 
 def test_entropy_of_uniform_is_log_v():
@@ -100,3 +127,5 @@ def test_chunked_never_holds_full_logits():
     assert large < 1.5 * small, (small, large)   # 4x the vocabulary, ~ the same memory
     assert large < N * 32768 * 4 / 8              # far below the full logits
     assert temp(_plain, 8192) >= N * 8192 * 4     # the plain path does hold them
+    kept = lambda h, w, t: chunked_logprobs_entropy(h, w, t, 512, True)  # noqa: E731
+    assert temp(kept, 8192) >= N * 8192 * 4       # keep_logits holds the tiles for the backward
