@@ -7,7 +7,8 @@ loop over vocabulary chunks of the output projection with an online log-sum-exp,
 For a chunk's logits l (and the running max m):
   lse     = m + log(sum exp(l - m))
   entropy = lse - sum softmax(l) * l      = lse - (sum exp(l - m) * l) / sum exp(l - m)
-The target's logit is one row-wise dot product <h_n, w[:, target_n]>, outside the loop.
+The target's logit is picked out of its chunk with a compare-and-select (no gather of w's
+columns, which would cross shards when w is split over the vocabulary).
 
 The gradient is hand-written (`jax.custom_vjp`): the forward saves lse and the entropy per token;
 the backward takes each chunk's logits l again and forms, with p = exp(l - lse),
@@ -74,14 +75,19 @@ def _chunks(w_DxV, chunk):
     return w_nxDxc, jnp.where(cols < V, 0.0, _NEG).astype(jnp.float32)
 
 
+def _columns(n, chunk):
+    """Vocabulary id of every column of every chunk, [n, 1, chunk]."""
+    return jnp.arange(n * chunk, dtype=jnp.int32).reshape(n, 1, chunk)
+
+
 def _stats(h_NxD, w_DxV, targets_N, chunk, keep_logits):
     """Forward: (logprob, entropy, lse, logits tiles or None), one online pass over the chunks."""
     N = h_NxD.shape[0]
     w_nxDxc, pad_nx1xc = _chunks(w_DxV, chunk)
 
     def body(carry, xs):
-        m, s, sl = carry
-        w_c, pad = xs
+        m, s, sl, tgt = carry
+        w_c, pad, cols = xs
         logits = jnp.dot(h_NxD, w_c, preferred_element_type=jnp.float32)
         if pad is not None:       # padding columns: logit -1e30, so exp(. - m) = 0 there
             logits = logits + pad
@@ -90,14 +96,14 @@ def _stats(h_NxD, w_DxV, targets_N, chunk, keep_logits):
         corr = jnp.exp(m - m_new)
         s = s * corr + e.sum(-1)
         sl = sl * corr + jnp.sum(e * logits, -1)      # e = 0 exactly where logits = -1e30
-        return (m_new, s, sl), (logits if keep_logits else None)
+        tgt = tgt + jnp.sum(jnp.where(cols == targets_N[:, None], logits, 0.0), -1)
+        return (m_new, s, sl, tgt), (logits if keep_logits else None)
 
     zeros = jnp.zeros((N,), jnp.float32)
-    (m, s, sl), tiles = jax.lax.scan(body, (jnp.full((N,), _NEG, jnp.float32), zeros, zeros),
-                                     (w_nxDxc, pad_nx1xc))
+    (m, s, sl, tgt), tiles = jax.lax.scan(
+        body, (jnp.full((N,), _NEG, jnp.float32), zeros, zeros, zeros),
+        (w_nxDxc, pad_nx1xc, _columns(*w_nxDxc.shape[::2])))
     lse = m + jnp.log(s)
-    tgt = jnp.einsum("nd,nd->n", h_NxD, jnp.take(w_DxV, targets_N, axis=1).T,
-                     preferred_element_type=jnp.float32)
     return tgt - lse, lse - sl / s, lse, tiles
 
 
@@ -119,8 +125,7 @@ def _head_bwd(chunk, keep_logits, res, g):
         return jnp.zeros_like(h_NxD), jnp.zeros_like(w_DxV), None
     D, V = w_DxV.shape
     w_nxDxc, pad_nx1xc = _chunks(w_DxV, chunk)
-    n, _, c = w_nxDxc.shape
-    cols_nx1xc = jnp.arange(n * c, dtype=jnp.int32).reshape(n, 1, c)
+    cols_nx1xc = _columns(*w_nxDxc.shape[::2])
     hT_DxN = h_NxD.T      # once, outside the loop: dw_c = hT @ dl is then a plain [D,N]x[N,c] dot
 
     def body(dh_NxD, xs):
