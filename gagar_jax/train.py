@@ -38,7 +38,7 @@ from gagar_jax.checkpoint import Checkpointer
 from gagar_jax.config import ConfigError, TrainConfig
 from gagar_jax.feed.batcher import Feed, make_source
 from gagar_jax.feed.config import FeedConfig
-from gagar_jax.feed.packing import make_global_batch
+from gagar_jax.feed.packing import global_shapes, make_global_batch
 from gagar_jax.sharding import batch_shardings, make_mesh, process_row_block
 from gagar_jax.startup import ARCHITECTURE_FIELDS, check_hf_dir, check_layout
 from gagar_jax.train_step import StepConfig, init_train_state, make_train_step
@@ -278,9 +278,9 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
         raise ConfigError(f"feed.path: no such file: {rc.feed.path}")
     try:
         mesh = make_mesh(cfg.mesh)
-        # The rows (and S range) of the batch this host's devices hold: with context
-        # parallelism several hosts share rows, each device taking its own part of S.
-        rows, _ = process_row_block(mesh, rc.feed.rows_per_batch, rc.feed.seq_len)
+        # The rows and S range of the batch this host's devices hold: with the context axis
+        # spanning hosts, several hosts share rows, each building only its part of S.
+        rows, cols = process_row_block(mesh, rc.feed.rows_per_batch, rc.feed.seq_len)
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from e
     model_cfg = rc.step.model
@@ -309,7 +309,7 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
     feed = Feed(rc.feed, workdir, vocab_size=model_cfg.vocab_size,
                 num_moe_layers=model_cfg.num_moe_layers, top_k=model_cfg.top_k,
                 num_experts=model_cfg.num_experts, source=source, process_index=pidx,
-                process_count=pcount, rows=rows)
+                process_count=pcount, rows=rows, cols=cols)
     audit = None
     if not fresh:
         restored = ckpt.restore(_abstract(state, shardings))
@@ -360,9 +360,10 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
             break
         batch_np, info = item
         if step_fn is None:
-            batch_sh = batch_shardings(batch_np, mesh)
+            batch_sh = batch_shardings(
+                global_shapes(batch_np, rc.feed.rows_per_batch, rc.feed.seq_len), mesh)
             step_fn = make_train_step(rc.step, mesh, shardings, batch_sh, graphdef)
-        batch = make_global_batch(batch_np, batch_sh, rc.feed.rows_per_batch)
+        batch = make_global_batch(batch_np, batch_sh, rc.feed.rows_per_batch, rc.feed.seq_len)
         state, device_metrics = step_fn(state, batch)
         step += 1
         drain()                       # step - 1's metrics, read while step runs

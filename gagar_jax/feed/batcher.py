@@ -78,6 +78,9 @@ class Feed:
         process 0 writes files.
       rows: the rows this process builds, overriding the even split (the trainer passes
         `sharding.process_row_block`'s: with context parallelism hosts share rows).
+      cols: the columns of S this process builds (`process_row_block`'s S range: with the
+        context axis spanning hosts, each host builds and decodes only its part of the rows);
+        default all of S.
       log: where progress lines go.
       agree: maps this process's row-build failures ({group_id: [reason, detail]}: packed
         payloads of its rows that did not decode) to the failures every process acts on;
@@ -89,7 +92,7 @@ class Feed:
                  num_moe_layers: int = 0, top_k: int = 0, num_experts: Optional[int] = None,
                  source: Any = None, factor_table: Any = None, process_index: int = 0,
                  process_count: int = 1, rows: Optional[slice] = None,
-                 log: Callable[[str], None] = print,
+                 cols: Optional[slice] = None, log: Callable[[str], None] = print,
                  agree: Optional[Callable[[dict], dict]] = None):
         self.cfg = cfg
         self.shape = ModelShape(vocab_size, num_moe_layers, top_k, num_experts)
@@ -100,6 +103,7 @@ class Feed:
         self.writer = process_index == 0
         self.rows = rows if rows is not None else packing.local_row_slice(
             cfg.rows_per_batch, process_index, process_count)
+        self.cols = cols if cols is not None else slice(0, cfg.seq_len)
         self.source = source if source is not None else make_source(
             cfg, process_count=process_count, log=log)
         self.factor_table = factor_table if factor_table is not None else grading.FactorTable()
@@ -203,8 +207,9 @@ class Feed:
         """The next batch for train step `learner_step`, or None when a finite feed is exhausted.
 
         Returns:
-          (Batch of numpy arrays, BatchInfo). Token arrays hold this process's rows
-          (`self.rows`); per-trajectory [T] and per-group [G] arrays are complete.
+          (Batch of numpy arrays, BatchInfo). Token arrays hold this process's block
+          (`self.rows` x `self.cols`); per-trajectory [T] and per-group [G] arrays and the
+          `BatchInfo` counts are complete (the same on every process).
         """
         self._busy = True
         try:
@@ -304,7 +309,7 @@ class Feed:
         self.ledger.leftover = len(self.buffer)
 
     def _assemble(self, groups: list, plan: packing.PackPlan):
-        """The batch (this process's rows), its `BatchInfo` (counts filled by the caller) and
+        """The batch (this process's block of rows), its `BatchInfo` (counts filled by the caller) and
         this process's row-build failures, {group_id: [reason, detail]}."""
         cfg = self.cfg
         T, G = cfg.max_trajectories, cfg.groups_per_batch
@@ -335,7 +340,7 @@ class Feed:
         grading_ok_G[:len(groups)] = [pg.grading_ok for pg in groups]
         routed_shape = ((self.shape.num_moe_layers, self.shape.top_k)
                         if cfg.routing_replay else None)
-        rows = packing.build_rows(plan, trajs, self.rows, cfg.seq_len, routed_shape)
+        rows = packing.build_rows(plan, trajs, self.rows, cfg.seq_len, routed_shape, self.cols)
         batch = batch_lib.Batch(
             tokens_BxS=rows.tokens, segment_ids_BxS=rows.segment_ids, positions_BxS=rows.positions,
             traj_index_BxS=rows.traj_index, loss_mask_BxS=rows.loss_mask,

@@ -238,29 +238,33 @@ class RoutedPayload:
 
 
 def decode_routed(payload: RoutedPayload, loss_mask: np.ndarray,
-                  out: Optional[np.ndarray] = None) -> np.ndarray:
+                  out: Optional[np.ndarray] = None, window: Optional[slice] = None) -> np.ndarray:
     """int32 [length, L, K] routed ids with token t as the input (-1 = no record).
 
     Args:
       payload: the lazy payload.
       loss_mask: the trajectory's (possibly truncated) 0/1 mask, [length].
-      out: where to write (a [length, L, K] slice of the batch, already -1); default: a new
-        array. Writing in place spares a copy of the largest array the feed builds.
+      out: where to write (a slice of the batch, already -1); default: a new array. Writing
+        in place spares a copy of the largest array the feed builds.
+      window: tokens [start, stop) to write (out then has stop - start rows); default all.
     Returns:
       `out`. Raises `PayloadError` (bad base64, an id >= E).
     """
     values, sentinel, no_record = _values(payload.packed, payload.num_experts)
     ids = values.reshape(payload.packed.shape)          # unsigned: cast once, into `out`
+    lo, hi = (0, payload.length) if window is None else (window.start, window.stop)
     if out is None:
-        out = np.full((payload.length,) + ids.shape[1:], -1, np.int32)
+        out = np.full((hi - lo,) + ids.shape[1:], -1, np.int32)
     if payload.per_generated:
         # Entry j produced the j-th generated token at position t: its input was token t - 1.
         inputs = np.flatnonzero(loss_mask[:payload.length]) - 1
         if payload.generated_after_cut:
             inputs = np.append(inputs, payload.length - 1)
-        out[inputs] = ids[:inputs.size]
+        # inputs increase with j: the window's entries are one contiguous run of them.
+        j0, j1 = np.searchsorted(inputs, lo), np.searchsorted(inputs, hi)
+        out[inputs[j0:j1] - lo] = ids[j0:j1]
     else:
-        out[:] = ids[:payload.length]
+        out[:] = ids[lo:hi]
     if no_record:
         out[out == sentinel] = -1
     return out

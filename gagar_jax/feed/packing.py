@@ -92,21 +92,30 @@ class RowArrays:
 
 
 def build_rows(plan: PackPlan, trajectories: Sequence, rows: slice, seq_len: int,
-               routed_shape: Optional[tuple[int, int]]) -> RowArrays:
-    """Fills the token arrays of `rows` from the trajectories the plan places there.
+               routed_shape: Optional[tuple[int, int]], cols: Optional[slice] = None) -> RowArrays:
+    """Fills the token arrays of the block `rows` x `cols` from the trajectories placed there.
 
-    Only these trajectories' lazy payloads (packed routed_experts) are decoded; one that fails
-    is reported in `failures`, never raised (the batcher agrees on failures across processes).
+    Only the trajectories that overlap the block are touched: their lazy payloads (compact
+    tokens, log-probs, routed_experts) are decoded, and only their overlap with `cols` is
+    copied. One that fails to decode is reported in `failures`, never raised (the batcher
+    agrees on failures across processes).
 
     Args:
       plan: the batch's `PackPlan` (trajectory i is `trajectories[i]`, traj index i).
       trajectories: `ParsedTrajectory`s in per-trajectory-array order.
-      rows: the rows to build (a process's `local_row_slice`).
+      rows: the rows to build (a process's `local_row_slice` or `process_row_block` rows).
       seq_len: S.
       routed_shape: (L, K) to build routed_experts (-1 where not recorded), or None.
+      cols: the columns [s0, s1) of S to build (`process_row_block`'s S range when the context
+        axis spans hosts); default all of S.
+    Returns:
+      `RowArrays` of shape [rows, s1 - s0, ...]: column j holds global column s0 + j.
     """
-    n_rows = rows.stop - rows.start
-    shape = (n_rows, seq_len)
+    c0, c1 = (0, seq_len) if cols is None else (cols.start or 0, seq_len if cols.stop is None
+                                               else cols.stop)
+    if not 0 <= c0 < c1 <= seq_len or cols is not None and cols.step not in (None, 1):
+        raise ValueError(f"cols must be a slice within [0, seq_len={seq_len}), got {cols}")
+    shape = (rows.stop - rows.start, c1 - c0)
     out = RowArrays(
         tokens=np.zeros(shape, np.int32), segment_ids=np.zeros(shape, np.int32),
         positions=np.zeros(shape, np.int32), traj_index=np.zeros(shape, np.int32),
@@ -114,43 +123,61 @@ def build_rows(plan: PackPlan, trajectories: Sequence, rows: slice, seq_len: int
         routed=None if routed_shape is None else np.full(shape + tuple(routed_shape), -1, np.int32))
     for i, traj in enumerate(trajectories):
         r = int(plan.row_T[i])
-        if not rows.start <= r < rows.stop:
+        a = int(plan.offset_T[i])
+        lo, hi = max(a, c0), min(a + traj.length, c1)   # the overlap, in row columns
+        if not rows.start <= r < rows.stop or lo >= hi:
             continue
         r -= rows.start
-        a = int(plan.offset_T[i])
-        b = a + traj.length
-        try:            # compact payloads are decoded (and checked) here, for these rows only
-            out.tokens[r, a:b] = traj.token_rows()
-            out.old_logprobs[r, a:b] = traj.logprob_rows() * traj.loss_mask
+        dst, src = slice(lo - c0, hi - c0), slice(lo - a, hi - a)
+        mask = traj.loss_mask[src]
+        try:            # compact payloads are decoded (and checked) here, for this block only
+            out.tokens[r, dst] = traj.token_rows()[src]
+            out.old_logprobs[r, dst] = traj.logprob_rows()[src] * mask
             if out.routed is not None and traj.routed is not None:
-                traj.routed_rows(out.routed[r, a:b])     # decoded in place
+                traj.routed_rows(out.routed[r, dst], src)     # decoded in place
         except packed.PayloadError as e:
             out.failures[i] = (e.reason, f"trajectory {traj.trajectory_id!r}: {e.detail}")
-        out.segment_ids[r, a:b] = plan.segment_T[i]
-        out.positions[r, a:b] = np.arange(traj.length)
-        out.traj_index[r, a:b] = i
-        out.loss_mask[r, a:b] = traj.loss_mask
+        out.segment_ids[r, dst] = plan.segment_T[i]
+        out.positions[r, dst] = np.arange(src.start, src.stop)
+        out.traj_index[r, dst] = i
+        out.loss_mask[r, dst] = mask
     return out
 
 
-def make_global_batch(local_batch, shardings, global_rows: int):
-    """Assembles global `jax.Array`s from each process's rows plus replicated arrays.
+def global_shapes(local_batch, global_rows: int, seq_len: int):
+    """`jax.ShapeDtypeStruct`s of the global batch whose local block `local_batch` holds.
+
+    Shardings are chosen from these (`sharding.batch_shardings`), never from a process's block:
+    a mesh axis that divides B or S may not divide the block.
+    """
+    def one(x):
+        x = np.asarray(x)
+        shape = (global_rows, seq_len) + x.shape[2:] if x.ndim >= 2 else x.shape
+        return jax.ShapeDtypeStruct(shape, x.dtype)
+    return jax.tree.map(one, local_batch)
+
+
+def make_global_batch(local_batch, shardings, global_rows: int, seq_len: Optional[int] = None):
+    """Assembles global `jax.Array`s from each process's block plus replicated arrays.
 
     Args:
       local_batch: a `Batch` of numpy arrays as `Feed.next_batch` returns it (token arrays hold
-        this process's rows; per-trajectory and per-group arrays are complete everywhere).
+        this process's block of rows and columns; per-trajectory and per-group arrays are
+        complete everywhere).
       shardings: a `Batch`-shaped pytree of `jax.sharding.Sharding` (or one sharding for all).
       global_rows: B, rows of the global batch.
+      seq_len: S of the global batch; default the block's width (whole rows per process).
     Returns:
       The `Batch` with global `jax.Array` leaves.
     """
     if isinstance(shardings, jax.sharding.Sharding):
         shardings = jax.tree.map(lambda _: shardings, local_batch)
+    shapes = global_shapes(local_batch, global_rows,
+                           seq_len if seq_len is not None else np.shape(local_batch.tokens_BxS)[1])
 
-    def one(x, sharding):
-        x = np.asarray(x)
-        # Row arrays ([B, S, ...]) are process-local; per-trajectory/per-group ones are whole.
-        global_shape = (global_rows,) + x.shape[1:] if x.ndim >= 2 else x.shape
-        return jax.make_array_from_process_local_data(sharding, x, global_shape)
+    def one(x, sharding, shape):
+        # Token arrays ([B, S, ...]) are this process's block: each of its devices takes its
+        # part, by offset within the block; per-trajectory/per-group ones are whole.
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x), shape.shape)
 
-    return jax.tree.map(one, local_batch, shardings)
+    return jax.tree.map(one, local_batch, shardings, shapes)

@@ -95,18 +95,21 @@ class ParsedTrajectory:
             return packed.decode_array(self.logprobs)
         return self.logprobs
 
-    def routed_rows(self, out: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
+    def routed_rows(self, out: Optional[np.ndarray] = None,
+                    window: Optional[slice] = None) -> Optional[np.ndarray]:
         """int32 [n, L, K] routed ids (-1 = no record), decoding a packed payload now.
 
         Args:
-          out: optional [n, L, K] int32 destination holding -1 (a slice of the batch).
+          out: optional int32 destination holding -1 (a slice of the batch), [n, L, K], or
+            the window's [stop - start, L, K].
+          window: optional token range [start, stop) to fill `out` with (a host's S range).
         Raises `packed.PayloadError` for a packed payload that is not valid base64 or has an
         expert id >= E (found only here: hosts decode only the rows they build).
         """
         if isinstance(self.routed, packed.RoutedPayload):
-            return packed.decode_routed(self.routed, self.loss_mask, out)
+            return packed.decode_routed(self.routed, self.loss_mask, out, window)
         if out is not None and self.routed is not None:
-            out[:] = self.routed
+            out[:] = self.routed if window is None else self.routed[window]
             return out
         return self.routed
 
