@@ -122,7 +122,8 @@ def _compact(t: ParsedTrajectory, rng) -> tuple:
     return dataclasses.replace(
         t, tokens=packed.LazyArray(packed.pack_array(t.tokens, "int32"), "tokens", t.length, 256),
         logprobs=packed.LazyArray(packed.pack_array(t.logprobs, "float32"), "logprobs", t.length),
-        routed=packed.RoutedPayload(packed.pack(ids, "uint8"), 8, t.length, per_generated=True)
+        routed=packed.RoutedPayload(packed.pack(ids, "uint16" if t.length % 2 else "uint8"), 8,
+                                    t.length, per_generated=True)
     ), routed
 
 
@@ -162,7 +163,7 @@ def test_column_block_decodes_only_overlapping_trajectories(monkeypatch):
     decoded = []
     decode_array, decode_routed = packed.decode_array, packed.decode_routed
     monkeypatch.setattr(packed, "decode_array",
-                        lambda lazy: decoded.append(lazy.field) or decode_array(lazy))
+                        lambda lazy, *a: decoded.append(lazy.field) or decode_array(lazy, *a))
     monkeypatch.setattr(packed, "decode_routed",
                         lambda p, *a: decoded.append("routed") or decode_routed(p, *a))
     for cols, overlapping in ((slice(16, 32), [1, 0, 4]), (slice(0, 16), [1, 3, 2]),
@@ -173,6 +174,29 @@ def test_column_block_decodes_only_overlapping_trajectories(monkeypatch):
         assert sorted(np.unique(out.traj_index[out.segment_ids > 0])) == sorted(overlapping)
     with pytest.raises(ValueError, match="cols must be a slice"):
         packing.build_rows(plan, trajs, slice(0, 4), 32, None, cols=slice(8, 40))
+
+
+def test_column_block_checks_only_its_part_of_a_payload():
+    """A token id out of the vocabulary at t1's token 18 (row 0, column 18) is found by the
+    block holding column 18 and by no other: the hosts' blocks cover the row, and the batcher
+    agrees on any host's failure."""
+    rng = np.random.default_rng(2)
+    lengths = [12, 20, 8, 16, 10]
+    trajs = [_compact(_traj(i, n, rng), rng)[0] for i, n in enumerate(lengths)]
+    bad = np.arange(20, dtype=np.int32)
+    bad[18] = 300
+    trajs[1] = dataclasses.replace(trajs[1], tokens=packed.LazyArray(
+        packed.pack_array(bad, "int32"), "tokens", 20, 256))
+    plan = packing.first_fit_decreasing(lengths, 4, 32)
+    for cols, fails in ((None, True), (slice(0, 18), False), (slice(18, 19), True),
+                        (slice(19, 32), False), (slice(16, 32), True)):
+        out = packing.build_rows(plan, trajs, slice(0, 4), 32, (2, 2), cols=cols)
+        assert list(out.failures) == ([1] if fails else []), cols
+        if fails:
+            assert out.failures[1][0] == packed.VOCAB and "[0, 256)" in out.failures[1][1]
+        else:     # the good part of t1 is in place
+            np.testing.assert_array_equal(out.tokens[0, :min(cols.stop, 20) - cols.start],
+                                          bad[cols.start:min(cols.stop, 20)])
 
 
 # 8 devices as fake hosts: (mesh, device -> host). Context spans the hosts in each.

@@ -150,16 +150,32 @@ def header_error(packed: schema.PackedArray, n_tokens: int, n_generated: int,
     return None
 
 
-def _raw(packed: schema.PackedArray, field: str) -> np.ndarray:
+def _raw(packed: schema.PackedArray, field: str, start: int = 0,
+         stop: Optional[int] = None) -> np.ndarray:
+    """The flat values of entries [start, stop) of the leading axis (default all).
+
+    Only the base64 characters that hold those entries are decoded (4 characters carry 3
+    bytes), so a host whose S range covers part of a long trajectory decodes that part; the
+    byte length of the whole text was checked on arrival (`array_error`).
+    """
+    dt = DTYPES[packed.dtype]
+    n = int(packed.shape[0]) if packed.shape else 1
+    stop = n if stop is None else min(stop, n)
+    start = min(start, stop)
+    entry = int(np.prod(packed.shape[1:], dtype=np.int64)) * dt.itemsize   # bytes per entry
+    b0, b1 = start * entry, stop * entry
+    c0 = b0 // 3 * 4
     try:
-        raw = binascii.a2b_base64(packed.b64, strict_mode=True)
+        raw = binascii.a2b_base64(packed.b64[c0:-(-b1 // 3) * 4], strict_mode=True)
     except (binascii.Error, ValueError) as e:
         raise PayloadError(ENCODING, f"{field}: b64 is not valid base64: {e}") from None
-    values = np.frombuffer(raw, DTYPES[packed.dtype])
-    size = int(np.prod(packed.shape))
+    raw = raw[b0 - c0 // 4 * 3:][:b1 - b0]
+    values = np.frombuffer(raw, dt)
+    size = (b1 - b0) // dt.itemsize
     if values.size != size:
         raise PayloadError(ENCODING, f"{field}: b64 decodes to {values.size} {packed.dtype} "
-                           f"values, shape {list(packed.shape)} needs {size}")
+                           f"values for entries [{start}, {stop}) of shape {list(packed.shape)}, "
+                           f"which need {size}")
     return values
 
 
@@ -177,12 +193,14 @@ class LazyArray:
     vocab_size: Optional[int] = None
 
 
-def decode_array(lazy: LazyArray) -> np.ndarray:
-    """The first `length` values: int32 token ids in [0, V), or finite float32 log-probs.
+def decode_array(lazy: LazyArray, window: Optional[slice] = None) -> np.ndarray:
+    """The first `length` values (or those of `window` within them): int32 token ids in
+    [0, V), or finite float32 log-probs. Only the window's values are decoded and checked.
 
     Raises `PayloadError` (bad base64, a token id out of the vocabulary, a non-finite value).
     """
-    values = _raw(lazy.packed, lazy.field)[:lazy.length]
+    lo, hi = (0, lazy.length) if window is None else (window.start, min(window.stop, lazy.length))
+    values = _raw(lazy.packed, lazy.field, lo, hi)
     if lazy.vocab_size is None:
         if not np.isfinite(values).all():
             raise PayloadError(NON_FINITE, f"{lazy.field}: non-finite values")
@@ -193,10 +211,12 @@ def decode_array(lazy: LazyArray) -> np.ndarray:
     return values.astype(np.int32)
 
 
-def _values(packed: schema.PackedArray, num_experts: Optional[int]) -> tuple:
-    """(flat unsigned values, all-ones value, whether all-ones means no record), checked."""
+def _values(packed: schema.PackedArray, num_experts: Optional[int], start: int = 0,
+            stop: Optional[int] = None) -> tuple:
+    """(flat unsigned values of entries [start, stop), all-ones value, whether all-ones means
+    no record), checked."""
     dt = DTYPES[packed.dtype]
-    values = _raw(packed, "routed_experts")
+    values = _raw(packed, "routed_experts", start, stop)
     sentinel = _no_record(dt)
     hi = num_experts if num_experts is not None else sentinel
     no_record = hi <= sentinel          # all-ones is not an expert id: it means no record
@@ -250,21 +270,23 @@ def decode_routed(payload: RoutedPayload, loss_mask: np.ndarray,
     Returns:
       `out`. Raises `PayloadError` (bad base64, an id >= E).
     """
-    values, sentinel, no_record = _values(payload.packed, payload.num_experts)
-    ids = values.reshape(payload.packed.shape)          # unsigned: cast once, into `out`
     lo, hi = (0, payload.length) if window is None else (window.start, window.stop)
+    entry = tuple(payload.packed.shape[1:])
     if out is None:
-        out = np.full((hi - lo,) + ids.shape[1:], -1, np.int32)
+        out = np.full((hi - lo,) + entry, -1, np.int32)
+    # Only the window's entries are decoded (and checked against E).
     if payload.per_generated:
         # Entry j produced the j-th generated token at position t: its input was token t - 1.
         inputs = np.flatnonzero(loss_mask[:payload.length]) - 1
         if payload.generated_after_cut:
             inputs = np.append(inputs, payload.length - 1)
         # inputs increase with j: the window's entries are one contiguous run of them.
-        j0, j1 = np.searchsorted(inputs, lo), np.searchsorted(inputs, hi)
-        out[inputs[j0:j1] - lo] = ids[j0:j1]
+        j0, j1 = int(np.searchsorted(inputs, lo)), int(np.searchsorted(inputs, hi))
+        values, sentinel, no_record = _values(payload.packed, payload.num_experts, j0, j1)
+        out[inputs[j0:j1] - lo] = values.reshape((j1 - j0,) + entry)  # unsigned: cast once
     else:
-        out[:] = ids[lo:hi]
+        values, sentinel, no_record = _values(payload.packed, payload.num_experts, lo, hi)
+        out[:] = values.reshape((hi - lo,) + entry)
     if no_record:
         out[out == sentinel] = -1
     return out

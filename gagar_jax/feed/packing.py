@@ -95,10 +95,11 @@ def build_rows(plan: PackPlan, trajectories: Sequence, rows: slice, seq_len: int
                routed_shape: Optional[tuple[int, int]], cols: Optional[slice] = None) -> RowArrays:
     """Fills the token arrays of the block `rows` x `cols` from the trajectories placed there.
 
-    Only the trajectories that overlap the block are touched: their lazy payloads (compact
-    tokens, log-probs, routed_experts) are decoded, and only their overlap with `cols` is
-    copied. One that fails to decode is reported in `failures`, never raised (the batcher
-    agrees on failures across processes).
+    Only the trajectories that overlap the block are touched, and only on their overlap with
+    `cols`: that part of their lazy payloads (compact tokens, log-probs, routed_experts) is
+    decoded, checked and copied. One that fails to decode is reported in `failures`, never
+    raised (the batcher agrees on failures across processes, so a bad value is caught by the
+    host whose block holds it and acted on by all).
 
     Args:
       plan: the batch's `PackPlan` (trajectory i is `trajectories[i]`, traj index i).
@@ -131,8 +132,8 @@ def build_rows(plan: PackPlan, trajectories: Sequence, rows: slice, seq_len: int
         dst, src = slice(lo - c0, hi - c0), slice(lo - a, hi - a)
         mask = traj.loss_mask[src]
         try:            # compact payloads are decoded (and checked) here, for this block only
-            out.tokens[r, dst] = traj.token_rows()[src]
-            out.old_logprobs[r, dst] = traj.logprob_rows()[src] * mask
+            out.tokens[r, dst] = traj.token_rows(src)
+            out.old_logprobs[r, dst] = traj.logprob_rows(src) * mask
             if out.routed is not None and traj.routed is not None:
                 traj.routed_rows(out.routed[r, dst], src)     # decoded in place
         except packed.PayloadError as e:

@@ -83,17 +83,19 @@ class ParsedTrajectory:
     def length(self) -> int:
         return int(self.loss_mask.shape[0])
 
-    def token_rows(self) -> np.ndarray:
-        """int32 [n] token ids; a compact payload is decoded (and checked) now."""
+    def token_rows(self, window: Optional[slice] = None) -> np.ndarray:
+        """int32 [n] token ids (those of `window` only, if given); a compact payload is
+        decoded (and checked) now, the window's part only."""
         if isinstance(self.tokens, packed.LazyArray):
-            return packed.decode_array(self.tokens)
-        return self.tokens
+            return packed.decode_array(self.tokens, window)
+        return self.tokens if window is None else self.tokens[window]
 
-    def logprob_rows(self) -> np.ndarray:
-        """float32 [n] behavior log-probs; a compact payload is decoded (and checked) now."""
+    def logprob_rows(self, window: Optional[slice] = None) -> np.ndarray:
+        """float32 [n] behavior log-probs (those of `window` only, if given); a compact
+        payload is decoded (and checked) now, the window's part only."""
         if isinstance(self.logprobs, packed.LazyArray):
-            return packed.decode_array(self.logprobs)
-        return self.logprobs
+            return packed.decode_array(self.logprobs, window)
+        return self.logprobs if window is None else self.logprobs[window]
 
     def routed_rows(self, out: Optional[np.ndarray] = None,
                     window: Optional[slice] = None) -> Optional[np.ndarray]:
