@@ -309,8 +309,8 @@ class Feed:
         self.ledger.leftover = len(self.buffer)
 
     def _assemble(self, groups: list, plan: packing.PackPlan):
-        """The batch (this process's block of rows), its `BatchInfo` (counts filled by the caller) and
-        this process's row-build failures, {group_id: [reason, detail]}."""
+        """The batch (this process's block of the rows), its `BatchInfo` (counts filled by the
+        caller) and this process's row-build failures, {group_id: [reason, detail]}."""
         cfg = self.cfg
         T, G = cfg.max_trajectories, cfg.groups_per_batch
         trajs = [t for pg in groups for t in pg.trajectories]

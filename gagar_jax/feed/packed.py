@@ -16,10 +16,11 @@ Decoding is split so that multi-host learners stay cheap and consistent:
 - `array_error` / `header_error` (every host, every record): dtype, shape and the byte length
   implied by the base64 text's length, without decoding a byte (lengths are all the packing
   plan needs);
-- `decode_array` / `decode_routed` (only the host that builds the row holding the trajectory):
-  base64 -> numpy, values checked (vocabulary, finite, ids < E). Their failures are agreed
-  between hosts by the batcher before a batch is handed out (`gagar_jax.feed.batcher`), so
-  every host quarantines the same group.
+- `decode_array` / `decode_routed` (only the host that builds the row holding the trajectory,
+  and only the part in its S range when hosts share rows): base64 -> numpy, values checked
+  (vocabulary, finite, ids < E). Their failures are agreed between hosts by the batcher
+  before a batch is handed out (`gagar_jax.feed.batcher`), so every host quarantines the same
+  group.
 """
 from __future__ import annotations
 
