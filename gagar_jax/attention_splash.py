@@ -25,11 +25,13 @@ heads.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 
@@ -52,31 +54,106 @@ def _check(q, k, v, segment_ids_BxS, window, sinks_H):
         raise ValueError(f"sinks_H {sinks_H.shape} must be [H] = ({q.shape[2]},)")
 
 
-def _kernel(s: int, num_heads: int, block: int, window: Optional[int], interpret: bool):
+def _kernel(q_len: int, kv_len: int, num_heads: int, block_q: int, block_kv: int,
+            window: Optional[int], offset: int, interpret: bool):
+    """The kernel for queries [offset, offset + q_len) against keys [0, kv_len) of one row."""
+    shape = (q_len, kv_len)
     if window is None:
-        mask = splash.CausalMask((s, s))
+        mask = splash.CausalMask(shape, offset=offset)
     else:
-        mask = splash.LocalMask((s, s), window_size=(window - 1, 0), offset=0)
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                              block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                              block_q_dq=block, block_kv_dq=block)
+        mask = splash.LocalMask(shape, window_size=(window - 1, 0), offset=offset)
+    sizes = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
+                              block_q_dkv=block_q, block_kv_dkv=block_kv,
+                              block_kv_dkv_compute=block_kv, block_q_dq=block_q,
+                              block_kv_dq=block_kv)
     return splash.make_splash_mha(splash.MultiHeadMask([mask] * num_heads), block_sizes=sizes,
                                   head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
-def _local(q, k, v, seg, sinks, *, block, window, interpret):
-    """One shard: q [B, S, H, Dh], k/v [B, S, Kv, Dh], seg [B, S] (S a multiple of block)."""
+def _block(block: int, length: int) -> int:
+    """`block` rounded up to a multiple of 128, and at most `length` rounded up to one."""
+    return min(-(-block // LANES) * LANES, -(-length // LANES) * LANES)
+
+
+def _pad(x, blk: int, fill=0):
+    extra = -x.shape[1] % blk
+    if not extra:
+        return x
+    return jnp.pad(x, ((0, 0), (0, extra)) + ((0, 0),) * (x.ndim - 2), constant_values=fill)
+
+
+def _local(q, k, v, seg_q, seg_k, sinks, *, block, window, offset, interpret):
+    """One shard's rows: q [B, S, H, Dh] at key index `offset` (a Python int), k/v [B, K, Kv, Dh],
+    seg_q [B, S], seg_k [B, K]; S and K are padded here to multiples of the blocks."""
     b, s, h, dh = q.shape
-    kernel = _kernel(s, h, block, window, interpret)
+    bq, bkv = _block(block, s), _block(block, k.shape[1])
+    # Padding gets ids of its own (no real token is negative): padded queries see padded keys
+    # or nothing, real queries never see padding; the output rows are cut off below.
+    q, seg_q = _pad(q, bq), _pad(seg_q.astype(jnp.int32), bq, fill=-2)
+    k, v, seg_k = _pad(k, bkv), _pad(v, bkv), _pad(seg_k.astype(jnp.int32), bkv, fill=-3)
+    kernel = _kernel(q.shape[1], k.shape[1], h, bq, bkv, window, offset, interpret)
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, H, S, Dh]
     qs = heads_first(q * jnp.asarray(dh ** -0.5, q.dtype))
 
-    def one_row(q_r, k_r, v_r, seg_r):
-        return kernel(q_r, k_r, v_r, segment_ids=splash.SegmentIds(q=seg_r, kv=seg_r),
+    def one_row(q_r, k_r, v_r, seg_q_r, seg_k_r):
+        return kernel(q_r, k_r, v_r, segment_ids=splash.SegmentIds(q=seg_q_r, kv=seg_k_r),
                       sinks=sinks)
 
-    o = jax.vmap(one_row)(qs, heads_first(k), heads_first(v), seg)
-    return heads_first(o).astype(q.dtype)
+    o = jax.vmap(one_row)(qs, heads_first(k), heads_first(v), seg_q, seg_k)
+    return heads_first(o)[:, :s].astype(q.dtype)
+
+
+def splash_local_attention(q_BxSxHxD, k_BxKxKvxD, v_BxKxKvxD, segment_ids_BxS, *,
+                           kv_segment_ids_BxK=None, q_offset=0, q_offsets=None, window: int = 0,
+                           sinks_H=None, block: int = 512, interpret: bool = False):
+    """The splash kernel on one shard, with the per-shard contract of
+    `attention.blockwise_attention` (context parallelism, `attention_context.LOCAL_KERNELS`):
+    queries against keys of their own length K with their own segment ids, the first query at
+    key index `q_offset`.
+
+    The kernel's masks (and the blocks it skips) are static, so the offset must be known when
+    tracing: `q_offset` is a Python int, or a traced int scalar together with `q_offsets`, the
+    static tuple of the values it can take; then one kernel per value is built and
+    `lax.switch` runs the one that matches (a chip's offset depends on `axis_index`).
+
+    Args:
+      q_BxSxHxD, k_BxKxKvxD, v_BxKxKvxD: queries and the keys / values they may see (no mesh
+        here: this runs inside a `shard_map` or on one device).
+      segment_ids_BxS, kv_segment_ids_BxK: segment ids of queries and of keys (default: keys
+        are the queries' rows).
+      q_offset, q_offsets: as above.
+      window: sliding window W (0 = full causal), as in `attention.plain_attention`.
+      sinks_H: optional per-head sink logits.
+      block: query / key block (rounded to a multiple of 128, at most the length rounded up).
+      interpret: Pallas interpret mode (True off TPU).
+    Returns:
+      [B, S, H, Dh] attention output in q's dtype.
+    """
+    seg_k = segment_ids_BxS if kv_segment_ids_BxK is None else kv_segment_ids_BxK
+    if (q_BxSxHxD.ndim != 4 or k_BxKxKvxD.shape != v_BxKxKvxD.shape or k_BxKxKvxD.ndim != 4
+            or q_BxSxHxD.shape[0] != k_BxKxKvxD.shape[0] or q_BxSxHxD.shape[3] != k_BxKxKvxD.shape[3]
+            or q_BxSxHxD.shape[2] % k_BxKxKvxD.shape[2]):
+        raise ValueError(f"q must be [B,S,H,Dh] and k, v [B,K,Kv,Dh] with H a multiple of Kv; "
+                         f"got {q_BxSxHxD.shape}, {k_BxKxKvxD.shape}, {v_BxKxKvxD.shape}")
+    if segment_ids_BxS.shape != q_BxSxHxD.shape[:2] or seg_k.shape != k_BxKxKvxD.shape[:2]:
+        raise ValueError(f"segment ids {segment_ids_BxS.shape} / {seg_k.shape} must be "
+                         f"{q_BxSxHxD.shape[:2]} / {k_BxKxKvxD.shape[:2]}")
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0 = full attention), got {window}")
+    if sinks_H is not None and sinks_H.shape != (q_BxSxHxD.shape[2],):
+        raise ValueError(f"sinks_H {sinks_H.shape} must be [H] = ({q_BxSxHxD.shape[2]},)")
+    sinks = None if sinks_H is None else sinks_H.astype(jnp.float32)
+    args = (q_BxSxHxD, k_BxKxKvxD, v_BxKxKvxD, segment_ids_BxS, seg_k, sinks)
+    run = lambda offset, *a: _local(*a, block=block, window=int(window) or None,  # noqa: E731
+                                    offset=offset, interpret=interpret)
+    if isinstance(q_offset, (int, np.integer)):
+        return run(int(q_offset), *args)
+    if not q_offsets:
+        raise ValueError("a traced q_offset needs q_offsets, the static values it can take "
+                         "(the splash kernel's mask is static)")
+    offsets = tuple(int(o) for o in q_offsets)
+    index = jnp.argmax(jnp.asarray(offsets, jnp.int32) == q_offset)
+    return jax.lax.switch(index, [functools.partial(run, o) for o in offsets], *args)
 
 
 def splash_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *,
@@ -100,33 +177,25 @@ def splash_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *,
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if interpret is None:
         interpret = sharding.device_platform(mesh) != "tpu"
-    b, s, h, _ = q_BxSxHxD.shape
-    kv = k_BxSxKxD.shape[2]
-    blk = min(-(-block // LANES) * LANES, -(-s // LANES) * LANES)
-    pad = -s % blk
-    q, k, v, seg = q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS.astype(jnp.int32)
-    if pad:
-        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
-        q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
-        seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
+    b, kv = q_BxSxHxD.shape[0], k_BxSxKxD.shape[2]
+    seg = segment_ids_BxS.astype(jnp.int32)
     sinks = None if sinks_H is None else sinks_H.astype(jnp.float32)
     local = lambda q, k, v, seg, sinks: _local(  # noqa: E731
-        q, k, v, seg, sinks, block=blk, window=window, interpret=interpret)
+        q, k, v, seg, seg, sinks, block=block, window=window, offset=0, interpret=interpret)
+    q, k, v = q_BxSxHxD, k_BxSxKxD, v_BxSxKxD
     row_axes, head_axes = (), ()
     if mesh is not None and not mesh.empty:
         row_axes = _dividing(sharding.mesh_axes("batch", mesh), mesh, b)
         head_axes = _dividing(sharding.mesh_axes("kv_heads", mesh), mesh, kv)
     if not row_axes and not head_axes:
-        out = local(q, k, v, seg, sinks)
-    else:
-        rows, heads = row_axes or None, head_axes or None
-        x_spec = P(rows, None, heads, None)
-        fn = jax.shard_map(local, mesh=mesh,
-                           in_specs=(x_spec, x_spec, x_spec, P(rows, None),
-                                     None if sinks is None else P(heads)),
-                           out_specs=x_spec, check_vma=False)   # kernel outputs carry no vma
-        out = fn(q, k, v, seg, sinks)
-    return out[:, :s]
+        return local(q, k, v, seg, sinks)
+    rows, heads = row_axes or None, head_axes or None
+    x_spec = P(rows, None, heads, None)
+    fn = jax.shard_map(local, mesh=mesh,
+                       in_specs=(x_spec, x_spec, x_spec, P(rows, None),
+                                 None if sinks is None else P(heads)),
+                       out_specs=x_spec, check_vma=False)   # kernel outputs carry no vma
+    return fn(q, k, v, seg, sinks)
 
 
 def _dividing(axes: tuple, mesh, size: int) -> tuple:
