@@ -301,15 +301,14 @@ def resolve_impl(impl: str, mesh=None) -> str:
     Args:
       impl: one of `IMPLS`.
       mesh: a `Mesh` (default: the ambient one); its devices' platform decides
-        (`sharding.device_platform`), so an ahead-of-time TPU compile on a CPU host gets splash;
-        a context axis larger than 1 gets blockwise (`attention_context.py`).
+        (`sharding.device_platform`), so an ahead-of-time TPU compile on a CPU host gets splash,
+        with or without a context axis (there it is the per-shard kernel,
+        `attention_context.py`).
     """
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
-    if sharding.axis_size("seq", mesh) > 1:  # splash takes no query offset: per-shard blockwise
-        return "blockwise"
     return AUTO_IMPLS.get(sharding.device_platform(mesh), "blockwise")
 
 

@@ -21,7 +21,11 @@ hides it from real queries.
 
 Under a mesh, the kernel runs per shard inside `shard_map` (a Pallas call has no SPMD
 partitioning rule): rows split over the batch axes, heads over 'tensor' where it divides the KV
-heads.
+heads. With rows split along S over the context axis, `attention_context.py` runs
+`splash_local_attention` per shard instead: a chip's queries against the keys it gathered (keys
+of their own length and segment ids), its first query at key index `q_offset`, through the
+masks' `offset` (`CausalMask((S, K), offset)`, `LocalMask((S, K), (W - 1, 0), offset)`).
+The value head width may differ from the query / key width (MiMo: 128 / 192).
 """
 from __future__ import annotations
 
@@ -41,9 +45,9 @@ LANES = 128   # the kernel's sequence blocks are multiples of this
 
 
 def _check(q, k, v, segment_ids_BxS, window, sinks_H):
-    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
-        raise ValueError(f"q must be [B,S,H,Dh] and k, v [B,S,Kv,Dh]; got {q.shape}, {k.shape}, "
-                         f"{v.shape}")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"q must be [B,S,H,Dh], k [B,S,Kv,Dh] and v [B,S,Kv,Dv]; got {q.shape}, "
+                         f"{k.shape}, {v.shape}")
     if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
         raise ValueError(f"q {q.shape} and k {k.shape} disagree (H must be a multiple of Kv)")
     if segment_ids_BxS.shape != q.shape[:2]:
@@ -83,8 +87,9 @@ def _pad(x, blk: int, fill=0):
 
 
 def _local(q, k, v, seg_q, seg_k, sinks, *, block, window, offset, interpret):
-    """One shard's rows: q [B, S, H, Dh] at key index `offset` (a Python int), k/v [B, K, Kv, Dh],
-    seg_q [B, S], seg_k [B, K]; S and K are padded here to multiples of the blocks."""
+    """One shard's rows: q [B, S, H, Dh] at key index `offset` (a Python int), k [B, K, Kv, Dh],
+    v [B, K, Kv, Dv], seg_q [B, S], seg_k [B, K]; S and K are padded here to multiples of the
+    blocks."""
     b, s, h, dh = q.shape
     bq, bkv = _block(block, s), _block(block, k.shape[1])
     # Padding gets ids of its own (no real token is negative): padded queries see padded keys
@@ -105,45 +110,50 @@ def _local(q, k, v, seg_q, seg_k, sinks, *, block, window, offset, interpret):
 
 def splash_local_attention(q_BxSxHxD, k_BxKxKvxD, v_BxKxKvxD, segment_ids_BxS, *,
                            kv_segment_ids_BxK=None, q_offset=0, q_offsets=None, window: int = 0,
-                           sinks_H=None, block: int = 512, interpret: bool = False):
+                           sinks_H=None, block: int = 512, interpret: Optional[bool] = None):
     """The splash kernel on one shard, with the per-shard contract of
     `attention.blockwise_attention` (context parallelism, `attention_context.LOCAL_KERNELS`):
     queries against keys of their own length K with their own segment ids, the first query at
     key index `q_offset`.
 
-    The kernel's masks (and the blocks it skips) are static, so the offset must be known when
-    tracing: `q_offset` is a Python int, or a traced int scalar together with `q_offsets`, the
-    static tuple of the values it can take; then one kernel per value is built and
-    `lax.switch` runs the one that matches (a chip's offset depends on `axis_index`).
+    The kernel's masks (and the blocks it skips) are static NumPy, so the offset must be known
+    when tracing: `q_offset` is a Python int, or a traced int scalar together with `q_offsets`,
+    the static tuple of the values it can take (a chip's offset depends on `axis_index`); then
+    one kernel per value is built and `lax.switch` runs the one whose value equals `q_offset`
+    (an offset outside `q_offsets` is a caller bug: the first kernel would run).
 
     Args:
       q_BxSxHxD, k_BxKxKvxD, v_BxKxKvxD: queries and the keys / values they may see (no mesh
-        here: this runs inside a `shard_map` or on one device).
+        here: this runs inside a `shard_map` or on one device); v may have its own head width.
       segment_ids_BxS, kv_segment_ids_BxK: segment ids of queries and of keys (default: keys
         are the queries' rows).
       q_offset, q_offsets: as above.
       window: sliding window W (0 = full causal), as in `attention.plain_attention`.
       sinks_H: optional per-head sink logits.
       block: query / key block (rounded to a multiple of 128, at most the length rounded up).
-      interpret: Pallas interpret mode (True off TPU).
+      interpret: Pallas interpret mode (None: unless the ambient mesh's devices are TPUs).
     Returns:
-      [B, S, H, Dh] attention output in q's dtype.
+      [B, S, H, Dv] attention output in q's dtype.
     """
+    q, k, v = q_BxSxHxD, k_BxKxKvxD, v_BxKxKvxD
     seg_k = segment_ids_BxS if kv_segment_ids_BxK is None else kv_segment_ids_BxK
-    if (q_BxSxHxD.ndim != 4 or k_BxKxKvxD.shape != v_BxKxKvxD.shape or k_BxKxKvxD.ndim != 4
-            or q_BxSxHxD.shape[0] != k_BxKxKvxD.shape[0] or q_BxSxHxD.shape[3] != k_BxKxKvxD.shape[3]
-            or q_BxSxHxD.shape[2] % k_BxKxKvxD.shape[2]):
-        raise ValueError(f"q must be [B,S,H,Dh] and k, v [B,K,Kv,Dh] with H a multiple of Kv; "
-                         f"got {q_BxSxHxD.shape}, {k_BxKxKvxD.shape}, {v_BxKxKvxD.shape}")
-    if segment_ids_BxS.shape != q_BxSxHxD.shape[:2] or seg_k.shape != k_BxKxKvxD.shape[:2]:
+    if (q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]
+            or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]):
+        raise ValueError(f"q must be [B,S,H,Dh], k [B,K,Kv,Dh] and v [B,K,Kv,Dv] with H a "
+                         f"multiple of Kv; got {q.shape}, {k.shape}, {v.shape}")
+    if segment_ids_BxS.shape != q.shape[:2] or seg_k.shape != k.shape[:2]:
         raise ValueError(f"segment ids {segment_ids_BxS.shape} / {seg_k.shape} must be "
-                         f"{q_BxSxHxD.shape[:2]} / {k_BxKxKvxD.shape[:2]}")
+                         f"{q.shape[:2]} / {k.shape[:2]}")
     if window < 0:
         raise ValueError(f"window must be >= 0 (0 = full attention), got {window}")
-    if sinks_H is not None and sinks_H.shape != (q_BxSxHxD.shape[2],):
-        raise ValueError(f"sinks_H {sinks_H.shape} must be [H] = ({q_BxSxHxD.shape[2]},)")
+    if sinks_H is not None and sinks_H.shape != (q.shape[2],):
+        raise ValueError(f"sinks_H {sinks_H.shape} must be [H] = ({q.shape[2]},)")
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    if interpret is None:
+        interpret = sharding.device_platform() != "tpu"
     sinks = None if sinks_H is None else sinks_H.astype(jnp.float32)
-    args = (q_BxSxHxD, k_BxKxKvxD, v_BxKxKvxD, segment_ids_BxS, seg_k, sinks)
+    args = (q, k, v, segment_ids_BxS.astype(jnp.int32), seg_k.astype(jnp.int32), sinks)
     run = lambda offset, *a: _local(*a, block=block, window=int(window) or None,  # noqa: E731
                                     offset=offset, interpret=interpret)
     if isinstance(q_offset, (int, np.integer)):
@@ -151,7 +161,9 @@ def splash_local_attention(q_BxSxHxD, k_BxKxKvxD, v_BxKxKvxD, segment_ids_BxS, *
     if not q_offsets:
         raise ValueError("a traced q_offset needs q_offsets, the static values it can take "
                          "(the splash kernel's mask is static)")
-    offsets = tuple(int(o) for o in q_offsets)
+    offsets = tuple(sorted({int(o) for o in q_offsets}))
+    if len(offsets) == 1:
+        return run(offsets[0], *args)
     index = jnp.argmax(jnp.asarray(offsets, jnp.int32) == q_offset)
     return jax.lax.switch(index, [functools.partial(run, o) for o in offsets], *args)
 

@@ -1,5 +1,6 @@
 """Splash attention (Pallas TPU kernel, run in interpret mode on CPU) against the reference path
-and a NumPy loop: packed rows, GQA, padding, sliding windows and sinks; forward and gradients."""
+and a NumPy loop: packed rows, GQA, padding, sliding windows and sinks; forward and gradients;
+also as the per-shard kernel under the context axis (rows split along S over 2 chips)."""
 import types
 
 import jax
@@ -7,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gagar_jax import aot, attention, sharding
-from gagar_jax.attention_splash import splash_attention
+from gagar_jax import aot, attention, attention_context, sharding
+from gagar_jax.attention_splash import splash_attention, splash_local_attention
 from close import assert_rel_close
 
 B, S, H, KV, DH = 2, 200, 4, 2, 16   # S not a multiple of the 128-token kernel block
@@ -108,6 +109,11 @@ def test_auto_resolves_to_splash_for_tpu_devices_only():
                              aot.topology_devices("v5p:2x2x1"))
     cpu = sharding.make_mesh(types.SimpleNamespace(data=-1, fsdp=1, expert=1, tensor=1))
     assert attention.resolve_impl("auto", tpu) == "splash"
+    axes = types.SimpleNamespace(data=-1, fsdp=1, expert=1, context=2, tensor=1)
+    tpu_context = sharding.make_mesh(axes, aot.topology_devices("v5p:2x2x1"))
+    assert attention.resolve_impl("auto", tpu_context) == "splash"   # the per-shard kernel
+    # Every resolved impl has a per-shard kernel under context parallelism.
+    assert set(attention_context.LOCAL_KERNELS) == set(attention.IMPLS) - {"auto"}
     assert attention.resolve_impl("auto", cpu) == "blockwise"
     assert attention.resolve_impl("auto") == "blockwise"       # no mesh: this CPU process
     assert attention.resolve_impl("plain", tpu) == "plain"      # explicit wins
@@ -123,3 +129,50 @@ def test_bad_arguments_name_the_problem(qkv):
         splash_attention(q, k, v, SEG, sinks_H=jnp.zeros((3,)))
     with pytest.raises(ValueError, match="segment_ids"):
         splash_attention(q, k, v, SEG[:, :10])
+    with pytest.raises(ValueError, match="segment ids"):
+        splash_local_attention(q, k, v, SEG, kv_segment_ids_BxK=SEG[:, :10])
+    with pytest.raises(ValueError, match="q_offsets"):   # the kernel's masks are static
+        jax.jit(lambda d: splash_local_attention(q, k, v, SEG, q_offset=d))(jnp.int32(0))
+
+
+# ------------------------------------------------------------------ under the context axis
+CB, CS, CH, CKV, CDH, CDV, CW = 2, 256, 2, 1, 8, 16, 40   # 128 tokens per chip at context = 2
+
+
+def _context_rows():
+    """Packed rows whose segments cross the chip boundary at 128, with padding (id 0)."""
+    seg = np.zeros((CB, CS), np.int32)
+    seg[0, :100], seg[0, 100:190], seg[0, 190:] = 1, 2, 3
+    seg[1, :200], seg[1, 200:240] = 1, 2
+    return jnp.asarray(seg)
+
+
+def test_splash_per_shard_under_context_equals_one_chip():
+    """context = 2, interpret mode: a full layer (all-gathered keys; zig-zag query halves, or
+    each chip on its own queries) and a sliding layer (window 40 with sinks, a 39-key halo from
+    the other chip) through the splash kernel equal plain attention on one chip, outputs and
+    the gradients of q, k, v and the sinks; GQA (2 heads over 1 KV head), Dv != Dh."""
+    seg = _context_rows()
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (CB, CS, CH, CDH))
+    k = jax.random.normal(ks[1], (CB, CS, CKV, CDH))
+    v = jax.random.normal(ks[2], (CB, CS, CKV, CDV))
+    sinks = jax.random.normal(ks[3], (CH,))
+    probe = jnp.sin(jnp.arange(CB * CS * CH * CDV, dtype=jnp.float32)).reshape(CB, CS, CH, CDV)
+
+    def both(fn):
+        def loss(q, k, v, sinks):
+            full = fn(q, k, v, seg, window=0, sinks_H=None)
+            slide = fn(q, k, v, seg, window=CW, sinks_H=sinks)
+            return jnp.sum((full + slide) * probe), (full, slide)
+        return jax.device_get(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+            q, k, v, sinks))
+
+    want = both(attention.plain_attention)
+    mesh = sharding.make_mesh(types.SimpleNamespace(data=1, fsdp=1, expert=1, context=2,
+                                                    tensor=1), jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        for balance in (True, False):   # traced offsets: lax.switch over static kernels
+            got = both(lambda *a, **kw: attention_context.attention(
+                *a, impl="splash", block=128, balance=balance, **kw))
+            assert_rel_close(got, want, name=f"balance={balance}")
