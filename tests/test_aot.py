@@ -196,6 +196,45 @@ def test_kernels_compile_ahead_of_time_for_v5p(tmp_path):
     assert result.error == "" and result.memory is not None
 
 
+@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache")
+def test_splash_under_context_compiles_ahead_of_time_for_v5p(tmp_path):
+    """"auto" attention with rows split along S (data 2 x context 2): splash is the per-shard
+    kernel of a full layer (zig-zag query halves, one kernel per possible offset under
+    `lax.switch`) and of a sliding layer with sinks (halo keys), compiled for TPU."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from gagar_jax import attention, attention_context, sharding
+
+    mesh = sharding.make_mesh(types.SimpleNamespace(data=2, fsdp=1, expert=1, context=2, tensor=1),
+                              aot.topology_devices("v5p:2x2x1"))
+    B, S, H, KV, DH = 2, 512, 4, 2, 128
+    sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=NamedSharding(mesh, spec))
+    rows = P("data", "context")
+
+    def loss(q, k, v, seg, sinks):
+        full = attention_context.attention(q, k, v, seg, impl="auto", block=128)
+        slide = attention_context.attention(q, k, v, seg, impl="auto", block=128, window=100,
+                                            sinks_H=sinks)
+        return jnp.sum((full + slide).astype(jnp.float32))
+
+    bf = jnp.bfloat16
+    args = (sds((B, S, H, DH), bf, rows), sds((B, S, KV, DH), bf, rows),
+            sds((B, S, KV, DH), bf, rows), sds((B, S), jnp.int32, rows),
+            sds((H,), jnp.float32, P()))
+    with jax.set_mesh(mesh):
+        assert attention.resolve_impl("auto") == "splash"
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4))).lower(*args)
+    # Mosaic kernels (fwd, dq, dkv): 2 query halves x 2 offsets on the full layer, 1 sliding.
+    assert lowered.as_text().count("tpu_custom_call") >= 15, "expected Mosaic kernels"
+    result = aot.compile_lowered(lowered, dump_dir=str(tmp_path))
+    assert result.error == "" and result.memory is not None
+
+
 HLO = """\
 %cond (p: (s32[], bf16[4,8])) -> pred[] {
   %p = (s32[], bf16[4,8]) parameter(0)
