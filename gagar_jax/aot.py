@@ -212,6 +212,7 @@ def lower_train_step(cfg: ml_collections.ConfigDict, devices: list):
     from gagar_jax import batch as batch_lib
     from gagar_jax import sharding
     from gagar_jax import train_step as ts
+    from gagar_jax.attention import resolve_impl
     from gagar_jax.feed.config import FeedConfig
 
     step_cfg = ts.StepConfig.from_config(cfg)
@@ -240,7 +241,8 @@ def lower_train_step(cfg: ml_collections.ConfigDict, devices: list):
                       "micro_batches": step_cfg.micro_batches,
                       "rows_per_shard": max(1, micro_rows // batch_shards),
                       "expert_backend": mc.expert_backend, "remat": mc.remat,
-                      "attention": f"{mc.attention}/{mc.attn_block}"}}
+                      # as compiled: "auto" resolved for the mesh's devices
+                      "attention": f"{resolve_impl(mc.attention, mesh)}/{mc.attn_block}"}}
     return lowered, meta
 
 

@@ -21,12 +21,13 @@ OOM_MESSAGE = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory 
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory):
     """The CLI over the library: tiny config, v5p:2x2x1, expert 2 x context 2 (rows split along S,
-    the context-parallel attention included; parameters stored over fsdp x context, ZeRO-style)."""
+    the context-parallel attention included, "auto": splash kernels per shard; parameters stored
+    over fsdp x context, ZeRO-style)."""
     out = tmp_path_factory.mktemp("aot") / "tiny.json"
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "aot_compile.py"),
            "--config", os.path.join(ROOT, "configs", "tiny_cpu.py"), "--topology", "v5p:2x2x1",
            "--config.mesh.data=1", "--config.mesh.fsdp=1", "--config.mesh.expert=2",
-           "--config.mesh.context=2",
+           "--config.mesh.context=2", "--config.model.attention=auto",
            "--out", str(out)]
     # The TPU compiler keeps its own optimization level (conftest's flag is for XLA:CPU).
     flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
@@ -63,6 +64,7 @@ def test_tiny_flops(tiny_report):
     assert r["flops_per_device"] > 0
     assert r["model_flops_per_step"] > 0
     assert r["batch"]["micro_batches"] == 2 and r["batch"]["rows"] == 16
+    assert r["batch"]["attention"].startswith("splash/")   # "auto" for TPU devices
 
 
 def test_tiny_collectives_counted(tiny_report):
