@@ -5,17 +5,64 @@
               the sliding layer's time grows linearly with S (blocks outside the window are
               skipped), the full layer's quadratically.
 
+  context_aot one full and one sliding layer (sinks) of rows split along S over a context axis,
+              fwd+bwd, compiled ahead of time for a TPU topology on this host with each
+              per-shard kernel (blockwise, splash): per-chip memory and Mosaic kernel count.
+              --heads are one chip's (query heads, full-layer KV heads, Dh, Dv, sliding KV).
+
 Run:  JAX_PLATFORMS=cpu python scripts/bench_attention.py [--seqs 1024,2048,4096]
       JAX_PLATFORMS=cpu python scripts/bench_attention.py --mode sliding --seqs 4096,8192,16384
-Prints one row per sequence length; ratios are measured in the same run.
+      JAX_PLATFORMS=cpu python scripts/bench_attention.py --mode context_aot --seqs 262144 \
+          --topology v5p:2x2x2 --heads 16,1,192,128,2
+Prints one row per sequence length (per kernel for context_aot); ratios are measured in the
+same run.
 """
 import argparse
 import time
+import types
 
 import jax
 import jax.numpy as jnp
 
 from gagar_jax.attention import blockwise_attention, plain_attention
+
+
+def context_aot(seqs, topology, heads, block, window):
+    """Per-chip compiled memory of attention under context = all chips of `topology`."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from gagar_jax import aot, attention_context, sharding
+
+    H, Kv, Dh, Dv, Kv_slide = heads
+    devices = aot.topology_devices(topology)
+    mesh = sharding.make_mesh(types.SimpleNamespace(data=1, fsdp=1, expert=1, context=-1,
+                                                    tensor=1), devices)
+    rows = NamedSharding(mesh, P(None, "context"))
+    print(f"context {len(devices)} on {topology}; per chip: {H} query heads, KV {Kv} (full) / "
+          f"{Kv_slide} (sliding, W={window}), Dh {Dh}, Dv {Dv}, bf16, block {block}")
+    print("S        kernel     temporaries MiB  arguments MiB  Mosaic kernels  compile s")
+    for s in seqs:
+        sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=rows)  # noqa: E731
+        args = (sds(1, s, H, Dh), sds(1, s, Kv, Dh), sds(1, s, Kv, Dv), sds(1, s, Kv_slide, Dh),
+                sds(1, s, Kv_slide, Dv), sds(1, s, dt=jnp.int32),
+                jax.ShapeDtypeStruct((H,), jnp.float32, sharding=NamedSharding(mesh, P())))
+        for impl in ("blockwise", "splash"):
+            def loss(q, k, v, k2, v2, seg, sinks):
+                att = lambda k, v, **kw: attention_context.attention(  # noqa: E731
+                    q, k, v, seg, impl=impl, block=block, **kw)
+                o = att(k, v) + att(k2, v2, window=window, sinks_H=sinks)
+                return jnp.sum(o.astype(jnp.float32))
+            t0 = time.perf_counter()
+            with jax.set_mesh(mesh):
+                lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 6))).lower(*args)
+            kernels = lowered.as_text().count("tpu_custom_call")
+            r = aot.compile_lowered(lowered)
+            if r.error:
+                print(f"{s:<8} {impl:<10} {r.error[:200]}")
+                continue
+            m = r.memory
+            print(f"{s:<8} {impl:<10} {m.temporaries / 2**20:15.1f} {m.arguments / 2**20:14.1f} "
+                  f"{kernels:15d} {time.perf_counter() - t0:10.1f}")
 
 
 def _grad_fn(fn):
@@ -42,10 +89,15 @@ def main():
     p.add_argument("--seqs", default="1024,2048,4096")
     p.add_argument("--block", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--mode", choices=("plain", "sliding"), default="plain")
+    p.add_argument("--mode", choices=("plain", "sliding", "context_aot"), default="plain")
     p.add_argument("--window", type=int, default=129)
-    p.add_argument("--heads", default="8,2,64", help="H,Kv,Dh")
+    p.add_argument("--heads", default="8,2,64", help="H,Kv,Dh (context_aot: H,Kv,Dh,Dv,Kv_slide)")
+    p.add_argument("--topology", default="v5p:2x2x2", help="context_aot: the TPU topology")
     a = p.parse_args()
+    if a.mode == "context_aot":
+        context_aot(list(map(int, a.seqs.split(","))), a.topology,
+                    tuple(map(int, a.heads.split(","))), a.block, a.window)
+        return
     H, Kv, Dh = map(int, a.heads.split(","))
     blk = lambda q, k, v, s: blockwise_attention(q, k, v, s, block=a.block)  # noqa: E731
     if a.mode == "sliding":

@@ -176,3 +176,25 @@ def test_splash_per_shard_under_context_equals_one_chip():
             got = both(lambda *a, **kw: attention_context.attention(
                 *a, impl="splash", block=128, balance=balance, **kw))
             assert_rel_close(got, want, name=f"balance={balance}")
+
+
+@pytest.mark.parametrize("q_len,kv_len,offset,window,bq,bk", [
+    (256, 512, 128, None, 128, 128), (256, 512, 0, 40, 128, 128), (384, 640, 200, 129, 128, 128),
+    (128, 1024, 896, None, 128, 256), (512, 300, 17, 5, 128, 100), (256, 256, -50, 300, 64, 64)])
+def test_band_masks_answer_every_block_as_the_kernels_masks(q_len, kv_len, offset, window, bq, bk):
+    """The masks' fast block answers (wholly visible / hidden blocks) equal the kernel's own
+    evaluation on every block, edge blocks and blocks cut by the mask's end included."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    from gagar_jax import attention_splash
+
+    shape = (q_len, kv_len)
+    if window is None:
+        fast, base = attention_splash.CausalMask(shape, offset), splash.CausalMask(shape, offset)
+    else:
+        fast = attention_splash.LocalMask(shape, window - 1, offset)
+        base = splash.LocalMask(shape, (window - 1, 0), offset)
+    for i in range(-(-q_len // bq)):
+        for j in range(-(-kv_len // bk)):
+            idx = (slice(i * bq, (i + 1) * bq), slice(j * bk, (j + 1) * bk))
+            np.testing.assert_array_equal(fast[idx], base[idx], err_msg=str((i, j)))
