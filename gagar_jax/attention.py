@@ -108,17 +108,26 @@ def plain_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, window:
 
 
 # ----------------------------------------------------------------------------- blockwise
-# Internal layout: the block index leads so loops can index it dynamically.
-#   q: [Nq, B, blk, Kv, G, Dh]   k: [Nk, B, blk, Kv, Dh]   v: [Nk, B, blk, Kv, Dv]
+# Internal layout: the block index leads so loops can index it dynamically, and the head axes
+# come before the block's rows so every tile product is a plain batched matmul over (B, Kv)
+# with the contraction last (XLA:CPU then runs it without per-tile transposes).
+#   q: [Nq, B, Kv, G, blk, Dh]   k: [Nk, B, Kv, blk, Dh]   v: [Nk, B, Kv, blk, Dv]
 #   seg_q: [Nq, B, blk]   seg_k: [Nk, B, blk]
-#   o: [Nq, B, Kv, G, blk, Dv] (f32 accumulators)   lse / delta: [Nq, B, Kv, G, blk]   sink: [Kv, G]
+#   o: [Nq, B, Kv, G, blk, Dv] (f32)   lse / delta: [Nq, B, Kv, G, blk]   sink: [Kv, G]
 # `d` is the key index of query row 0 (0 when queries and keys are the same rows; a context
 # shard's offset into the gathered keys otherwise), an int32 scalar that may be traced.
 
 
+def _rows(x):
+    """[B, Kv, G, blk, X] -> [B, Kv, G * blk, X]: a query tile's G heads share each key head."""
+    return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3], x.shape[4])
+
+
 def _tile(q_i, k_j, seg_i, seg_j, i, j, d, blk, scale, window):
     """Masked f32 scores of query block i against key block j: [B, Kv, G, blk, blk] and mask."""
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q_i, k_j, preferred_element_type=jnp.float32) * scale
+    B, Kv, G = q_i.shape[:3]
+    s = jnp.einsum("bkrd,bksd->bkrs", _rows(q_i), k_j, preferred_element_type=jnp.float32)
+    s = s.reshape(B, Kv, G, blk, blk) * scale
     ar = jnp.arange(blk)
     m = _mask(seg_i, seg_j, d + i * blk + ar, j * blk + ar, window)[:, None, None]
     return jnp.where(m, s, _NEG), m
@@ -140,24 +149,24 @@ def _query_block_range(j, nq, d, blk, window):
 
 
 def _fwd_blocks(q, k, v, seg_q, seg_k, sink, d, blk, window, has_sink):
-    nq, B, _, Kv, G, Dh = q.shape
+    nq, B, Kv, G = q.shape[:4]
     nk, Dv = k.shape[0], v.shape[-1]
-    scale = Dh ** -0.5
+    scale = q.shape[-1] ** -0.5
 
     def one_query_block(args):
         i, q_i, seg_i = args
 
         def body(j, carry):
             o, m_run, l_run = carry
-            k_j, v_j, seg_j = k[j], v[j], seg_k[j]
-            s, mask = _tile(q_i, k_j, seg_i, seg_j, i, j, d, blk, scale, window)
+            v_j = v[j]
+            s, mask = _tile(q_i, k[j], seg_i, seg_k[j], i, j, d, blk, scale, window)
             m_new = jnp.maximum(m_run, s.max(-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             corr = jnp.exp(m_run - m_new)
             l_run = l_run * corr + p.sum(-1)
-            pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v_j.dtype), v_j,
+            pv = jnp.einsum("bkrs,bksd->bkrd", _rows(p.astype(v_j.dtype)), v_j,
                             preferred_element_type=jnp.float32)
-            return o * corr[..., None] + pv, m_new, l_run
+            return o * corr[..., None] + pv.reshape(o.shape), m_new, l_run
 
         # A sink starts the online softmax as one extra score: max = sink, sum = exp(0) = 1.
         m0 = (jnp.broadcast_to(sink[None, :, :, None], (B, Kv, G, blk)) if has_sink
@@ -174,48 +183,74 @@ def _fwd_blocks(q, k, v, seg_q, seg_k, sink, d, blk, window, has_sink):
 
 
 def _bwd_blocks(q, k, v, seg_q, seg_k, sink, d, o, lse, do, blk, window, has_sink):
-    nq, B, _, Kv, G, Dh = q.shape
-    nk, Dv = k.shape[0], v.shape[-1]
-    scale = Dh ** -0.5
+    """dq, dk, dv in ONE pass over the visible tiles (each tile's scores and probabilities are
+    recomputed once): key blocks outside, the query blocks that see them inside; dk and dv of
+    the key block accumulate in the carry, dq in a buffer updated in place."""
+    nq, B, Kv, G = q.shape[:4]
+    nk = k.shape[0]
+    scale = q.shape[-1] ** -0.5
     delta = jnp.sum(do * o, axis=-1)  # [Nq, B, Kv, G, blk]: rowsum(dO * O), the softmax-jacobian term
 
-    def probs_and_ds(i, j):
-        s, mask = _tile(q[i], k[j], seg_q[i], seg_k[j], i, j, d, blk, scale, window)
-        p = jnp.where(mask, jnp.exp(s - lse[i][..., None]), 0.0)
-        dp = jnp.einsum("bkgqd,bskd->bkgqs", do[i], v[j], preferred_element_type=jnp.float32)
-        return p, p * (dp - delta[i][..., None])
+    def key_block(j, dq_all):
+        k_j, v_j = k[j], v[j]
 
-    def dq_block(i):
-        def body(j, dq):
-            _, ds = probs_and_ds(i, j)
-            return dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, k[j].astype(jnp.float32)) * scale
-        lo, hi = _key_block_range(i, nk, d, blk, window)
-        return jax.lax.fori_loop(lo, hi, body, jnp.zeros((B, blk, Kv, G, Dh), jnp.float32))
-
-    def dkv_block(j):
         def body(i, carry):
-            dk, dv = carry
-            p, ds = probs_and_ds(i, j)
-            dv = dv + jnp.einsum("bkgqs,bkgqd->bskd", p, do[i])
-            dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, q[i].astype(jnp.float32)) * scale
-            return dk, dv
-        init = (jnp.zeros((B, blk, Kv, Dh), jnp.float32), jnp.zeros((B, blk, Kv, Dv), jnp.float32))
+            dq_all, dk, dv = carry
+            q_i, do_i = q[i], do[i]
+            s, mask = _tile(q_i, k_j, seg_q[i], seg_k[j], i, j, d, blk, scale, window)
+            p = jnp.where(mask, jnp.exp(s - lse[i][..., None]), 0.0)
+            dp = jnp.einsum("bkrd,bksd->bkrs", _rows(do_i), v_j, preferred_element_type=jnp.float32)
+            ds = _rows(p * (dp.reshape(p.shape) - delta[i][..., None]))
+            p = _rows(p)
+            dv = dv + jnp.einsum("bkrs,bkrd->bksd", p, _rows(do_i))
+            dk = dk + jnp.einsum("bkrs,bkrd->bksd", ds, _rows(q_i).astype(jnp.float32)) * scale
+            dq_i = jnp.einsum("bkrs,bksd->bkrd", ds, k_j.astype(jnp.float32)) * scale
+            dq_all = dq_all.at[i].add(dq_i.reshape(dq_all.shape[1:]))
+            return dq_all, dk, dv
+
         lo, hi = _query_block_range(j, nq, d, blk, window)
+        init = (dq_all, jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32))
         return jax.lax.fori_loop(lo, hi, body, init)
 
-    dq = jax.lax.map(dq_block, jnp.arange(nq))
-    dk, dv = jax.lax.map(dkv_block, jnp.arange(nk))
+    def outer(j, carry):
+        dq_all, dk_all, dv_all = carry
+        dq_all, dk, dv = key_block(j, dq_all)
+        return dq_all, dk_all.at[j].set(dk), dv_all.at[j].set(dv)
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
+            jnp.zeros(v.shape, jnp.float32))
+    dq, dk, dv = jax.lax.fori_loop(0, nk, outer, init)
     # d lse / d sink = p_sink = exp(sink - lse); d out / d sink = -p_sink * (rowsum(dO * O)).
     dsink = -jnp.sum(jnp.exp(sink[None, None, :, :, None] - lse) * delta, axis=(0, 1, 4))
     return dq, dk, dv, jnp.where(has_sink, dsink, 0.0)
 
 
-def _to_blocks(x, n, blk):
-    return jnp.moveaxis(x.reshape(x.shape[0], n, blk, *x.shape[2:]), 1, 0)
+def _q_blocks(q_BxSxHxD, Kv, n, blk):
+    """[B, S, H, Dh] -> [Nq, B, Kv, G, blk, Dh]."""
+    B, S, H, Dh = q_BxSxHxD.shape
+    return q_BxSxHxD.reshape(B, n, blk, Kv, H // Kv, Dh).transpose(1, 0, 3, 4, 2, 5)
 
 
-def _from_blocks(x):
-    return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
+def _kv_blocks(k_BxSxKxD, n, blk):
+    """[B, S, Kv, D] -> [Nk, B, Kv, blk, D]."""
+    B, S, Kv, D = k_BxSxKxD.shape
+    return k_BxSxKxD.reshape(B, n, blk, Kv, D).transpose(1, 0, 3, 2, 4)
+
+
+def _seg_blocks(seg_BxS, n, blk):
+    return jnp.moveaxis(seg_BxS.reshape(seg_BxS.shape[0], n, blk), 1, 0)
+
+
+def _from_q_blocks(x):
+    """[Nq, B, Kv, G, blk, X] -> [B, S, H, X]."""
+    n, B, Kv, G, blk, X = x.shape
+    return x.transpose(1, 0, 4, 2, 3, 5).reshape(B, n * blk, Kv * G, X)
+
+
+def _from_kv_blocks(x):
+    """[Nk, B, Kv, blk, X] -> [B, S, Kv, X]."""
+    n, B, Kv, blk, X = x.shape
+    return x.transpose(1, 0, 3, 2, 4).reshape(B, n * blk, Kv, X)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
@@ -224,32 +259,28 @@ def _flash(q, k, v, seg_q, seg_k, sink, d, blk, window, has_sink):
 
 
 def _flash_fwd(q, k, v, seg_q, seg_k, sink, d, blk, window, has_sink):
-    B, S, H, Dh = q.shape
-    Sk, Kv, Dv = k.shape[1], k.shape[2], v.shape[3]
-    nq, nk = S // blk, Sk // blk
-    qb = _to_blocks(q.reshape(B, S, Kv, H // Kv, Dh), nq, blk)
+    H, Kv = q.shape[2], k.shape[2]
+    nq, nk = q.shape[1] // blk, k.shape[1] // blk
     sink_kg = sink.astype(jnp.float32).reshape(Kv, H // Kv)
-    o, lse = _fwd_blocks(qb, _to_blocks(k, nk, blk), _to_blocks(v, nk, blk),
-                         _to_blocks(seg_q, nq, blk), _to_blocks(seg_k, nk, blk), sink_kg, d, blk,
-                         window, has_sink)
-    out = _from_blocks(jnp.moveaxis(o, 4, 2)).reshape(B, S, H, Dv).astype(q.dtype)
+    o, lse = _fwd_blocks(_q_blocks(q, Kv, nq, blk), _kv_blocks(k, nk, blk),
+                         _kv_blocks(v, nk, blk), _seg_blocks(seg_q, nq, blk),
+                         _seg_blocks(seg_k, nk, blk), sink_kg, d, blk, window, has_sink)
+    out = _from_q_blocks(o).astype(q.dtype)
     return out, (q, k, v, seg_q, seg_k, sink, d, o, lse)
 
 
 def _flash_bwd(blk, window, has_sink, res, dout):
     q, k, v, seg_q, seg_k, sink, d, o, lse = res
-    B, S, H, Dh = q.shape
-    Sk, Kv, Dv = k.shape[1], k.shape[2], v.shape[3]
-    nq, nk = S // blk, Sk // blk
-    do = _to_blocks(dout.astype(jnp.float32).reshape(B, S, Kv, H // Kv, Dv), nq, blk)
-    do = jnp.moveaxis(do, 2, 4)  # to the accumulator layout [N, B, Kv, G, blk, Dv]
+    H, Kv = q.shape[2], k.shape[2]
+    nq, nk = q.shape[1] // blk, k.shape[1] // blk
     sink_kg = sink.astype(jnp.float32).reshape(Kv, H // Kv)
-    dq, dk, dv, dsink = _bwd_blocks(_to_blocks(q.reshape(B, S, Kv, H // Kv, Dh), nq, blk),
-                                    _to_blocks(k, nk, blk), _to_blocks(v, nk, blk),
-                                    _to_blocks(seg_q, nq, blk), _to_blocks(seg_k, nk, blk),
-                                    sink_kg, d, o, lse, do, blk, window, has_sink)
-    dq = _from_blocks(dq).reshape(B, S, H, Dh).astype(q.dtype)
-    return (dq, _from_blocks(dk).astype(k.dtype), _from_blocks(dv).astype(v.dtype), None, None,
+    dq, dk, dv, dsink = _bwd_blocks(_q_blocks(q, Kv, nq, blk), _kv_blocks(k, nk, blk),
+                                    _kv_blocks(v, nk, blk), _seg_blocks(seg_q, nq, blk),
+                                    _seg_blocks(seg_k, nk, blk), sink_kg, d, o, lse,
+                                    _q_blocks(dout.astype(jnp.float32), Kv, nq, blk),
+                                    blk, window, has_sink)
+    return (_from_q_blocks(dq).astype(q.dtype), _from_kv_blocks(dk).astype(k.dtype),
+            _from_kv_blocks(dv).astype(v.dtype), None, None,
             dsink.reshape(H).astype(sink.dtype), None)
 
 

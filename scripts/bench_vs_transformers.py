@@ -26,6 +26,10 @@ import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--single-thread" in sys.argv:   # must reach XLA before jax is imported
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_cpu_multi_thread_eigen=false"
+                               " intra_op_parallelism_threads=1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -38,6 +42,9 @@ from gagar_jax import hf  # noqa: E402
 from gagar_jax.config import load_config_file  # noqa: E402
 from gagar_jax.logprobs import chunked_logprobs_entropy, logits_bytes, token_logprobs  # noqa: E402
 from gagar_jax.model import ModelConfig, Transformer  # noqa: E402
+
+
+CLOCK = time.perf_counter   # --single-thread: time.process_time (CPU seconds of this process)
 
 
 def gagar_step(model: Transformer):
@@ -120,12 +127,12 @@ def breakdown(model: Transformer, torch_model, tokens: np.ndarray, reps: int) ->
         tf()
         js, ts = [], []
         for _ in range(reps):
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             jax.block_until_ready(jf())
-            js.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
+            js.append(CLOCK() - t0)
+            t0 = CLOCK()
             tf()
-            ts.append(time.perf_counter() - t0)
+            ts.append(CLOCK() - t0)
         print(f"  {name}: gagar_jax {np.median(js):.2f} s, transformers {np.median(ts):.2f} s",
               flush=True)
 
@@ -138,9 +145,15 @@ def main(argv=None) -> dict:
     p.add_argument("--attention", default="blockwise")
     p.add_argument("--experts", default="grouped")
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--single-thread", action="store_true",
+                   help="both libraries on one thread, timed in CPU seconds of this process: "
+                        "the comparison a shared, loaded machine cannot disturb much")
     p.add_argument("--breakdown", action="store_true",
                    help="also time the trunk (layers) and the head (log-softmax) alone")
     args = p.parse_args(argv)
+    global CLOCK
+    if args.single_thread:
+        args.threads, CLOCK = 1, time.process_time
 
     cfg = ModelConfig.from_config(load_config_file(os.path.join(ROOT, "configs", "small.py")).model)
     cfg = dataclasses.replace(cfg, attention=args.attention, expert_backend=args.experts)
@@ -152,9 +165,9 @@ def main(argv=None) -> dict:
         t_step, t_model = torch_step(d, args.threads)
     j_step = gagar_step(model)
 
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     j_loss = float(jax.block_until_ready(j_step(jnp.asarray(tokens)))[0])
-    compile_s = time.perf_counter() - t0
+    compile_s = CLOCK() - t0
     t_loss = t_step(tokens)                       # warm-up
     rel = abs(j_loss - t_loss) / abs(t_loss)
     print(f"loss gagar_jax {j_loss:.6f}  transformers {t_loss:.6f}  (rel diff {rel:.1e}); "
@@ -163,12 +176,12 @@ def main(argv=None) -> dict:
         raise SystemExit(f"losses disagree: {j_loss} vs {t_loss}")
     jt, tt = [], []
     for _ in range(args.reps):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         jax.block_until_ready(j_step(jnp.asarray(tokens)))
-        jt.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        jt.append(CLOCK() - t0)
+        t0 = CLOCK()
         t_step(tokens)
-        tt.append(time.perf_counter() - t0)
+        tt.append(CLOCK() - t0)
         print(f"  gagar_jax {jt[-1]:.2f} s   transformers {tt[-1]:.2f} s", flush=True)
     j_med, t_med = float(np.median(jt)), float(np.median(tt))
     print(f"fwd+bwd [{args.rows}, {args.seq}] attention={args.attention} experts={args.experts}: "
