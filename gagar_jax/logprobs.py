@@ -144,10 +144,12 @@ def _head_bwd(chunk, keep_logits, res, g):
             if pad is not None:              # keep p * (-1e30) out of it
                 ent_term = jnp.where(pad == 0.0, ent_term, 0.0)
             dl = dl - g_ent[:, None] * p * ent_term
+        dl = dl.astype(h_NxD.dtype)         # matmul operands in the compute dtype (bf16 on a pod)
         dh_NxD = dh_NxD + jnp.dot(dl, w_c.T, preferred_element_type=jnp.float32)
         return dh_NxD, jnp.dot(hT_DxN, dl, preferred_element_type=jnp.float32)
 
-    dh, dw_nxDxc = jax.lax.scan(body, jnp.zeros_like(h_NxD),
+    # dh sums over every vocabulary chunk: accumulated in float32 whatever the compute dtype.
+    dh, dw_nxDxc = jax.lax.scan(body, jnp.zeros(h_NxD.shape, jnp.float32),
                                 (w_nxDxc, pad_nx1xc, cols_nx1xc, tiles))
     dw = jnp.moveaxis(dw_nxDxc, 0, 1).reshape(D, -1)[:, :V]
     return dh.astype(h_NxD.dtype), dw.astype(w_DxV.dtype), None
