@@ -39,26 +39,15 @@ import jax
 import jax.numpy as jnp
 
 from gagar_jax import attention_splash, sharding
+from gagar_jax.attention_checks import check_qkv
 
 _NEG = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of inf - inf
 
 
 def _check(q, k, v, segment_ids_BxS, window=0, sinks_H=None, kv_segment_ids_BxK=None):
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"q must be [B,S,H,Dh], k [B,S,Kv,Dh] and v [B,S,Kv,Dv]; "
-                         f"got {q.shape}, {k.shape}, {v.shape}")
+    check_qkv(q, k, v, segment_ids_BxS, sinks_H=sinks_H, kv_segment_ids_BxK=kv_segment_ids_BxK)
     if window < 0:
         raise ValueError(f"window must be >= 0 (0 = full attention), got {window}")
-    if sinks_H is not None and sinks_H.shape != (q.shape[2],):
-        raise ValueError(f"sinks_H shape {sinks_H.shape} must be (H={q.shape[2]},)")
-    same_len = kv_segment_ids_BxK is None
-    if (q.shape[0] != k.shape[0] or (same_len and q.shape[1] != k.shape[1])
-            or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]):
-        raise ValueError(f"q {q.shape} and k {k.shape} disagree (H must be a multiple of Kv)")
-    if segment_ids_BxS.shape != q.shape[:2]:
-        raise ValueError(f"segment_ids_BxS {segment_ids_BxS.shape} must be {q.shape[:2]}")
-    if not same_len and kv_segment_ids_BxK.shape != k.shape[:2]:
-        raise ValueError(f"kv_segment_ids_BxK {kv_segment_ids_BxK.shape} must be {k.shape[:2]}")
 
 
 def _mask(seg_q_BxQ, seg_k_BxK, idx_q_Q, idx_k_K, window=0):

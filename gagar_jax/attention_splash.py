@@ -40,22 +40,9 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 
 from gagar_jax import sharding
+from gagar_jax.attention_checks import check_qkv
 
 LANES = 128   # the kernel's sequence blocks are multiples of this
-
-
-def _check(q, k, v, segment_ids_BxS, window, sinks_H):
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"q must be [B,S,H,Dh], k [B,S,Kv,Dh] and v [B,S,Kv,Dv]; got {q.shape}, "
-                         f"{k.shape}, {v.shape}")
-    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
-        raise ValueError(f"q {q.shape} and k {k.shape} disagree (H must be a multiple of Kv)")
-    if segment_ids_BxS.shape != q.shape[:2]:
-        raise ValueError(f"segment_ids_BxS {segment_ids_BxS.shape} must be {q.shape[:2]}")
-    if window is not None and window < 1:
-        raise ValueError(f"window must be >= 1 (or None for full causal), got {window}")
-    if sinks_H is not None and sinks_H.shape != (q.shape[2],):
-        raise ValueError(f"sinks_H {sinks_H.shape} must be [H] = ({q.shape[2]},)")
 
 
 def _plain_slice(s) -> bool:
@@ -181,17 +168,9 @@ def splash_local_attention(q_BxSxHxD, k_BxKxKvxD, v_BxKxKvxD, segment_ids_BxS, *
     """
     q, k, v = q_BxSxHxD, k_BxKxKvxD, v_BxKxKvxD
     seg_k = segment_ids_BxS if kv_segment_ids_BxK is None else kv_segment_ids_BxK
-    if (q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]
-            or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]):
-        raise ValueError(f"q must be [B,S,H,Dh], k [B,K,Kv,Dh] and v [B,K,Kv,Dv] with H a "
-                         f"multiple of Kv; got {q.shape}, {k.shape}, {v.shape}")
-    if segment_ids_BxS.shape != q.shape[:2] or seg_k.shape != k.shape[:2]:
-        raise ValueError(f"segment ids {segment_ids_BxS.shape} / {seg_k.shape} must be "
-                         f"{q.shape[:2]} / {k.shape[:2]}")
+    check_qkv(q, k, v, segment_ids_BxS, sinks_H=sinks_H, kv_segment_ids_BxK=seg_k)
     if window < 0:
         raise ValueError(f"window must be >= 0 (0 = full attention), got {window}")
-    if sinks_H is not None and sinks_H.shape != (q.shape[2],):
-        raise ValueError(f"sinks_H {sinks_H.shape} must be [H] = ({q.shape[2]},)")
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     if interpret is None:
@@ -227,7 +206,9 @@ def splash_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *,
     Returns:
       [B, S, H, Dh] attention output in q's dtype.
     """
-    _check(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, window, sinks_H)
+    check_qkv(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, sinks_H=sinks_H)
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 (or None for full causal), got {window}")
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
