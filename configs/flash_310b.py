@@ -16,7 +16,8 @@ Run:  gagar-train --config configs/flash_310b.py --workdir gs://BUCKET/runs/flas
 AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/flash_310b.py --topology v5p:8x8x8
 Numbers (gagar_jax/flops.py, checked by tests/test_configs.py): 308.8B total, 15.4B active
 params. Global batch: 256 rows x 32768 tokens = 8.4M tokens, two micro-batches of 128 rows.
-Compiled for v5p:8x8x8 (fsdp 16 x expert 8 x tensor 4, `ep_a2a`): 46.3 GiB per chip, 107.7
+Compiled for v5p:8x8x8 (fsdp 16 x expert 8 x tensor 4, `ep_a2a`): 53.6 GiB per chip (53.0 with
+splash; 46.3 at the MiMo commit, docs/scaling.md), 107.7
 model GFLOPs per token (docs/aot/flash_310b_mimo_v5p_8x8x8.json, docs/scaling.md; the former
 global-attention stand-in: 38.9 GiB, 184.0 GFLOPs, docs/aot/flash_310b_ep_a2a_v5p_8x8x8.json).
 """
