@@ -1,7 +1,8 @@
 """The CPU train-step core against Hugging Face transformers: same weights, same tokens, same loss.
 
 Run:  JAX_PLATFORMS=cpu .venv/bin/python scripts/bench_vs_transformers.py
-      (--attention / --experts pick gagar_jax's paths; --rows/--seq the batch; --reps timings)
+      (--attention / --experts pick gagar_jax's paths; --rows/--seq the batch; --reps timings;
+      --single-thread: one thread each, timed in CPU seconds, for a loaded machine)
 
 Builds the `configs/small.py` model (D 512, 8 layers, 16 experts top-2, vocab 32k, fp32) with
 random weights, publishes it with `hf.save_pretrained`, and loads that directory into
