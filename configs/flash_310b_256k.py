@@ -11,7 +11,7 @@ Run:  gagar-train --config configs/flash_310b_256k.py --workdir gs://BUCKET/runs
         --config.feed.spool_dir=gs://BUCKET/spool --config.train.init_from=/ckpt/MiMo-V2-Flash
 AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/flash_310b_256k.py --topology v5p:8x8x8
 Numbers (gagar_jax/flops.py, checked by tests/test_configs.py): 308.8B total, 15.4B active
-params (the model of flash_310b). Compiled for v5p:8x8x8: 54.6 GiB per chip (fits 95.7),
+params (the model of flash_310b). Compiled for v5p:8x8x8: 54.4 GiB per chip (fits 95.7),
 234.5 model GFLOPs per token at 256k rows (docs/aot/flash_310b_256k_v5p_8x8x8.json, docs/scaling.md).
 """
 import pathlib
