@@ -182,6 +182,7 @@ def _bwd_blocks(q, k, v, seg_q, seg_k, sink, d, o, lse, do, blk, window, has_sin
 
     def key_block(j, dq_all):
         k_j, v_j = k[j], v[j]
+        k_j32 = k_j.astype(jnp.float32)   # once per key block, not per visible query block
 
         def body(i, carry):
             dq_all, dk, dv = carry
@@ -193,7 +194,7 @@ def _bwd_blocks(q, k, v, seg_q, seg_k, sink, d, o, lse, do, blk, window, has_sin
             p = _rows(p)
             dv = dv + jnp.einsum("bkrs,bkrd->bksd", p, _rows(do_i))
             dk = dk + jnp.einsum("bkrs,bkrd->bksd", ds, _rows(q_i).astype(jnp.float32)) * scale
-            dq_i = jnp.einsum("bkrs,bksd->bkrd", ds, k_j.astype(jnp.float32)) * scale
+            dq_i = jnp.einsum("bkrs,bksd->bkrd", ds, k_j32) * scale
             dq_all = dq_all.at[i].add(dq_i.reshape(dq_all.shape[1:]))
             return dq_all, dk, dv
 

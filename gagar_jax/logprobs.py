@@ -71,8 +71,7 @@ def _chunks(w_DxV, chunk):
     w_nxDxc = jnp.moveaxis(w.reshape(D, n, chunk), 1, 0)
     if n * chunk == V:
         return w_nxDxc, None
-    cols = jnp.arange(n * chunk).reshape(n, 1, chunk)
-    return w_nxDxc, jnp.where(cols < V, 0.0, _NEG).astype(jnp.float32)
+    return w_nxDxc, jnp.where(_columns(n, chunk) < V, 0.0, _NEG).astype(jnp.float32)
 
 
 def _columns(n, chunk):
