@@ -4,13 +4,9 @@ Both must be configured before JAX is imported anywhere, so this runs first.
 """
 import os
 
-# The suite is compile-bound (tiny shapes, hundreds of programs): LLVM's -O0 halves XLA:CPU
-# compile time and changes no float semantics (XLA:CPU never enables fast-math by default).
-# Subprocesses of the tests inherit it (`trainer_runs.env`).
-FAST_COMPILE = "--xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
-).strip()
+from xla_flags import CPU_ONLY, cpu_flags, without  # fast XLA:CPU compiles (see xla_flags.py)
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + cpu_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _CACHE = os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
@@ -19,6 +15,12 @@ _CACHE = os.environ.setdefault(
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# XLA:CPU reads XLA_FLAGS once, when its backend starts and compiles; then the CPU-only flag
+# leaves the environment so that libtpu (the TPU AOT tests) and the subprocesses that inherit it
+# start cleanly.
+jax.jit(lambda: jax.numpy.zeros(()))()
+os.environ["XLA_FLAGS"] = without(os.environ["XLA_FLAGS"], CPU_ONLY)
 
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from gagar_jax import aot
+from xla_flags import FAST_COMPILE, without
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A real CompileTimeHbmOom message from libtpu 0.0.52 (v5p, 128 GiB of temporaries).
@@ -29,9 +30,9 @@ def tiny_report(tmp_path_factory):
            "--config.mesh.data=1", "--config.mesh.fsdp=1", "--config.mesh.expert=2",
            "--config.mesh.context=2", "--config.model.attention=auto",
            "--out", str(out)]
-    # The TPU compiler keeps its own optimization level (conftest's flag is for XLA:CPU).
-    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
+    # The TPU compiler keeps its own settings (conftest's flags are for XLA:CPU).
+    flags = without(os.environ.get("XLA_FLAGS", ""), FAST_COMPILE)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -13,6 +13,7 @@ from types import SimpleNamespace as NS
 import numpy as np
 
 from gagar_jax.sim import measure, report
+from xla_flags import cpu_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = ("binary", "downweight_only", "sum_preserving", "control")
@@ -23,7 +24,7 @@ def _env():
     env["JAX_PLATFORMS"] = "cpu"
     # One CPU device: the smoke test checks the sweep's logic, not sharding (the sharded step
     # has its own tests), and single-device programs compile much faster.
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"
+    env["XLA_FLAGS"] = cpu_flags(1)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(REPO, ".cache", "jax"))
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return env

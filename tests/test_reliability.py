@@ -21,6 +21,7 @@ from gagar_jax import metrics as metrics_lib, train
 from gagar_jax.feed import batcher, ledger as ledger_lib
 
 from trainer_runs import tiny_config
+from xla_flags import cpu_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = os.path.join(REPO, "data", "sample_feed.jsonl")
@@ -152,8 +153,7 @@ def test_read_only_workdir_stops_the_writers_and_fails_fast(tmp_path, monkeypatc
 
 def test_cli_fatal_error_is_one_line_exit_1_and_no_libtpu_noise(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-                         "--xla_backend_optimization_level=0", PYTHONPATH=REPO,
+    env.update(XLA_FLAGS=cpu_flags(8), PYTHONPATH=REPO,
                JAX_COMPILATION_CACHE_DIR=os.environ["JAX_COMPILATION_CACHE_DIR"],
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     limit = 12_000      # groups.jsonl passes it within a few steps; nothing else does before

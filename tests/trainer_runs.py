@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+from xla_flags import cpu_flags
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
 COMMON = [f"--config.train.steps={STEPS}", "--config.train.checkpoint_every=1",
@@ -18,8 +20,7 @@ COMMON = [f"--config.train.steps={STEPS}", "--config.train.checkpoint_every=1",
 
 def env(devices: int = 8) -> dict:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
-                        "--xla_backend_optimization_level=0")   # as conftest: faster compiles
+    env["XLA_FLAGS"] = cpu_flags(devices)   # as conftest: faster compiles
     env["JAX_PLATFORMS"] = "cpu"
     env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(REPO, ".cache", "jax")
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
