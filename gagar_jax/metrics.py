@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
@@ -222,8 +223,7 @@ class MetricsWriter:
             if name in self._files:
                 self._files[name].restore(position)
         if tensorboard and not is_remote(workdir):
-            from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(logdir=os.fspath(self.workdir / "tensorboard"),
+            self._tb = _summary_writer_cls()(logdir=os.fspath(self.workdir / "tensorboard"),
                                      purge_step=purge_step)
 
     def write(self, step: int, scalars: Mapping[str, float], *, wall_time: Optional[float] = None):
@@ -324,3 +324,21 @@ class Progress:
 
     def close(self) -> None:
         self._bar.close()
+
+
+def _summary_writer_cls():
+    """tensorboardX's SummaryWriter, imported without torch.
+
+    tensorboardX imports torch, when it is installed, only to accept torch tensors; we log
+    Python floats. torch costs about 2.5 s of start-up per trainer process, so its import is
+    refused while tensorboardX loads (tensorboardX falls back to numpy) and allowed again after.
+    """
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None          # `import torch` raises ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter

@@ -57,6 +57,8 @@ def _args(argv=None):
     p.add_argument("--probe-size", type=int, default=64, help="teacher-forced probe episodes")
     p.add_argument("--sft-steps", type=int, default=300)
     p.add_argument("--sft-lr", type=float, default=3e-3)
+    p.add_argument("--sft-batch", type=int, default=32, help="demonstrations per SFT step")
+    p.add_argument("--demos", type=int, default=4000, help="demonstrations in the SFT set")
     p.add_argument("--demo-mix", default="",
                    help="demonstration styles, e.g. clean=0.1,thrash=0.3 (default: sim.demos mix)")
     p.add_argument("--note-prob", type=float, default=0.5, help="demo turns with a note")
@@ -136,6 +138,7 @@ def _warm(a, cfg, task_cfg, warm_seed: int):
         with open(path, "rb") as f:
             return pickle.load(f)
     warm = X.warm_start(cfg, task_cfg, seed=warm_seed, sft_steps=a.sft_steps, lr=a.sft_lr,
+                        batch_size=a.sft_batch, num_demos=a.demos,
                         mix=_mix(a), eval_tasks=a.eval_tasks, group_size=a.group_size,
                         note_prob=a.note_prob, note_mean=a.note_mean)
     os.makedirs(a.workdir, exist_ok=True)
@@ -257,7 +260,8 @@ def publish_warm_start(a) -> dict:
     from gagar_jax.sim import experiment as X
     cfg = _config(_feed_overrides(a) + a.set)
     warm = X.warm_start(cfg, _task(a), seed=a.warm_seed, sft_steps=a.sft_steps,
-                        lr=a.sft_lr, mix=_mix(a), eval_tasks=a.groups, group_size=a.group_size,
+                        lr=a.sft_lr, batch_size=a.sft_batch, num_demos=a.demos, mix=_mix(a),
+                        eval_tasks=a.groups, group_size=a.group_size,
                         note_prob=a.note_prob, note_mean=a.note_mean)
     model = Transformer(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(0))
     nnx.update(model, jax.device_put(warm.params), jax.device_put(warm.router_bias))
