@@ -4,9 +4,9 @@ Both must be configured before JAX is imported anywhere, so this runs first.
 """
 import os
 
-from xla_flags import CPU_ONLY, cpu_flags, without  # fast XLA:CPU compiles (see xla_flags.py)
+from xla_flags import CPU_ONLY, FAST_COMPILE, cpu_flags, without  # fast compiles: xla_flags.py
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + cpu_flags(8)).strip()
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {cpu_flags(8, FAST_COMPILE)}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _CACHE = os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",

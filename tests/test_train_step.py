@@ -257,7 +257,10 @@ def test_sharded_accumulated_step_matches_single_device(shape, micro, cfg, init,
     for name in ("loss", "pg_loss", "grad_norm", "entropy", "approx_kl", "clip_frac_high"):
         np.testing.assert_allclose(getattr(m, name), getattr(ref_m, name), rtol=2e-4, atol=1e-6,
                                    err_msg=name)
-    assert_rel_close(new.params, ref_state.params)
+    # Adam normalises each element, so an entry's own rounding (not the gradient's norm-relative
+    # error) reaches its update; at lr 1e-2 the updates are a large part of these tiny params.
+    # 1e-4 covers any codegen (measured: 1.03e-5 at -O1); a wrong accumulation is off by 1e-2.
+    assert_rel_close(new.params, ref_state.params, rtol=1e-4)
 
 
 # ---------------------------------------------------------------- debug checks

@@ -20,7 +20,7 @@ COMMON = [f"--config.train.steps={STEPS}", "--config.train.checkpoint_every=1",
 
 def env(devices: int = 8) -> dict:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = cpu_flags(devices)   # as conftest: faster compiles
+    env["XLA_FLAGS"] = cpu_flags(devices)   # fast compiles, fast steps (xla_flags.py)
     env["JAX_PLATFORMS"] = "cpu"
     env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(REPO, ".cache", "jax")
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
