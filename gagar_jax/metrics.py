@@ -224,7 +224,7 @@ class MetricsWriter:
                 self._files[name].restore(position)
         if tensorboard and not is_remote(workdir):
             self._tb = _summary_writer_cls()(logdir=os.fspath(self.workdir / "tensorboard"),
-                                     purge_step=purge_step)
+                                             purge_step=purge_step)
 
     def write(self, step: int, scalars: Mapping[str, float], *, wall_time: Optional[float] = None):
         """Writes one step's scalar metrics (non-finite values: null + listed in "nonfinite")."""

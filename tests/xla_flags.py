@@ -26,7 +26,6 @@ def cpu_flags(devices: int, level: str = SUBPROCESS) -> str:
 
 
 def without(flags: str, drop: str) -> str:
-    """`flags` less every flag in `drop`."""
-    for flag in drop.split():
-        flags = flags.replace(flag, "")
-    return " ".join(flags.split())
+    """`flags` less every flag in `drop` (whole flags only)."""
+    dropped = set(drop.split())
+    return " ".join(f for f in flags.split() if f not in dropped)
