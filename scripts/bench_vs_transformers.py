@@ -2,15 +2,25 @@
 
 Run:  JAX_PLATFORMS=cpu .venv/bin/python scripts/bench_vs_transformers.py
       (--attention / --experts pick gagar_jax's paths; --rows/--seq the batch; --reps timings;
-      --single-thread: one thread each, timed in CPU seconds, for a loaded machine)
+      --breakdown also times the trunk and the head alone; --single-thread: one thread each,
+      timed in CPU seconds; --same-process: both libraries in this one process, the old design)
 
 Builds the `configs/small.py` model (D 512, 8 layers, 16 experts top-2, vocab 32k, fp32) with
 random weights, publishes it with `hf.save_pretrained`, and loads that directory into
 transformers' `Qwen3MoeForCausalLM` (its default attention and expert implementations). Both
 compute loss = mean next-token negative log-prob over every row of one random [rows, seq] batch
-(one segment per row) and its gradient with respect to all weights: forward + backward. The two
-are timed interleaved in one process (jax, torch, jax, torch, ...; medians), each library on
-all cores (torch threads = cores; XLA:CPU uses its own pool), after checking the losses agree.
+(one segment per row) and its gradient with respect to all weights: forward + backward.
+
+Each library runs in a process of its own, as it would for a user: gagar_jax in this one (torch
+is never imported here), transformers in a worker subprocess (torch threads = cores; XLA:CPU
+uses its own pool). After checking the losses agree, the two take turns (jax, torch, jax, ...;
+medians over `--reps` turns). In each turn a library first runs `--warm` untimed steps (default
+1), so its timed step follows a step of its own, as in a training loop. Why: a step frees its
+buffers at the end (XLA:CPU's 2 GB temp allocation, torch's tensors), and on a VM that hands
+freed pages back to the host, memory left free for the seconds the other library's step takes
+costs several times more to fault in again; `--warm 0` (strict alternation) measures exactly
+that cost, `--same-process` runs both libraries in one process (docs/performance.md has all
+three). Every timed step also reports its process's user and system CPU time and page faults.
 Prints the times and the ratio transformers / gagar_jax (> 1: gagar_jax is faster).
 
 gagar_jax's loss goes through `logprobs.token_logprobs`, the trainer's own path, which also
@@ -21,121 +31,180 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import resource
+import subprocess
 import sys
 import tempfile
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "--single-thread" in sys.argv:   # must reach XLA before jax is imported
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_cpu_multi_thread_eigen=false"
-                               " intra_op_parallelism_threads=1")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from gagar_jax import hf  # noqa: E402
-from gagar_jax.config import load_config_file  # noqa: E402
-from gagar_jax.logprobs import chunked_logprobs_entropy, logits_bytes, token_logprobs  # noqa: E402
-from gagar_jax.model import ModelConfig, Transformer  # noqa: E402
+SINGLE_THREAD_XLA = " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
-CLOCK = time.perf_counter   # --single-thread: time.process_time (CPU seconds of this process)
+class Clock:
+    """Wall (or, single-threaded, CPU) seconds of one call, with its CPU time and page faults."""
+
+    def __init__(self, cpu: bool):
+        self.cpu = cpu
+
+    def __call__(self, fn) -> dict:
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.process_time() if self.cpu else time.perf_counter()
+        out = fn()
+        t = (time.process_time() if self.cpu else time.perf_counter()) - t0
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        return {"s": t, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime,
+                "faults": r1.ru_minflt - r0.ru_minflt, "out": out}
 
 
-def gagar_step(model: Transformer):
-    """jit(value_and_grad) of the mean next-token negative log-prob over the params."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def loss(p, tokens):
-        m = nnx.merge(graphdef, p, rest)
-        B, S = tokens.shape
-        seg = jnp.ones((B, S), jnp.int32)
-        pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-        lp, _, _ = token_logprobs(m, tokens, seg, pos)
-        return -jnp.sum(lp) / (B * (S - 1))   # position 0 predicts nothing (lp = 0 there)
-
-    step = jax.jit(jax.value_and_grad(loss))
-    return lambda tokens: step(params, tokens)
-
-
-def torch_step(path: str, threads: int):
+# --------------------------------------------------------------------------- transformers
+def torch_cases(path: str, threads: int, tokens: np.ndarray, trunk_r, head_h0) -> dict:
+    """name -> zero-argument step of transformers' model (full step, trunk, head)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.train()
+    ids = torch.from_numpy(tokens.astype(np.int64))
 
-    def step(tokens: np.ndarray):
+    def step():
         model.zero_grad(set_to_none=True)
-        ids = torch.from_numpy(tokens.astype(np.int64))
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         return float(out.loss.detach())
-    return step, model
 
+    def trunk():
+        model.zero_grad(set_to_none=True)
+        (model.model(input_ids=ids).last_hidden_state * torch.from_numpy(trunk_r)).sum().backward()
 
-def breakdown(model: Transformer, torch_model, tokens: np.ndarray, reps: int) -> None:
-    """Times the two halves of the step in both libraries, interleaved: the trunk (embedding and
-    layers: loss = <final hidden states, a fixed random tensor>) and the head (output
-    projection and log-softmax from fixed hidden states), forward + backward each."""
-    import torch
-
-    cfg = model.cfg
-    B, S = tokens.shape
-    rng = np.random.default_rng(1)
-    r = rng.normal(size=(B, S, cfg.hidden_size)).astype(np.float32)
-    h0 = rng.normal(size=(B, S, cfg.hidden_size)).astype(np.float32)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def j_trunk(p, tok):
-        h, _ = nnx.merge(graphdef, p, rest).hidden_states(tok)
-        return jnp.sum(h * r)
-
-    def j_head(w, h):
-        keep = (logits_bytes(B * (S - 1), cfg.vocab_size, cfg.logprob_vocab_chunk)
-                <= cfg.logprob_keep_logits_mib * 2**20)     # as token_logprobs decides
-        lp, _ = chunked_logprobs_entropy(h[:, :-1], w, jnp.asarray(tokens)[:, 1:],
-                                         cfg.logprob_vocab_chunk, keep)
-        return -jnp.mean(lp)
-
-    jt = jax.jit(jax.value_and_grad(j_trunk))
-    jh = jax.jit(jax.value_and_grad(j_head, argnums=(0, 1)))
-    tok, w, h = jnp.asarray(tokens), model.output_kernel_DxV(), jnp.asarray(h0)
-    ids = torch.from_numpy(tokens.astype(np.int64))
-    rt = torch.from_numpy(r)
-
-    def t_trunk():
-        torch_model.zero_grad(set_to_none=True)
-        (torch_model.model(input_ids=ids).last_hidden_state * rt).sum().backward()
-
-    def t_head():
-        torch_model.zero_grad(set_to_none=True)
-        ht = torch.from_numpy(h0).requires_grad_(True)
-        logits = torch_model.lm_head(ht[:, :-1]).float()
+    def head():
+        model.zero_grad(set_to_none=True)
+        ht = torch.from_numpy(head_h0).requires_grad_(True)
+        logits = model.lm_head(ht[:, :-1]).float()
         torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                           ids[:, 1:].reshape(-1)).backward()
 
-    cases = {"trunk": (lambda: jt(params, tok), t_trunk), "head": (lambda: jh(w, h), t_head)}
-    for name, (jf, tf) in cases.items():
-        jax.block_until_ready(jf())
-        tf()
-        js, ts = [], []
-        for _ in range(reps):
-            t0 = CLOCK()
-            jax.block_until_ready(jf())
-            js.append(CLOCK() - t0)
-            t0 = CLOCK()
-            tf()
-            ts.append(CLOCK() - t0)
-        print(f"  {name}: gagar_jax {np.median(js):.2f} s, transformers {np.median(ts):.2f} s",
-              flush=True)
+    return {"step": step, "trunk": trunk, "head": head}
+
+
+def torch_worker(workdir: str, threads: int, cpu_clock: bool) -> None:
+    """Serves timed steps over stdin/stdout: reads a case name per line, answers a JSON line."""
+    data = np.load(os.path.join(workdir, "inputs.npz"))
+    cases = torch_cases(os.path.join(workdir, "hf"), threads, data["tokens"], data["trunk_r"],
+                        data["head_h0"])
+    clock = Clock(cpu_clock)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(clock(cases[line.strip()])), flush=True)
+
+
+class TorchProcess:
+    """The transformers side in a subprocess (`torch_worker`)."""
+
+    def __init__(self, workdir: str, threads: int, cpu_clock: bool):
+        cmd = [sys.executable, os.path.abspath(__file__), "--torch-worker", workdir,
+               "--threads", str(threads)] + (["--single-thread"] if cpu_clock else [])
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env, text=True)
+        self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"transformers worker died (exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def __call__(self, case: str) -> dict:
+        self.proc.stdin.write(case + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+class TorchInProcess:
+    """The transformers side in this process (`--same-process`)."""
+
+    def __init__(self, workdir: str, threads: int, cpu_clock: bool):
+        data = np.load(os.path.join(workdir, "inputs.npz"))
+        self.cases = torch_cases(os.path.join(workdir, "hf"), threads, data["tokens"],
+                                 data["trunk_r"], data["head_h0"])
+        self.clock = Clock(cpu_clock)
+
+    def __call__(self, case: str) -> dict:
+        return self.clock(self.cases[case])
+
+    def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- gagar_jax
+def jax_cases(model, tokens: np.ndarray, trunk_r, head_h0) -> dict:
+    """name -> zero-argument step of gagar_jax (jit(value_and_grad); full step, trunk, head)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from gagar_jax.logprobs import chunked_logprobs_entropy, logits_bytes, token_logprobs
+
+    cfg = model.cfg
+    B, S = tokens.shape
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tok = jnp.asarray(tokens)
+
+    def loss(p, tokens):
+        m = nnx.merge(graphdef, p, rest)
+        seg = jnp.ones((B, S), jnp.int32)
+        pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        lp, _, _ = token_logprobs(m, tokens, seg, pos)
+        return -jnp.sum(lp) / (B * (S - 1))   # position 0 predicts nothing (lp = 0 there)
+
+    def trunk(p, tokens):
+        h, _ = nnx.merge(graphdef, p, rest).hidden_states(tokens)
+        return jnp.sum(h * trunk_r)
+
+    def head(w, h):
+        keep = (logits_bytes(B * (S - 1), cfg.vocab_size, cfg.logprob_vocab_chunk)
+                <= cfg.logprob_keep_logits_mib * 2**20)     # as token_logprobs decides
+        lp, _ = chunked_logprobs_entropy(h[:, :-1], w, tok[:, 1:], cfg.logprob_vocab_chunk, keep)
+        return -jnp.mean(lp)
+
+    step = jax.jit(jax.value_and_grad(loss))
+    jt = jax.jit(jax.value_and_grad(trunk))
+    jh = jax.jit(jax.value_and_grad(head, argnums=(0, 1)))
+    w, h = model.output_kernel_DxV(), jnp.asarray(head_h0)
+    return {"step": lambda: float(jax.block_until_ready(step(params, tok))[0]),
+            "trunk": lambda: jax.block_until_ready(jt(params, tok)),
+            "head": lambda: jax.block_until_ready(jh(w, h))}
+
+
+def interleaved(name: str, jax_fn, torch_fn, reps: int, warm: int, log: bool = True):
+    """Medians of `reps` turns (jax first, then torch); in each turn a library runs `warm`
+    untimed calls, then the timed one. warm = 0 alternates timed calls one by one."""
+    jax_fn(name)
+    torch_fn(name)
+    js, ts = [], []
+    for _ in range(reps):
+        for fn, out in ((jax_fn, js), (torch_fn, ts)):
+            for _ in range(warm):
+                fn(name)
+            out.append(fn(name))
+        if log:
+            print(f"  {name}: gagar_jax {_fmt(js[-1])}   transformers {_fmt(ts[-1])}",
+                  flush=True)
+    return float(np.median([r["s"] for r in js])), float(np.median([r["s"] for r in ts]))
+
+
+def _fmt(r: dict) -> str:
+    return f"{r['s']:.2f} s (user {r['user']:.1f}, sys {r['sys']:.1f}, {r['faults'] // 1000}k faults)"
 
 
 def main(argv=None) -> dict:
@@ -145,52 +214,80 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=3, help="timed steps of each library")
     p.add_argument("--attention", default="blockwise")
     p.add_argument("--experts", default="grouped")
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "small.py"))
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--single-thread", action="store_true",
-                   help="both libraries on one thread, timed in CPU seconds of this process: "
+                   help="both libraries on one thread, timed in CPU seconds of their process: "
                         "the comparison a shared, loaded machine cannot disturb much")
+    p.add_argument("--same-process", action="store_true",
+                   help="run transformers in this process too (the libraries then share, and "
+                        "disturb, one memory allocator)")
+    p.add_argument("--warm", type=int, default=1,
+                   help="untimed calls before each timed one, in every turn of a library (the "
+                        "timed call then runs right after its own kind, as in a training loop; "
+                        "0: strict alternation, every call right after the other library's)")
     p.add_argument("--breakdown", action="store_true",
                    help="also time the trunk (layers) and the head (log-softmax) alone")
+    p.add_argument("--torch-worker", metavar="DIR", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    global CLOCK
     if args.single_thread:
-        args.threads, CLOCK = 1, time.process_time
+        args.threads = 1
+    if args.torch_worker:
+        torch_worker(args.torch_worker, args.threads, args.single_thread)
+        return {}
 
-    cfg = ModelConfig.from_config(load_config_file(os.path.join(ROOT, "configs", "small.py")).model)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.single_thread:   # must reach XLA before jax is imported
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + SINGLE_THREAD_XLA
+    sys.path.insert(0, ROOT)
+    from flax import nnx
+
+    from gagar_jax import hf
+    from gagar_jax.config import load_config_file
+    from gagar_jax.model import ModelConfig, Transformer
+
+    cfg = ModelConfig.from_config(load_config_file(args.config).model)
     cfg = dataclasses.replace(cfg, attention=args.attention, expert_backend=args.experts)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.rows, args.seq),
-                                               dtype=np.int64).astype(np.int32)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (args.rows, args.seq)).astype(np.int32)
+    trunk_r = rng.normal(size=(args.rows, args.seq, cfg.hidden_size)).astype(np.float32)
+    head_h0 = rng.normal(size=(args.rows, args.seq, cfg.hidden_size)).astype(np.float32)
+    clock = Clock(args.single_thread)
     with tempfile.TemporaryDirectory() as d:
-        hf.save_pretrained(model, d)
-        t_step, t_model = torch_step(d, args.threads)
-    j_step = gagar_step(model)
-
-    t0 = CLOCK()
-    j_loss = float(jax.block_until_ready(j_step(jnp.asarray(tokens)))[0])
-    compile_s = CLOCK() - t0
-    t_loss = t_step(tokens)                       # warm-up
-    rel = abs(j_loss - t_loss) / abs(t_loss)
-    print(f"loss gagar_jax {j_loss:.6f}  transformers {t_loss:.6f}  (rel diff {rel:.1e}); "
-          f"gagar_jax compile {compile_s:.1f} s", flush=True)
-    if rel > 1e-4:
-        raise SystemExit(f"losses disagree: {j_loss} vs {t_loss}")
-    jt, tt = [], []
-    for _ in range(args.reps):
-        t0 = CLOCK()
-        jax.block_until_ready(j_step(jnp.asarray(tokens)))
-        jt.append(CLOCK() - t0)
-        t0 = CLOCK()
-        t_step(tokens)
-        tt.append(CLOCK() - t0)
-        print(f"  gagar_jax {jt[-1]:.2f} s   transformers {tt[-1]:.2f} s", flush=True)
-    j_med, t_med = float(np.median(jt)), float(np.median(tt))
-    print(f"fwd+bwd [{args.rows}, {args.seq}] attention={args.attention} experts={args.experts}: "
-          f"gagar_jax {j_med:.2f} s, transformers {t_med:.2f} s; "
-          f"ratio transformers / gagar_jax = {t_med / j_med:.2f}x")
-    if args.breakdown:
-        breakdown(model, t_model, tokens, args.reps)
-    return dict(gagar_s=j_med, transformers_s=t_med, ratio=t_med / j_med, loss=j_loss)
+        hf.save_pretrained(model, os.path.join(d, "hf"))
+        np.savez(os.path.join(d, "inputs.npz"), tokens=tokens, trunk_r=trunk_r, head_h0=head_h0)
+        torch_side = (TorchInProcess if args.same_process else TorchProcess)(
+            d, args.threads, args.single_thread)
+        cases = jax_cases(model, tokens, trunk_r, head_h0)
+        jax_fn = lambda name: clock(cases[name])          # noqa: E731
+        try:
+            first = jax_fn("step")                        # compiles
+            t_loss = torch_side("step")["out"]
+            j_loss = first["out"]
+            rel = abs(j_loss - t_loss) / abs(t_loss)
+            print(f"loss gagar_jax {j_loss:.6f}  transformers {t_loss:.6f}  (rel diff {rel:.1e}); "
+                  f"gagar_jax compile {first['s']:.1f} s", flush=True)
+            if rel > 1e-4:
+                raise SystemExit(f"losses disagree: {j_loss} vs {t_loss}")
+            j_med, t_med = interleaved("step", jax_fn, torch_side, args.reps, args.warm)
+            where = "one process" if args.same_process else "separate processes"
+            print(f"fwd+bwd [{args.rows}, {args.seq}] attention={args.attention} "
+                  f"experts={args.experts}, {args.threads} thread(s), {where}, warm "
+                  f"{args.warm}: gagar_jax "
+                  f"{j_med:.2f} s, transformers {t_med:.2f} s; ratio transformers / gagar_jax = "
+                  f"{t_med / j_med:.2f}x", flush=True)
+            out = dict(gagar_s=j_med, transformers_s=t_med, ratio=t_med / j_med, loss=j_loss)
+            if args.breakdown:
+                for name in ("trunk", "head"):
+                    jm, tm = interleaved(name, jax_fn, torch_side, args.reps, args.warm,
+                                         log=False)
+                    print(f"  {name}: gagar_jax {jm:.2f} s, transformers {tm:.2f} s "
+                          f"({tm / jm:.2f}x)", flush=True)
+                    out[name] = (jm, tm)
+        finally:
+            torch_side.close()
+    return out
 
 
 if __name__ == "__main__":
