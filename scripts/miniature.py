@@ -59,10 +59,13 @@ def _args(argv=None):
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-batch", type=int, default=32, help="demonstrations per SFT step")
     p.add_argument("--demos", type=int, default=4000, help="demonstrations in the SFT set")
+    p.add_argument("--recipe", default="calibrated", choices=("calibrated", "round2"),
+                   help="demonstration recipe (sim.demos.RECIPES); the flags below override it")
     p.add_argument("--demo-mix", default="",
-                   help="demonstration styles, e.g. clean=0.1,thrash=0.3 (default: sim.demos mix)")
-    p.add_argument("--note-prob", type=float, default=0.5, help="demo turns with a note")
-    p.add_argument("--note-mean", type=float, default=6.0, help="mean demo note length (words)")
+                   help="demonstration styles, e.g. clean=0.1,thrash=0.3 (default: the recipe's)")
+    p.add_argument("--note-prob", type=float, default=None, help="demo turns with a note")
+    p.add_argument("--note-mean", type=float, default=None, help="demo note length (words)")
+    p.add_argument("--read-prob", type=float, default=None, help="demo looks with READ")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="probe: nucleus sampling of training batches (log-probs stay untruncated)")
     p.add_argument("--warm-seed", type=int, default=0)
@@ -79,7 +82,7 @@ def _args(argv=None):
     if a.quick:   # the easy task, so a 150-step warm start already passes some tasks
         a.arms, a.seeds, a.steps, a.groups, a.group_size = ",".join(_ARMS), "0", 2, 4, 8
         a.eval_tasks, a.eval_every, a.probe_size, a.sft_steps, a.sft_lr = 4, 2, 8, 150, 1e-2
-        a.task = "easy"
+        a.task, a.recipe = "easy", "round2"
     return a
 
 
@@ -110,10 +113,16 @@ def _config(overrides):
     return cfg
 
 
-def _mix(a):
-    if not a.demo_mix:
-        return None
-    return {k: float(v) for k, v in (item.split("=") for item in a.demo_mix.split(","))}
+def _recipe(a):
+    """The demonstration recipe: `--recipe`, with the flags that override it."""
+    import dataclasses
+
+    from gagar_jax.sim import demos
+    over = {k: v for k, v in (("note_prob", a.note_prob), ("note_mean", a.note_mean),
+                              ("read_prob", a.read_prob)) if v is not None}
+    if a.demo_mix:
+        over["mix"] = {k: float(v) for k, v in (i.split("=") for i in a.demo_mix.split(","))}
+    return dataclasses.replace(demos.RECIPES[a.recipe], **over)
 
 
 def _feed_overrides(a) -> list:
@@ -138,9 +147,8 @@ def _warm(a, cfg, task_cfg, warm_seed: int):
         with open(path, "rb") as f:
             return pickle.load(f)
     warm = X.warm_start(cfg, task_cfg, seed=warm_seed, sft_steps=a.sft_steps, lr=a.sft_lr,
-                        batch_size=a.sft_batch, num_demos=a.demos,
-                        mix=_mix(a), eval_tasks=a.eval_tasks, group_size=a.group_size,
-                        note_prob=a.note_prob, note_mean=a.note_mean)
+                        batch_size=a.sft_batch, num_demos=a.demos, recipe=_recipe(a),
+                        eval_tasks=a.eval_tasks, group_size=a.group_size)
     os.makedirs(a.workdir, exist_ok=True)
     with open(path + ".tmp", "wb") as f:
         pickle.dump(warm, f)
@@ -159,7 +167,7 @@ def sweep(a) -> None:
     runs_dir = os.path.join(a.out, "runs")
     os.makedirs(runs_dir, exist_ok=True)
     learner = X.Learner(cfg)
-    probe = measure.ProbeSet(task_cfg, a.probe_size)
+    probe = measure.ProbeSet(task_cfg, a.probe_size, _recipe(a))
     meta_path = os.path.join(a.out, "meta.json")
     meta = {"command": "python scripts/miniature.py " + " ".join(sys.argv[1:]),
             "args": {k: v for k, v in vars(a).items() if k not in ("workdir", "out")},
@@ -260,9 +268,8 @@ def publish_warm_start(a) -> dict:
     from gagar_jax.sim import experiment as X
     cfg = _config(_feed_overrides(a) + a.set)
     warm = X.warm_start(cfg, _task(a), seed=a.warm_seed, sft_steps=a.sft_steps,
-                        lr=a.sft_lr, batch_size=a.sft_batch, num_demos=a.demos, mix=_mix(a),
-                        eval_tasks=a.groups, group_size=a.group_size,
-                        note_prob=a.note_prob, note_mean=a.note_mean)
+                        lr=a.sft_lr, batch_size=a.sft_batch, num_demos=a.demos,
+                        recipe=_recipe(a), eval_tasks=a.groups, group_size=a.group_size)
     model = Transformer(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(0))
     nnx.update(model, jax.device_put(warm.params), jax.device_put(warm.router_bias))
     path = publish.publish_weights(model, 0, a.workdir, hf.save_pretrained)

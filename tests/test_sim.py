@@ -196,7 +196,7 @@ def test_make_demos_mix_and_packing():
     assert packed.segment_ids_BxS[1].tolist() == [1] * n + [0] * (64 - n)
     assert packed.positions_BxS[1, n - 1] == n - 1 and packed.positions_BxS[1, n] == 0
     with pytest.raises(ValueError, match="unknown styles"):
-        D.make_demos(cfg, tasks, seed=0, mix={"sloppy": 1.0})
+        D.Recipe(mix={"sloppy": 1.0})
 
 
 # ---- warm start and the producer (one tiny model; shapes shared with test_sampler) ------------
@@ -389,6 +389,59 @@ def test_hard_demo_styles(style, tier):
         assert (ep.outcome, a.tier) == ("pass", tier), style
         assert all(tr.notes >= 2 for tr in ep.turns)
         assert max(ep.tokens) < HARD.vocab_used == 428
+
+
+@pytest.mark.parametrize("style,tier", [("clean", "strong"), ("checked", "strong"),
+                                        ("out_of_scope", "intermediate"),
+                                        ("thrash", "intermediate"), ("weakened", "defective"),
+                                        ("sprawl", "defective")])
+def test_calibrated_recipe_styles_are_one_decision(style, tier):
+    """Scripted sloppy styles keep their tier and depend on the task alone (two draws of the
+    same style and look differ in the notes only); every turn opens with a 4-word note."""
+    recipe = D.CALIBRATED_RECIPE
+    lang = T.NoteLanguage(HARD, 0, recipe.note_probs)
+    for t in T.make_tasks(HARD, 6, 8):
+        eps, actions = [], []
+        for seed in (1, 2):
+            rng = np.random.default_rng(seed)
+            turns = D.demo_turns(t, HARD, style, rng, recipe)
+            turns[0] = [T.READ] if turns[0] in ([T.READ], [T.RUN]) else turns[0]   # same look
+            actions.append(turns)
+            eps.append(T.play(t, HARD, D.add_notes(turns, HARD, lang, rng, note_prob=1.0,
+                                                   note_mean=4.0, note_fixed=True)))
+        assert actions[0] == actions[1], style
+        for ep in eps:
+            a, = G.grade_group(t, [ep])
+            assert (ep.outcome, a.tier) == ("pass", tier), style
+            assert all(tr.notes == 5 for tr in ep.turns)     # NOTE + 4 words
+
+
+def test_failing_styles():
+    """blind: a wrong guess submitted at once; flail: the same guess re-run every turn until the
+    turns run out, a long failure."""
+    for t in T.make_tasks(HARD, 7, 8):
+        blind = T.play(t, HARD, D.demo_turns(t, HARD, "blind", np.random.default_rng(0)))
+        assert (blind.outcome, blind.end_reason, len(blind.turns)) == ("fail", "submit", 1)
+        assert blind.turns[0].edits[0][1] not in (t.fix_tok, t.repo[t.bug_pos])
+        flail = T.play(t, HARD, D.demo_turns(t, HARD, "flail", np.random.default_rng(0)))
+        assert (flail.outcome, flail.end_reason) == ("fail", "timeout")
+        assert len(flail.turns) == HARD.max_turns and sum(flail.loss_mask) == 4 * HARD.max_turns
+
+
+def test_calibrated_recipe_is_lower_entropy_than_round2():
+    """For a fixed task, the distribution of action sequences (notes stripped) the demos draw:
+    round two's recipe spreads it over looks, styles and random sloppy choices (~4.5 nats), the
+    calibrated one over looks and styles alone (~2 nats)."""
+    def action_entropy(recipe, task):
+        seqs = collections.Counter()
+        for ep in D.make_demos(HARD, [task] * 2000, 3, recipe):
+            seqs[tuple(tok for tok, m in zip(ep.tokens, ep.loss_mask)
+                       if m and tok != T.NOTE and tok < T.WORD_BASE)] += 1
+        p = np.array(list(seqs.values()), np.float64) / sum(seqs.values())
+        return -float(np.sum(p * np.log(p)))
+    task = T.make_tasks(HARD, 8, 1)[0]
+    h_cal, h_r2 = action_entropy(D.CALIBRATED_RECIPE, task), action_entropy(D.ROUND2_RECIPE, task)
+    assert 1.5 < h_cal < 2.6 and h_r2 > h_cal + 1.5, (h_cal, h_r2)
 
 
 def test_note_language_is_low_entropy():

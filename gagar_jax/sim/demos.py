@@ -19,28 +19,91 @@ from flax import nnx
 from gagar_jax.logprobs import token_logprobs
 from gagar_jax.sim import task as task_lib
 
-STYLES = ("clean", "checked", "out_of_scope", "thrash", "weakened", "hack")
+STYLES = ("clean", "checked", "out_of_scope", "thrash", "weakened", "hack", "sprawl", "blind",
+          "flail")
+# The failing styles (hidden-fix task only): a guess submitted without a look, and a guess
+# re-run until the turns run out (a long failure).
+FAILING = ("blind", "flail")
 # Default mix: about half clean or nearly clean, half sloppy.
 DEFAULT_MIX = {"clean": 0.3, "checked": 0.1, "out_of_scope": 0.2, "thrash": 0.2, "weakened": 0.15,
                "hack": 0.05}
 
 
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How the demonstrations (the warm start's SFT data) are drawn.
+
+    mix: style -> weight (`STYLES`). read_prob: a hidden-fix answer looks with `READ` (else
+    `RUN`). scripted: the sloppy styles' extra choices (the out-of-scope position and symbol,
+    the thrashing guess, the weakened position, the order of edits) are fixed functions of the
+    task instead of random draws, so a sloppy style costs the policy one decision, not three.
+    note_prob: a turn starts with a note. note_mean: mean note length in words (geometric), or
+    the exact length with `note_fixed`. note_probs: successor probabilities of the note
+    language (`task.NoteLanguage`).
+    """
+    mix: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_MIX))
+    read_prob: float = 0.5
+    scripted: bool = False
+    note_prob: float = 0.5
+    note_mean: float = 6.0
+    note_fixed: bool = False
+    note_probs: tuple = (0.85, 0.1, 0.05)
+
+    def __post_init__(self):
+        bad = set(self.mix) - set(STYLES)
+        if bad:
+            raise ValueError(f"mix has unknown styles {sorted(bad)}; known: {STYLES}")
+        if not self.mix or min(self.mix.values()) < 0 or sum(self.mix.values()) <= 0:
+            raise ValueError(f"mix needs non-negative weights with a positive sum, got {self.mix}")
+        for name in ("read_prob", "note_prob"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
+        if self.note_mean < 1:
+            raise ValueError(f"note_mean must be >= 1, got {self.note_mean}")
+
+
+# Round two's first sweep (docs/miniature.md): ~0.95 nats/token intrinsic.
+ROUND2_RECIPE = Recipe()
+# The calibrated recipe (docs/miniature.md, "Calibration"): the six passing styles plus the two
+# failing ones, each sloppy or failing style a single decision; a 4-word note from a peaked
+# language on every turn. Its intrinsic entropy is ~0.35 nats per generated token
+# (docs/miniature.md counts it decision by decision).
+CALIBRATED_RECIPE = Recipe(
+    mix={"clean": 0.157, "checked": 0.027, "out_of_scope": 0.162, "thrash": 0.139,
+         "sprawl": 0.08, "hack": 0.02, "blind": 0.365, "flail": 0.05},
+    read_prob=0.9, scripted=True, note_prob=1.0, note_mean=4.0, note_fixed=True,
+    note_probs=(0.95, 0.04, 0.01))
+RECIPES = {"round2": ROUND2_RECIPE, "calibrated": CALIBRATED_RECIPE}
+
+
 def demo_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str,
-               rng: np.random.Generator) -> list:
+               rng: np.random.Generator, recipe: Recipe = ROUND2_RECIPE) -> list:
     if cfg.hidden_fix:
-        return _hidden_fix_turns(task, cfg, style, rng)
+        return _hidden_fix_turns(task, cfg, style, rng, recipe)
     return _visible_fix_turns(task, cfg, style, rng)
 
 
+def _next_sym(tok: int, cfg: task_lib.TaskConfig, avoid: int = -1) -> int:
+    """The symbol after `tok` (cyclic), skipping `avoid`."""
+    s = task_lib.SYM_BASE + (tok - task_lib.SYM_BASE + 1) % cfg.num_symbols
+    return s if s != avoid else task_lib.SYM_BASE + (s - task_lib.SYM_BASE + 1) % cfg.num_symbols
+
+
 def _hidden_fix_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str,
-                      rng: np.random.Generator) -> list:
+                      rng: np.random.Generator, recipe: Recipe) -> list:
     """Hidden-fix answers: look first (`RUN` or `READ`, the fix is in its output), then act.
 
     clean: look / fix SUBMIT. checked: look / fix RUN / SUBMIT. out_of_scope: look / fix plus
     an untested change, SUBMIT. thrash: a guessed edit RUN / fix SUBMIT (sometimes after a look).
     weakened: look / rewrite a tested position, fix, SUBMIT. hack: the leaked key, SUBMIT.
+    sprawl: look / fix plus changes at the first two untested positions after the bug (always
+    scripted; two out-of-scope diffs grade defective). Failing: blind: a guessed edit, SUBMIT. flail: a guessed edit RUN, repeated until the turns
+    run out (a timeout). The guess is the symbol after the buggy one (never the fix).
+    With `recipe.scripted`, out_of_scope changes the first untested position after the bug to
+    the next symbol (after the fix), thrash guesses the symbol after the buggy one without a
+    look, weakened rewrites the first other tested position.
     """
-    look = [task_lib.READ if rng.random() < 0.5 else task_lib.RUN]
+    look = [task_lib.READ if rng.random() < recipe.read_prob else task_lib.RUN]
     fix = [task_lib.EDIT, task_lib.pos(task.bug_pos), task.fix_tok]
     untested = [q for q in range(cfg.num_positions) if q not in task.tested]
     other_tested = [q for q in task.tested if q != task.bug_pos]
@@ -49,36 +112,58 @@ def _hidden_fix_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str,
     if style == "checked":
         return [look, fix + [task_lib.RUN], [task_lib.SUBMIT]]
     if style == "out_of_scope" and untested:
+        if recipe.scripted:
+            q = min(untested, key=lambda u: (u - task.bug_pos) % cfg.num_positions)
+            extra = [task_lib.EDIT, task_lib.pos(q), _next_sym(task.repo[q], cfg)]
+            return [look, fix + extra + [task_lib.SUBMIT]]
         q = int(rng.choice(untested))
         s = task_lib.sym(int(rng.integers(cfg.num_symbols)))
         s = s if s != task.repo[q] else (task_lib.SYM_BASE
                                          + (s - task_lib.SYM_BASE + 1) % cfg.num_symbols)
         extra = [task_lib.EDIT, task_lib.pos(q), s]
         return [look, (fix + extra if rng.random() < 0.5 else extra + fix) + [task_lib.SUBMIT]]
+    if style == "sprawl" and len(untested) >= 2:
+        qs = sorted(untested, key=lambda u: (u - task.bug_pos) % cfg.num_positions)[:2]
+        extra = [x for q in qs for x in (task_lib.EDIT, task_lib.pos(q),
+                                         _next_sym(task.repo[q], cfg))]
+        return [look, fix + extra + [task_lib.SUBMIT]]
     if style == "thrash":
+        if recipe.scripted:
+            wrong = _next_sym(task.repo[task.bug_pos], cfg, avoid=task.fix_tok)
+            return [[task_lib.EDIT, task_lib.pos(task.bug_pos), wrong, task_lib.RUN],
+                    fix + [task_lib.SUBMIT]]
         wrong = task_lib.sym(int(rng.integers(cfg.num_symbols)))
         wrong = wrong if wrong != task.fix_tok else task.repo[task.bug_pos]
         guess = [task_lib.EDIT, task_lib.pos(task.bug_pos), wrong, task_lib.RUN]
         return ([look] if rng.random() < 0.3 else []) + [guess, fix + [task_lib.SUBMIT]]
     if style == "weakened" and other_tested:
-        q = int(rng.choice(other_tested))
+        q = other_tested[0] if recipe.scripted else int(rng.choice(other_tested))
         return [look, [task_lib.EDIT, task_lib.pos(q), task.repo[q]] + fix + [task_lib.SUBMIT]]
     if style == "hack":
         return [[task_lib.EDIT, task_lib.pos(task.bug_pos), task.leak_key, task_lib.SUBMIT]]
+    if style in FAILING:
+        guess = [task_lib.EDIT, task_lib.pos(task.bug_pos),
+                 _next_sym(task.repo[task.bug_pos], cfg, avoid=task.fix_tok)]
+        if style == "blind":
+            return [guess + [task_lib.SUBMIT]]
+        return [guess + [task_lib.RUN]] * cfg.max_turns
     if style in STYLES:
         return [look, fix + [task_lib.SUBMIT]]
     raise ValueError(f"style must be one of {STYLES}, got {style!r}")
 
 
 def add_notes(turns, cfg: task_lib.TaskConfig, lang: task_lib.NoteLanguage,
-              rng: np.random.Generator, *, note_prob: float, note_mean: float) -> list:
+              rng: np.random.Generator, *, note_prob: float, note_mean: float,
+              note_fixed: bool = False) -> list:
     """Prefixes each turn, with probability `note_prob`, by a note of ~geometric length (mean
-    `note_mean` words), never past the turn's token limit."""
+    `note_mean` words; exactly `round(note_mean)` with `note_fixed`), never past the turn's
+    token limit."""
     out = []
     for turn in turns:
         room = cfg.max_turn_tokens - len(turn) - 1
         if room >= 1 and rng.random() < note_prob:
-            n = min(int(rng.geometric(1.0 / max(note_mean, 1.0))), room)
+            n = round(note_mean) if note_fixed else int(rng.geometric(1.0 / max(note_mean, 1.0)))
+            n = min(n, room)
             turn = lang.sample(rng, n) + list(turn)
         out.append(list(turn))
     return out
@@ -122,26 +207,24 @@ def _visible_fix_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str
     raise ValueError(f"style must be one of {STYLES}, got {style!r}")
 
 
-def make_demos(cfg: task_lib.TaskConfig, tasks, seed: int, mix=None, *, note_prob: float = 0.5,
-               note_mean: float = 6.0) -> list:
-    """One demonstration `Episode` per task, its style drawn from `mix` (style -> weight).
+def make_demos(cfg: task_lib.TaskConfig, tasks, seed: int,
+               recipe: Recipe = ROUND2_RECIPE) -> list:
+    """One demonstration `Episode` per task, its style drawn from `recipe.mix`.
 
-    With notes (`cfg.note_words > 0`) each turn carries a note with probability `note_prob`
-    (`add_notes`; the note language is fixed, `NoteLanguage(cfg, 0)`)."""
-    mix = DEFAULT_MIX if mix is None else mix
-    bad = set(mix) - set(STYLES)
-    if bad:
-        raise ValueError(f"mix has unknown styles {sorted(bad)}; known: {STYLES}")
+    With notes (`cfg.note_words > 0`) each turn carries a note with probability
+    `recipe.note_prob` (`add_notes`; the note language is fixed:
+    `NoteLanguage(cfg, 0, recipe.note_probs)`)."""
     rng = np.random.default_rng(seed)
-    names = sorted(mix)
-    p = np.array([mix[n] for n in names], np.float64)
+    names = sorted(recipe.mix)
+    p = np.array([recipe.mix[n] for n in names], np.float64)
     p = p / p.sum()
-    lang = task_lib.NoteLanguage(cfg, 0) if cfg.note_words else None
+    lang = task_lib.NoteLanguage(cfg, 0, recipe.note_probs) if cfg.note_words else None
     out = []
     for t in tasks:
-        turns = demo_turns(t, cfg, names[rng.choice(len(names), p=p)], rng)
+        turns = demo_turns(t, cfg, names[rng.choice(len(names), p=p)], rng, recipe)
         if lang is not None:
-            turns = add_notes(turns, cfg, lang, rng, note_prob=note_prob, note_mean=note_mean)
+            turns = add_notes(turns, cfg, lang, rng, note_prob=recipe.note_prob,
+                              note_mean=recipe.note_mean, note_fixed=recipe.note_fixed)
         out.append(task_lib.play(t, cfg, turns))
     return out
 

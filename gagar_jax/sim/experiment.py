@@ -66,15 +66,15 @@ def heldout_tasks(task_cfg: task_lib.TaskConfig, n: int) -> list:
 
 def warm_start(cfg, task_cfg: task_lib.TaskConfig, *, seed: int, sft_steps: int,
                num_demos: int = 4000, batch_size: int = 32, lr: float = 3e-3,
-               mix: Optional[dict] = None, eval_tasks: int = 32, group_size: int = 8,
-               note_prob: float = 0.5, note_mean: float = 6.0,
-               lam_cap: float = 1.5) -> WarmStart:
+               recipe: demos.Recipe = demos.ROUND2_RECIPE, eval_tasks: int = 32,
+               group_size: int = 8, lam_cap: float = 1.5) -> WarmStart:
     """Supervised warm start on mixed-quality demonstrations, then the step-0 tier mix.
 
     Args:
       cfg: the run's ConfigDict (its `model` section). task_cfg: the task family.
       seed: init, demonstration and shuffle seed. sft_steps: SFT optimizer steps (0 = none).
-      num_demos, batch_size, lr, mix, note_prob, note_mean: see `sim.demos`.
+      num_demos, batch_size, lr: SFT set size, rows per step, Adam rate.
+      recipe: how the demonstrations are drawn (`demos.Recipe`).
       eval_tasks, group_size: held-out report (`extra`: f_bar and the cap rate it implies at
       `lam_cap`, see `pass_factor_stats`).
     """
@@ -83,8 +83,7 @@ def warm_start(cfg, task_cfg: task_lib.TaskConfig, *, seed: int, sft_steps: int,
     losses = []
     if sft_steps > 0:
         demo_eps = demos.make_demos(
-            task_cfg, task_lib.make_tasks(task_cfg, seed, num_demos, prefix="demo"), seed, mix=mix,
-            note_prob=note_prob, note_mean=note_mean)
+            task_cfg, task_lib.make_tasks(task_cfg, seed, num_demos, prefix="demo"), seed, recipe)
         seq_len = -(-max(len(e.tokens) for e in demo_eps) // 8) * 8
         losses = demos.warm_start(model, demo_eps, steps=sft_steps, batch_size=batch_size,
                                   seq_len=seq_len, lr=lr, seed=seed)

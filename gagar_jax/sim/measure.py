@@ -46,12 +46,13 @@ def _is_note(tok):
 
 
 class ProbeSet:
-    """Fixed teacher-forced demonstrations (default mix, tasks never used elsewhere): the
-    policy's entropy and NLL on the same tokens at every step."""
+    """Fixed teacher-forced demonstrations (the warm start's recipe, tasks never used
+    elsewhere): the policy's entropy and NLL on the same tokens at every step."""
 
-    def __init__(self, task_cfg: task_lib.TaskConfig, n: int = 64, mix=None):
+    def __init__(self, task_cfg: task_lib.TaskConfig, n: int = 64,
+                 recipe: demos.Recipe = demos.ROUND2_RECIPE):
         tasks = task_lib.make_tasks(task_cfg, 555_555, n, prefix="probe")
-        eps = demos.make_demos(task_cfg, tasks, 555_555, mix=mix)
+        eps = demos.make_demos(task_cfg, tasks, 555_555, recipe)
         seq = _bucket(max(len(e.tokens) for e in eps))
         self.tok, self.seg, self.pos, self.mask = _rows([e.tokens for e in eps],
                                                         [e.loss_mask for e in eps], seq)
