@@ -1,0 +1,21 @@
+"""scripts/bench_vs_transformers.py end to end on the tiny config: gagar_jax in this process,
+transformers in its worker subprocess, same weights (their losses must agree, or the script
+exits), every case timed in turns."""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import bench_vs_transformers  # noqa: E402
+
+
+def test_tiny_run_in_two_processes(capsys):
+    out = bench_vs_transformers.main([
+        "--config", os.path.join(ROOT, "configs", "tiny_cpu.py"), "--rows", "2", "--seq", "32",
+        "--reps", "2", "--warm", "1", "--breakdown"])
+    assert out["gagar_s"] > 0 and out["transformers_s"] > 0
+    assert abs(out["ratio"] - out["transformers_s"] / out["gagar_s"]) < 1e-12
+    assert set(out) >= {"trunk", "head"} and all(t > 0 for t in out["trunk"] + out["head"])
+    text = capsys.readouterr().out
+    assert "separate processes, warm 1" in text and "faults" in text and "rel diff" in text
