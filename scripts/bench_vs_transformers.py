@@ -183,7 +183,11 @@ def jax_cases(model, tokens: np.ndarray, trunk_r, head_h0) -> dict:
     w, h = model.output_kernel_DxV(), jnp.asarray(head_h0)
     return {"step": lambda: float(jax.block_until_ready(step(params, tok))[0]),
             "trunk": lambda: jax.block_until_ready(jt(params, tok)),
-            "head": lambda: jax.block_until_ready(jh(w, h))}
+            "head": lambda: jax.block_until_ready(jh(w, h)),
+            # each part's compiled HLO text (scripts/profile_cpu_step.py names its thunks)
+            "hlo": {"step": lambda: step.lower(params, tok).compile().as_text(),
+                    "trunk": lambda: jt.lower(params, tok).compile().as_text(),
+                    "head": lambda: jh.lower(w, h).compile().as_text()}}
 
 
 def interleaved(name: str, jax_fn, torch_fn, reps: int, warm: int, log: bool = True):

@@ -1,0 +1,120 @@
+"""Where gagar_jax's CPU step spends its time: one traced call, XLA:CPU thunks grouped by loop.
+
+Run:  JAX_PLATFORMS=cpu .venv/bin/python scripts/profile_cpu_step.py [--part trunk|head|step]
+      [--top 12] [--rows 4 --seq 1024] [--config configs/small.py]
+
+Builds the same model and batch as `bench_vs_transformers.py` (its `jax_cases`), compiles the
+part, runs it twice untimed, then once under `jax.profiler`, and reads the trace back: every
+XLA:CPU thunk event (a fusion, dot or loop) with its summed duration and call count. The count
+says where a thunk sits: 1 is the program's top level (e.g. zero-filling the scan's stacked
+buffers), a multiple of the layer count is per layer, larger counts are inside the attention
+and expert loops. Durations are thread time (two threads may run thunks at once), so the shares
+matter more than the sum. Also prints XLA's memory analysis of the compiled part.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Runtime wrappers and waits, not work: left out of the table.
+_NOT_WORK = ("ThunkExecutor", "$", "SlinkyThreadPool")
+
+
+def thunk_times(trace_dir: str) -> dict[str, tuple[float, int]]:
+    """name -> (summed microseconds, calls) of the complete events in the newest trace."""
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    dur, calls = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and not e["name"].startswith(_NOT_WORK):
+            dur[e["name"]] += e["dur"]
+            calls[e["name"]] += 1
+    return {n: (dur[n], calls[n]) for n in dur}
+
+
+def describe(hlo: str) -> dict[str, str]:
+    """thunk name -> 'output shape  jax op' from the compiled HLO's instruction lines."""
+    out = {}
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = (\([^ ]*|\S+) ", line)
+        if m:
+            op = re.search(r'op_name="([^"]*)"', line)
+            shape = "(loop)" if m.group(2).startswith("(") else m.group(2).split("{")[0]
+            out[m.group(1)] = f"{shape:22s} {op.group(1)[-60:] if op else ''}"
+    return out
+
+
+def report(times: dict[str, tuple[float, int]], top: int, names: dict[str, str]) -> str:
+    by_count = collections.defaultdict(list)
+    for name, (us, n) in times.items():
+        by_count[n].append((us, name))
+    total = sum(us for us, _ in times.values())
+    lines = [f"thunk thread time {total / 1e3:.0f} ms; by call count (where a thunk sits):"]
+    groups = sorted(by_count.items(), key=lambda kv: -sum(us for us, _ in kv[1]))
+    for n, items in groups:
+        s = sum(us for us, _ in items)
+        if s < 0.01 * total:
+            continue
+        lines.append(f"  x{n:<6d} {s / 1e3:8.0f} ms ({100 * s / total:4.1f}%)")
+        for us, name in sorted(items, reverse=True)[:top]:
+            lines.append(f"      {us / 1e3:8.1f} ms  {name:30s} {names.get(name, '')}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=("step", "trunk", "head"), default="trunk")
+    p.add_argument("--rows", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--top", type=int, default=6, help="thunks listed per group")
+    p.add_argument("--attention", default="blockwise")
+    p.add_argument("--experts", default="grouped")
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "small.py"))
+    args = p.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu's profiler plugin must stay out
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import jax
+    from flax import nnx
+
+    from bench_vs_transformers import jax_cases
+    from gagar_jax.config import load_config_file
+    from gagar_jax.model import ModelConfig, Transformer
+
+    cfg = ModelConfig.from_config(load_config_file(args.config).model)
+    cfg = dataclasses.replace(cfg, attention=args.attention, expert_backend=args.experts)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (args.rows, args.seq)).astype(np.int32)
+    r = rng.normal(size=(args.rows, args.seq, cfg.hidden_size)).astype(np.float32)
+    cases = jax_cases(model, tokens, r, r)
+    run, names = cases[args.part], describe(cases["hlo"][args.part]())
+    run(), run()                                    # compile, then one step of its own
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        t = time.perf_counter()
+        run()
+        wall = time.perf_counter() - t
+        jax.profiler.stop_trace()
+        text = (f"{args.part} [{args.rows}, {args.seq}] attention={args.attention} "
+                f"experts={args.experts}: traced call {wall:.2f} s wall\n"
+                + report(thunk_times(d), args.top, names))
+    print(text, flush=True)
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""scripts/profile_cpu_step.py: the trace is read back into thunk times grouped by call count."""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import profile_cpu_step  # noqa: E402
+
+
+def test_report_groups_by_call_count_and_names_shapes():
+    times = {"dot.1": (3000.0, 8), "fusion.2": (1000.0, 8), "loop.3": (6000.0, 80),
+             "tiny.4": (1.0, 1)}
+    names = profile_cpu_step.describe(
+        "  %dot.1 = f32[4,8]{1,0} dot(%a, %b), metadata={op_name=\"jit(f)/bsd,dhk->bshk/dot\"}\n"
+        "  ROOT %loop.3 = (s32[], f32[2]{0}) while(%t), condition=%c, body=%b\n")
+    assert names["dot.1"].split()[0] == "f32[4,8]" and names["dot.1"].endswith("bsd,dhk->bshk/dot")
+    assert names["loop.3"].startswith("(loop)")
+    text = profile_cpu_step.report(times, top=5, names=names)
+    lines = text.splitlines()
+    assert lines[0].startswith("thunk thread time 10 ms")
+    # groups by total time, largest first; a group under 1% of the total is left out
+    heads = [ln.split()[0] for ln in lines if ln.startswith("  x")]
+    assert heads == ["x80", "x8"]
+    assert "60.0%" in text and "40.0%" in text and "tiny.4" not in text
+    i = lines.index(next(ln for ln in lines if ln.startswith("  x8 ")))
+    assert "dot.1" in lines[i + 1] and "fusion.2" in lines[i + 2]      # largest first
+
+
+def test_tiny_trunk_is_traced():
+    text = profile_cpu_step.main(["--config", os.path.join(ROOT, "configs", "tiny_cpu.py"),
+                                  "--rows", "2", "--seq", "32", "--top", "2"])
+    assert "traced call" in text and "thunk thread time" in text
+    assert any(ln.startswith("  x") for ln in text.splitlines())
