@@ -9,7 +9,9 @@ XLA:CPU thunk event (a fusion, dot or loop) with its summed duration and call co
 says where a thunk sits: 1 is the program's top level (e.g. zero-filling the scan's stacked
 buffers), a multiple of the layer count is per layer, larger counts are inside the attention
 and expert loops. Durations are thread time (two threads may run thunks at once), so the shares
-matter more than the sum. Also prints XLA's memory analysis of the compiled part.
+matter more than the sum. Run it in a process of its own: jax's profiler crashes in a process
+that has loaded libtpu (an ahead-of-time TPU compile does). Each thunk is listed with its
+output shape and JAX op from the compiled HLO.
 """
 from __future__ import annotations
 
