@@ -211,14 +211,37 @@ def _fmt(r: dict) -> str:
     return f"{r['s']:.2f} s (user {r['user']:.1f}, sys {r['sys']:.1f}, {r['faults'] // 1000}k faults)"
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model and batch options (shared with scripts/profile_cpu_step.py)."""
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--reps", type=int, default=3, help="timed steps of each library")
     p.add_argument("--attention", default="blockwise")
     p.add_argument("--experts", default="grouped")
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "small.py"))
+
+
+def build(args):
+    """(gagar_jax model with random weights, tokens, trunk probe r, head input h0) from the args."""
+    sys.path.insert(0, ROOT)
+    from flax import nnx
+
+    from gagar_jax.config import load_config_file
+    from gagar_jax.model import ModelConfig, Transformer
+
+    cfg = ModelConfig.from_config(load_config_file(args.config).model)
+    cfg = dataclasses.replace(cfg, attention=args.attention, expert_backend=args.experts)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (args.rows, args.seq)).astype(np.int32)
+    trunk_r = rng.normal(size=(args.rows, args.seq, cfg.hidden_size)).astype(np.float32)
+    head_h0 = rng.normal(size=(args.rows, args.seq, cfg.hidden_size)).astype(np.float32)
+    return model, tokens, trunk_r, head_h0
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(p)
+    p.add_argument("--reps", type=int, default=3, help="timed steps of each library")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--single-thread", action="store_true",
                    help="both libraries on one thread, timed in CPU seconds of their process: "
@@ -243,20 +266,9 @@ def main(argv=None) -> dict:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.single_thread:   # must reach XLA before jax is imported
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + SINGLE_THREAD_XLA
-    sys.path.insert(0, ROOT)
-    from flax import nnx
-
+    model, tokens, trunk_r, head_h0 = build(args)
     from gagar_jax import hf
-    from gagar_jax.config import load_config_file
-    from gagar_jax.model import ModelConfig, Transformer
 
-    cfg = ModelConfig.from_config(load_config_file(args.config).model)
-    cfg = dataclasses.replace(cfg, attention=args.attention, expert_backend=args.experts)
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab_size, (args.rows, args.seq)).astype(np.int32)
-    trunk_r = rng.normal(size=(args.rows, args.seq, cfg.hidden_size)).astype(np.float32)
-    head_h0 = rng.normal(size=(args.rows, args.seq, cfg.hidden_size)).astype(np.float32)
     clock = Clock(args.single_thread)
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(model, os.path.join(d, "hf"))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import glob
 import gzip
 import json
@@ -27,11 +26,10 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Runtime wrappers and waits, not work: left out of the table.
-_NOT_WORK = ("ThunkExecutor", "$", "SlinkyThreadPool")
+_NOT_WORK = ("ThunkExecutor", "$", "SlinkyThreadPool", "PjitFunction")
 
 
 def thunk_times(trace_dir: str) -> dict[str, tuple[float, int]]:
@@ -77,32 +75,18 @@ def report(times: dict[str, tuple[float, int]], top: int, names: dict[str, str])
 
 
 def main(argv=None) -> str:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu's profiler plugin must stay out
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from bench_vs_transformers import add_model_args, build, jax_cases
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--part", choices=("step", "trunk", "head"), default="trunk")
-    p.add_argument("--rows", type=int, default=4)
-    p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--top", type=int, default=6, help="thunks listed per group")
-    p.add_argument("--attention", default="blockwise")
-    p.add_argument("--experts", default="grouped")
-    p.add_argument("--config", default=os.path.join(ROOT, "configs", "small.py"))
+    add_model_args(p)
     args = p.parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu's profiler plugin must stay out
-    sys.path.insert(0, ROOT)
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import jax
-    from flax import nnx
 
-    from bench_vs_transformers import jax_cases
-    from gagar_jax.config import load_config_file
-    from gagar_jax.model import ModelConfig, Transformer
-
-    cfg = ModelConfig.from_config(load_config_file(args.config).model)
-    cfg = dataclasses.replace(cfg, attention=args.attention, expert_backend=args.experts)
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab_size, (args.rows, args.seq)).astype(np.int32)
-    r = rng.normal(size=(args.rows, args.seq, cfg.hidden_size)).astype(np.float32)
-    cases = jax_cases(model, tokens, r, r)
+    cases = jax_cases(*build(args))
     run, names = cases[args.part], describe(cases["hlo"][args.part]())
     run(), run()                                    # compile, then one step of its own
     with tempfile.TemporaryDirectory() as d:
