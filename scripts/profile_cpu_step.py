@@ -5,7 +5,7 @@ Run:  JAX_PLATFORMS=cpu .venv/bin/python scripts/profile_cpu_step.py [--part tru
 
 Builds the same model and batch as `bench_vs_transformers.py` (its `jax_cases`), compiles the
 part, runs it twice untimed, then once under `jax.profiler`, and reads the trace back: every
-XLA:CPU thunk event (a fusion, dot or loop) with its summed duration and call count. The count
+XLA:CPU thunk event (a fusion, dot, copy; loops are containers and left out) with its summed duration and call count. The count
 says where a thunk sits: 1 is the program's top level (e.g. zero-filling the scan's stacked
 buffers), a multiple of the layer count is per layer, larger counts are inside the attention
 and expert loops. Durations are thread time (two threads may run thunks at once), so the shares
@@ -28,8 +28,10 @@ import time
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Runtime wrappers and waits, not work: left out of the table.
-_NOT_WORK = ("ThunkExecutor", "$", "SlinkyThreadPool", "PjitFunction")
+# Left out of the table: runtime wrappers, waits and Python-level events, completion markers,
+# and control-flow thunks, whose events span the thunks of their bodies (counted once already).
+_NOT_WORK = ("ThunkExecutor", "$", "SlinkyThreadPool", "PjitFunction", "ThreadpoolListener",
+             "end: ", "while", "conditional", "call")
 
 
 def thunk_times(trace_dir: str) -> dict[str, tuple[float, int]]:

@@ -39,3 +39,17 @@ def test_tiny_trunk_is_traced():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "traced call" in out.stdout and "thunk thread time" in out.stdout
     assert any(ln.startswith("  x") for ln in out.stdout.splitlines())
+
+
+def test_thunk_times_counts_leaves_once(tmp_path):
+    import gzip
+    import json
+    events = [{"ph": "X", "name": "while.7", "dur": 50.0},          # spans the two below
+              {"ph": "X", "name": "dot.1", "dur": 20.0}, {"ph": "X", "name": "dot.1", "dur": 25.0},
+              {"ph": "X", "name": "end: dot.1", "dur": 1.0},
+              {"ph": "X", "name": "ThunkExecutor::Execute", "dur": 60.0},
+              {"ph": "i", "name": "fusion.3"}]
+    (tmp_path / "host").mkdir()
+    with gzip.open(tmp_path / "host" / "x.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert profile_cpu_step.thunk_times(str(tmp_path)) == {"dot.1": (45.0, 2)}
