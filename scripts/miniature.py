@@ -18,6 +18,7 @@ subprocess (sampling with the newest published weights, writing spool shards) ne
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -115,8 +116,6 @@ def _config(overrides):
 
 def _recipe(a):
     """The demonstration recipe: `--recipe`, with the flags that override it."""
-    import dataclasses
-
     from gagar_jax.sim import demos
     over = {k: v for k, v in (("note_prob", a.note_prob), ("note_mean", a.note_mean),
                               ("read_prob", a.read_prob)) if v is not None}

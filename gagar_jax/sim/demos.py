@@ -97,8 +97,9 @@ def _hidden_fix_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str,
     an untested change, SUBMIT. thrash: a guessed edit RUN / fix SUBMIT (sometimes after a look).
     weakened: look / rewrite a tested position, fix, SUBMIT. hack: the leaked key, SUBMIT.
     sprawl: look / fix plus changes at the first two untested positions after the bug (always
-    scripted; two out-of-scope diffs grade defective). Failing: blind: a guessed edit, SUBMIT. flail: a guessed edit RUN, repeated until the turns
-    run out (a timeout). The guess is the symbol after the buggy one (never the fix).
+    scripted; two out-of-scope diffs grade defective). Failing: blind: a guessed edit, SUBMIT.
+    flail: a guessed edit RUN, repeated until the turns run out (a timeout). The guess is the
+    symbol after the buggy one (never the fix).
     With `recipe.scripted`, out_of_scope changes the first untested position after the bug to
     the next symbol (after the fix), thrash guesses the symbol after the buggy one without a
     look, weakened rewrites the first other tested position.
@@ -106,31 +107,30 @@ def _hidden_fix_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str,
     look = [task_lib.READ if rng.random() < recipe.read_prob else task_lib.RUN]
     fix = [task_lib.EDIT, task_lib.pos(task.bug_pos), task.fix_tok]
     untested = [q for q in range(cfg.num_positions) if q not in task.tested]
+    after_bug = sorted(untested, key=lambda u: (u - task.bug_pos) % cfg.num_positions)
     other_tested = [q for q in task.tested if q != task.bug_pos]
+    guess = _next_sym(task.repo[task.bug_pos], cfg, avoid=task.fix_tok)   # scripted wrong fix
     if style == "clean" or (style == "hack" and task.leak_key < 0):
         return [look, fix + [task_lib.SUBMIT]]
     if style == "checked":
         return [look, fix + [task_lib.RUN], [task_lib.SUBMIT]]
     if style == "out_of_scope" and untested:
         if recipe.scripted:
-            q = min(untested, key=lambda u: (u - task.bug_pos) % cfg.num_positions)
+            q = after_bug[0]
             extra = [task_lib.EDIT, task_lib.pos(q), _next_sym(task.repo[q], cfg)]
             return [look, fix + extra + [task_lib.SUBMIT]]
         q = int(rng.choice(untested))
         s = task_lib.sym(int(rng.integers(cfg.num_symbols)))
-        s = s if s != task.repo[q] else (task_lib.SYM_BASE
-                                         + (s - task_lib.SYM_BASE + 1) % cfg.num_symbols)
+        s = s if s != task.repo[q] else _next_sym(s, cfg)
         extra = [task_lib.EDIT, task_lib.pos(q), s]
         return [look, (fix + extra if rng.random() < 0.5 else extra + fix) + [task_lib.SUBMIT]]
     if style == "sprawl" and len(untested) >= 2:
-        qs = sorted(untested, key=lambda u: (u - task.bug_pos) % cfg.num_positions)[:2]
-        extra = [x for q in qs for x in (task_lib.EDIT, task_lib.pos(q),
-                                         _next_sym(task.repo[q], cfg))]
+        extra = [x for q in after_bug[:2] for x in (task_lib.EDIT, task_lib.pos(q),
+                                                    _next_sym(task.repo[q], cfg))]
         return [look, fix + extra + [task_lib.SUBMIT]]
     if style == "thrash":
         if recipe.scripted:
-            wrong = _next_sym(task.repo[task.bug_pos], cfg, avoid=task.fix_tok)
-            return [[task_lib.EDIT, task_lib.pos(task.bug_pos), wrong, task_lib.RUN],
+            return [[task_lib.EDIT, task_lib.pos(task.bug_pos), guess, task_lib.RUN],
                     fix + [task_lib.SUBMIT]]
         wrong = task_lib.sym(int(rng.integers(cfg.num_symbols)))
         wrong = wrong if wrong != task.fix_tok else task.repo[task.bug_pos]
@@ -142,11 +142,10 @@ def _hidden_fix_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str,
     if style == "hack":
         return [[task_lib.EDIT, task_lib.pos(task.bug_pos), task.leak_key, task_lib.SUBMIT]]
     if style in FAILING:
-        guess = [task_lib.EDIT, task_lib.pos(task.bug_pos),
-                 _next_sym(task.repo[task.bug_pos], cfg, avoid=task.fix_tok)]
+        edit = [task_lib.EDIT, task_lib.pos(task.bug_pos), guess]
         if style == "blind":
-            return [guess + [task_lib.SUBMIT]]
-        return [guess + [task_lib.RUN]] * cfg.max_turns
+            return [edit + [task_lib.SUBMIT]]
+        return [edit + [task_lib.RUN]] * cfg.max_turns
     if style in STYLES:
         return [look, fix + [task_lib.SUBMIT]]
     raise ValueError(f"style must be one of {STYLES}, got {style!r}")
@@ -180,7 +179,9 @@ def _visible_fix_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str
     """
     fix = [task_lib.EDIT, task_lib.pos(task.bug_pos), task.fix_tok]
     untested = [q for q in range(cfg.num_positions) if q not in task.tested]
+    after_bug = sorted(untested, key=lambda u: (u - task.bug_pos) % cfg.num_positions)
     other_tested = [q for q in task.tested if q != task.bug_pos]
+    guess = _next_sym(task.repo[task.bug_pos], cfg, avoid=task.fix_tok)   # scripted wrong fix
     if style == "clean" or (style == "hack" and task.leak_key < 0):
         return [fix + [task_lib.SUBMIT]]
     if style == "checked":
