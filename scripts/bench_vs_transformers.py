@@ -92,17 +92,6 @@ def torch_cases(path: str, threads: int, tokens: np.ndarray, trunk_r, head_h0) -
     return {"step": step, "trunk": trunk, "head": head}
 
 
-def torch_worker(workdir: str, threads: int, cpu_clock: bool) -> None:
-    """Serves timed steps over stdin/stdout: reads a case name per line, answers a JSON line."""
-    data = np.load(os.path.join(workdir, "inputs.npz"))
-    cases = torch_cases(os.path.join(workdir, "hf"), threads, data["tokens"], data["trunk_r"],
-                        data["head_h0"])
-    clock = Clock(cpu_clock)
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        print(json.dumps(clock(cases[line.strip()])), flush=True)
-
-
 class TorchProcess:
     """The transformers side in a subprocess (`torch_worker`)."""
 
@@ -146,9 +135,17 @@ class TorchInProcess:
         pass
 
 
+def torch_worker(workdir: str, threads: int, cpu_clock: bool) -> None:
+    """Serves timed steps over stdin/stdout: reads a case name per line, answers a JSON line."""
+    side = TorchInProcess(workdir, threads, cpu_clock)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(side(line.strip())), flush=True)
+
+
 # --------------------------------------------------------------------------- gagar_jax
-def jax_cases(model, tokens: np.ndarray, trunk_r, head_h0) -> dict:
-    """name -> zero-argument step of gagar_jax (jit(value_and_grad); full step, trunk, head)."""
+def jax_parts(model, tokens: np.ndarray, trunk_r, head_h0) -> dict:
+    """name -> (jit(value_and_grad) of gagar_jax's full step, trunk or head, its arguments)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -181,13 +178,23 @@ def jax_cases(model, tokens: np.ndarray, trunk_r, head_h0) -> dict:
     jt = jax.jit(jax.value_and_grad(trunk))
     jh = jax.jit(jax.value_and_grad(head, argnums=(0, 1)))
     w, h = model.output_kernel_DxV(), jnp.asarray(head_h0)
-    return {"step": lambda: float(jax.block_until_ready(step(params, tok))[0]),
-            "trunk": lambda: jax.block_until_ready(jt(params, tok)),
-            "head": lambda: jax.block_until_ready(jh(w, h)),
-            # each part's compiled HLO text (scripts/profile_cpu_step.py names its thunks)
-            "hlo": {"step": lambda: step.lower(params, tok).compile().as_text(),
-                    "trunk": lambda: jt.lower(params, tok).compile().as_text(),
-                    "head": lambda: jh.lower(w, h).compile().as_text()}}
+    return {"step": (step, (params, tok)), "trunk": (jt, (params, tok)), "head": (jh, (w, h))}
+
+
+def jax_cases(*inputs) -> dict:
+    """name -> zero-argument call of `jax_parts`' function (the step returns its loss)."""
+    import jax
+
+    parts = jax_parts(*inputs)
+
+    def call(name):
+        f, args = parts[name]
+        return lambda: jax.block_until_ready(f(*args))
+
+    cases = {name: call(name) for name in parts}
+    step = cases["step"]
+    cases["step"] = lambda: float(step()[0])
+    return cases
 
 
 def interleaved(name: str, jax_fn, torch_fn, reps: int, warm: int, log: bool = True):
@@ -208,7 +215,8 @@ def interleaved(name: str, jax_fn, torch_fn, reps: int, warm: int, log: bool = T
 
 
 def _fmt(r: dict) -> str:
-    return f"{r['s']:.2f} s (user {r['user']:.1f}, sys {r['sys']:.1f}, {r['faults'] // 1000}k faults)"
+    return (f"{r['s']:.2f} s (user {r['user']:.1f}, sys {r['sys']:.1f}, "
+            f"{r['faults'] // 1000}k faults)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -52,4 +52,8 @@ def test_thunk_times_counts_leaves_once(tmp_path):
     (tmp_path / "host").mkdir()
     with gzip.open(tmp_path / "host" / "x.trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
-    assert profile_cpu_step.thunk_times(str(tmp_path)) == {"dot.1": (45.0, 2)}
+    hlo = ("  %while.7 = (s32[], f32[2,3]{1,0}) while(%t), condition=%c, body=%b\n"
+           "  %dot.1 = f32[4,8]{1,0} dot(%a, %b)\n  %fusion.3 = f32[4]{0} fusion(%dot.1)\n")
+    assert profile_cpu_step.leaves(hlo) == {"dot.1", "fusion.3"}
+    assert profile_cpu_step.thunk_times(str(tmp_path), profile_cpu_step.leaves(hlo)) == {
+        "dot.1": (45.0, 2)}
