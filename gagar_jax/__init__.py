@@ -1,6 +1,67 @@
 """gagar_jax: the learner side of Gagar (Groupwise Agentic Grading and Advantage Redistribution).
 
-Data flows feed -> batch -> loss(advantage) -> train step -> checkpoint.
+Data flows feed -> batch -> algo (advantage, loss) -> run (train step) -> checkpoint and publish
+(docs/architecture.md). The public API is importable from here::
+
+    from gagar_jax import gagar_advantages, ModelConfig, Transformer, from_pretrained, Feed
+
+Names are re-exported lazily (a module `__getattr__`): `import gagar_jax` imports no JAX, so the
+JAX-free parts (the rollout side) work where JAX is not installed, and module paths may move
+while these names stay.
 """
+import importlib
 
 __version__ = "0.1.0"
+
+# public name -> module that defines it (one line per name; SPEC.md section 3 keeps them stable)
+_EXPORTS = {
+    # the Gagar math (algo)
+    "gagar_advantages": "gagar_jax.advantage",
+    "equivalent_rewards": "gagar_jax.advantage",
+    "broadcast_to_tokens": "gagar_jax.advantage",
+    "check_invariants": "gagar_jax.advantage",
+    "AdvantageOutput": "gagar_jax.advantage",
+    "FactorTable": "gagar_jax.grading",
+    "quality_factors": "gagar_jax.grading",
+    "LossConfig": "gagar_jax.loss",
+    # shared ground
+    "Batch": "gagar_jax.batch",
+    "ConfigError": "gagar_jax.config",
+    "TrainConfig": "gagar_jax.config",
+    "load_config_file": "gagar_jax.config",
+    "make_mesh": "gagar_jax.sharding",
+    # the feed
+    "Feed": "gagar_jax.feed",
+    "FeedConfig": "gagar_jax.feed",
+    "Group": "gagar_jax.feed",
+    "Trajectory": "gagar_jax.feed",
+    # the model and its checkpoints
+    "ModelConfig": "gagar_jax.model",
+    "Transformer": "gagar_jax.model",
+    "from_pretrained": "gagar_jax.hf",
+    "save_pretrained": "gagar_jax.hf",
+    "read_config": "gagar_jax.hf",
+    # the run
+    "StepConfig": "gagar_jax.train_step",
+    "TrainState": "gagar_jax.train_step",
+    "init_train_state": "gagar_jax.train_step",
+    "make_train_step": "gagar_jax.train_step",
+    "Checkpointer": "gagar_jax.checkpoint",
+    "Publisher": "gagar_jax.publish",
+    "read_latest": "gagar_jax.publish",
+    "published_steps": "gagar_jax.publish",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'gagar_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value   # later look-ups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
