@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 # A fresh run each time (the same --workdir would resume from its last checkpoint).
 train: $(STAMP)
 	rm -rf runs/tiny_cpu
-	$(PY) -m gagar_jax.cli --config configs/tiny_cpu.py --workdir runs/tiny_cpu
+	$(PY) -m gagar_jax --config configs/tiny_cpu.py --workdir runs/tiny_cpu
 
 # Two pytest workers (pytest-xdist), a test file per worker: module fixtures are built once.
 test: $(STAMP)

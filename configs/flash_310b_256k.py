@@ -4,13 +4,13 @@ The paper's code-agent trajectories average 173k-192k tokens. Rows of 262144 tok
 trajectory (or several shorter ones) whole; each row is split along the sequence over a
 `context` axis of 8 chips (32768 tokens per chip, today's per-chip load), attention exchanges
 keys and values across it (all-gather on the 9 full layers, the 128 preceding tokens on the 39
-sliding ones; gagar_jax/attention_context.py). Same model, optimizer and chips as
+sliding ones; gagar_jax/kernels/attention/context.py). Same model, optimizer and chips as
 `configs/flash_310b.py`; at least its tokens per step (32 rows x 262144 = 8.4M).
 
 Run:  gagar-train --config configs/flash_310b_256k.py --workdir gs://BUCKET/runs/flash_long \
         --config.feed.spool_dir=gs://BUCKET/spool --config.train.init_from=/ckpt/MiMo-V2-Flash
 AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/flash_310b_256k.py --topology v5p:8x8x8
-Numbers (gagar_jax/flops.py, checked by tests/test_configs.py): 308.8B total, 15.4B active
+Numbers (gagar_jax/aot/flops.py, checked by tests/test_configs.py): 308.8B total, 15.4B active
 params (the model of flash_310b). Compiled for v5p:8x8x8: 54.4 GiB per chip (fits 95.7),
 234.5 model GFLOPs per token at 256k rows (docs/aot/flash_310b_256k_v5p_8x8x8.json, docs/scaling.md).
 """

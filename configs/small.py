@@ -3,7 +3,7 @@
 Same schema as `configs/tiny_cpu.py` (derived from it; only the differences are set here).
 
 Run:  gagar-train --config configs/small.py --workdir runs/small --config.feed.path=FEED.jsonl
-Numbers (gagar_jax/flops.py, checked by tests/test_configs.py): 102M total, 47M active params.
+Numbers (gagar_jax/aot/flops.py, checked by tests/test_configs.py): 102M total, 47M active params.
 """
 import pathlib
 

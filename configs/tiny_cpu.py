@@ -71,7 +71,7 @@ def get_config() -> ml_collections.ConfigDict:
     t.init_from = ""                # HF Qwen3-MoE / MiMo-V2-Flash directory to start from ("" = random init)
     t.reference_from = ""           # KL reference policy directory ("" = the initial weights)
 
-    # Steps inside one train step (gagar_jax/train_step.py): epochs x mini_batches optimizer
+    # Steps inside one train step (gagar_jax/run/step.py): epochs x mini_batches optimizer
     # updates per feed batch, each accumulated over micro_batches; B must divide by
     # mini_batches * micro_batches (rows are split along B, see docs/loss.md).
     t.epochs = 1                    # passes over the feed batch

@@ -16,14 +16,14 @@ __version__ = "0.1.0"
 # public name -> module that defines it (one line per name; SPEC.md section 3 keeps them stable)
 _EXPORTS = {
     # the Gagar math (algo)
-    "gagar_advantages": "gagar_jax.advantage",
-    "equivalent_rewards": "gagar_jax.advantage",
-    "broadcast_to_tokens": "gagar_jax.advantage",
-    "check_invariants": "gagar_jax.advantage",
-    "AdvantageOutput": "gagar_jax.advantage",
-    "FactorTable": "gagar_jax.grading",
-    "quality_factors": "gagar_jax.grading",
-    "LossConfig": "gagar_jax.loss",
+    "gagar_advantages": "gagar_jax.algo.advantage",
+    "equivalent_rewards": "gagar_jax.algo.advantage",
+    "broadcast_to_tokens": "gagar_jax.algo.advantage",
+    "check_invariants": "gagar_jax.algo.advantage",
+    "AdvantageOutput": "gagar_jax.algo.advantage",
+    "FactorTable": "gagar_jax.algo.grading",
+    "quality_factors": "gagar_jax.algo.grading",
+    "LossConfig": "gagar_jax.algo.loss",
     # shared ground
     "Batch": "gagar_jax.batch",
     "ConfigError": "gagar_jax.config",
@@ -36,20 +36,20 @@ _EXPORTS = {
     "Group": "gagar_jax.feed",
     "Trajectory": "gagar_jax.feed",
     # the model and its checkpoints
-    "ModelConfig": "gagar_jax.model",
-    "Transformer": "gagar_jax.model",
-    "from_pretrained": "gagar_jax.hf",
-    "save_pretrained": "gagar_jax.hf",
-    "read_config": "gagar_jax.hf",
+    "ModelConfig": "gagar_jax.model.transformer",
+    "Transformer": "gagar_jax.model.transformer",
+    "from_pretrained": "gagar_jax.hf.api",
+    "save_pretrained": "gagar_jax.hf.api",
+    "read_config": "gagar_jax.hf.api",
     # the run
-    "StepConfig": "gagar_jax.train_step",
-    "TrainState": "gagar_jax.train_step",
-    "init_train_state": "gagar_jax.train_step",
-    "make_train_step": "gagar_jax.train_step",
-    "Checkpointer": "gagar_jax.checkpoint",
-    "Publisher": "gagar_jax.publish",
-    "read_latest": "gagar_jax.publish",
-    "published_steps": "gagar_jax.publish",
+    "StepConfig": "gagar_jax.run.step",
+    "TrainState": "gagar_jax.run.step",
+    "init_train_state": "gagar_jax.run.step",
+    "make_train_step": "gagar_jax.run.step",
+    "Checkpointer": "gagar_jax.run.checkpoint",
+    "Publisher": "gagar_jax.run.publish",
+    "read_latest": "gagar_jax.run.publish",
+    "published_steps": "gagar_jax.run.publish",
 }
 
 __all__ = sorted(_EXPORTS)

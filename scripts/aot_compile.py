@@ -7,7 +7,7 @@
 Prints a table (per-device memory, FLOPs, collective counts, compile time), writes the JSON
 report, and prints as its LAST line a JSON object with `per_device_bytes`, `hbm_bytes` and
 `fits`. A layout the TPU compiler finds out of HBM is reported as `fits: false` (exit code 0).
-Library: `gagar_jax/aot.py`.
+Library: `gagar_jax/aot/compile.py`.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def main(argv) -> int:
     flags.DEFINE_string("dump_dir", "", "Keep the compiler's HLO dump here.", flag_values=fv)
     flags.DEFINE_enum("what", "train_step", ["train_step", "weights_io"],
                       "train_step, or weights_io: per-host load/publish bytes and the compiled "
-                      "publish reshard (gagar_jax/aot_weights_io.py).", flag_values=fv)
+                      "publish reshard (gagar_jax/aot/weights_io.py).", flag_values=fv)
     try:
         fv(argv)
     except (flags.Error, AttributeError, OSError) as e:
@@ -41,11 +41,11 @@ def main(argv) -> int:
         print("aot_compile: error: --config is required", file=sys.stderr)
         return 2
 
-    from gagar_jax import aot
+    from gagar_jax.aot import compile as aot
 
     name = os.path.splitext(os.path.basename(fv["config"].config_filename))[0]
     if fv.what == "weights_io":
-        from gagar_jax import aot_weights_io
+        from gagar_jax.aot import weights_io as aot_weights_io
         report = {"config": name, **aot_weights_io.weights_io_report(fv.config, fv.topology)}
         out = fv.out or f"aot_weights_io_{name}_{fv.topology.replace(':', '_')}.json"
         with open(out, "w") as f:

@@ -18,7 +18,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")   # libtpu is installed; this benc
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from gagar_jax.advantage import gagar_advantages  # noqa: E402
+from gagar_jax.algo.advantage import gagar_advantages  # noqa: E402
 
 LOOP_BUDGET_S = 60.0    # time the loop fully when the estimate is under this
 

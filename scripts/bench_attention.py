@@ -24,14 +24,16 @@ import types
 import jax
 import jax.numpy as jnp
 
-from gagar_jax.attention import blockwise_attention, plain_attention
+from gagar_jax.kernels.attention.blockwise import blockwise_attention, plain_attention
 
 
 def context_aot(seqs, topology, heads, block, window):
     """Per-chip compiled memory of attention under context = all chips of `topology`."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from gagar_jax import aot, attention_context, sharding
+    from gagar_jax import sharding
+    from gagar_jax.aot import compile as aot
+    from gagar_jax.kernels.attention import context as attention_context
 
     H, Kv, Dh, Dv, Kv_slide = heads
     devices = aot.topology_devices(topology)

@@ -23,7 +23,7 @@ import time
 import grain.python  # noqa: F401  (imported up front: not part of the timed loop)
 import numpy as np
 
-from gagar_jax import flops
+from gagar_jax.aot import flops
 from gagar_jax.config import load_config_file
 from gagar_jax.feed import Feed, FeedConfig, FileSource, convert, synthetic
 
@@ -216,7 +216,7 @@ def _long_row_lines(long_rows: dict) -> list:
         "",
         f"The step: {STEP_TOKENS:,} tokens (256 x 32k, in rows of {ROW_TOKENS:,}) of "
         f"MiMo-V2-Flash (`{need['config']}`), {need['flops_per_token'] / 1e9:.1f} model "
-        f"GFLOPs per token at S = 256k (`gagar_jax.flops.train_flops_per_token`: 3 x (2 x "
+        f"GFLOPs per token at S = 256k (`gagar_jax.aot.flops.train_flops_per_token`: 3 x (2 x "
         f"active matmul params + causal attention; 9 full layers see (S + 1) / 2 keys, 39 "
         f"sliding ones 129)). On v5p-1024 (512 chips x 459 TFLOP/s bf16) at an assumed 40% "
         f"MFU a step takes {need['step_s']:.1f} s, so the learner consumes "

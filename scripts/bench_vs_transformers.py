@@ -150,7 +150,7 @@ def jax_parts(model, tokens: np.ndarray, trunk_r, head_h0) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from gagar_jax.logprobs import chunked_logprobs_entropy, logits_bytes, token_logprobs
+    from gagar_jax.model.logprobs import chunked_logprobs_entropy, logits_bytes, token_logprobs
 
     cfg = model.cfg
     B, S = tokens.shape
@@ -234,7 +234,7 @@ def build(args):
     from flax import nnx
 
     from gagar_jax.config import load_config_file
-    from gagar_jax.model import ModelConfig, Transformer
+    from gagar_jax.model.transformer import ModelConfig, Transformer
 
     cfg = ModelConfig.from_config(load_config_file(args.config).model)
     cfg = dataclasses.replace(cfg, attention=args.attention, expert_backend=args.experts)
@@ -275,7 +275,7 @@ def main(argv=None) -> dict:
     if args.single_thread:   # must reach XLA before jax is imported
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + SINGLE_THREAD_XLA
     model, tokens, trunk_r, head_h0 = build(args)
-    from gagar_jax import hf
+    from gagar_jax.hf import api as hf
 
     clock = Clock(args.single_thread)
     with tempfile.TemporaryDirectory() as d:

@@ -40,9 +40,11 @@ def make_checkpoint(path: str, mb: float) -> int:
     import numpy as np
     from flax import nnx
 
-    from gagar_jax import hf, hf_save, sharding
-    from gagar_jax.model import Transformer
-    from gagar_jax.safetensors_io import write_safetensors
+    from gagar_jax import sharding
+    from gagar_jax.hf import api as hf
+    from gagar_jax.hf import save as hf_save
+    from gagar_jax.model.transformer import Transformer
+    from gagar_jax.hf.safetensors import write_safetensors
 
     cfg = hf.config_from_hf(_hf_config(mb), **FAST)
     _, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
@@ -66,7 +68,9 @@ def worker(ckpt: str, out: str, nproc: int, pid: int, port: int) -> None:
 
     from flax import nnx
 
-    from gagar_jax import hf, publish, sharding
+    from gagar_jax import sharding
+    from gagar_jax.hf import api as hf
+    from gagar_jax.run import publish
 
     mesh = sharding.make_mesh(types.SimpleNamespace(data=1, fsdp=2, expert=-1, tensor=1))
     t0 = time.perf_counter()

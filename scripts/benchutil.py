@@ -79,7 +79,7 @@ def time_train_step(step_cfg, mesh, B: int, S: int, steps: int) -> tuple:
       (compile_s, median step_s, the last step's metrics).
     """
     from gagar_jax import sharding as shd
-    from gagar_jax import train_step as TS
+    from gagar_jax.run import step as TS
 
     state, graphdef, shardings = TS.init_train_state(step_cfg, mesh, jax.random.key(0))
     batch = synthetic_batch(B, S, step_cfg.model.vocab_size)

@@ -247,7 +247,7 @@ def write_report(out: str) -> str:
 
 
 def produce(a) -> None:
-    from gagar_jax.model import ModelConfig
+    from gagar_jax.model.transformer import ModelConfig
     from gagar_jax.sim import producer
     cfg = _config(_feed_overrides(a) + a.set)
     producer.run_producer(a.workdir, os.path.join(a.workdir, "spool"), _task(a),
@@ -262,8 +262,9 @@ def publish_warm_start(a) -> dict:
     import jax
     from flax import nnx
 
-    from gagar_jax import hf, publish
-    from gagar_jax.model import ModelConfig, Transformer
+    from gagar_jax.hf import api as hf
+    from gagar_jax.run import publish
+    from gagar_jax.model.transformer import ModelConfig, Transformer
     from gagar_jax.sim import experiment as X
     cfg = _config(_feed_overrides(a) + a.set)
     warm = X.warm_start(cfg, _task(a), seed=a.warm_seed, sft_steps=a.sft_steps,
@@ -289,7 +290,7 @@ def closed_loop(a) -> int:
     overrides = _feed_overrides(a) + a.set + [
         f"feed.spool_dir={os.path.join(a.workdir, 'spool')}", f"train.steps={a.train_steps}",
         f"train.init_from={v0['path']}"]
-    trainer = [sys.executable, "-m", "gagar_jax.cli", "--config", CONFIG, "--workdir", a.workdir
+    trainer = [sys.executable, "-m", "gagar_jax.run.cli", "--config", CONFIG, "--workdir", a.workdir
                ] + [f"--config.{o}" for o in overrides]
     prod = subprocess.Popen(me, cwd=REPO, env=dict(env, XLA_FLAGS=""))
     train = subprocess.Popen(trainer, cwd=REPO, env=env)

@@ -1,6 +1,6 @@
 """An independent plain-NumPy, per-group-loop reference of SPEC section 2 (float64).
 
-Written straight from the rules, one group at a time, sharing no code with gagar_jax.advantage.
+Written straight from the rules, one group at a time, sharing no code with gagar_jax.algo.advantage.
 """
 import math
 

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gagar_jax import advantage as adv
-from gagar_jax.grading import DEFECTIVE, INTERMEDIATE, STRONG, quality_factors
+from gagar_jax.algo import advantage as adv
+from gagar_jax.algo.grading import DEFECTIVE, INTERMEDIATE, STRONG, quality_factors
 from reference_advantage import reference_advantages
 
 T, G = 64, 12

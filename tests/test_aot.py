@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from gagar_jax import aot
+from gagar_jax.aot import compile as aot
 from xla_flags import FAST_COMPILE, without
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,8 +129,9 @@ def test_auto_expert_backend_follows_the_mesh_devices_not_the_process():
     import types
 
     from configs.tiny_cpu import get_config
-    from gagar_jax import moe, sharding
-    from gagar_jax import train_step as ts
+    from gagar_jax import sharding
+    from gagar_jax.model import moe
+    from gagar_jax.run import step as ts
 
     def mesh(devices, expert):
         axes = types.SimpleNamespace(data=-1, fsdp=1, expert=expert, tensor=1)
@@ -166,7 +167,9 @@ def test_kernels_compile_ahead_of_time_for_v5p(tmp_path):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from gagar_jax import attention, moe, sharding
+    from gagar_jax import sharding
+    from gagar_jax.kernels.attention import blockwise as attention
+    from gagar_jax.model import moe
 
     mesh = sharding.make_mesh(types.SimpleNamespace(data=2, fsdp=1, expert=2, tensor=1),
                               aot.topology_devices("v5p:2x2x1"))
@@ -210,7 +213,9 @@ def test_splash_under_context_compiles_ahead_of_time_for_v5p(tmp_path):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from gagar_jax import attention, attention_context, sharding
+    from gagar_jax import sharding
+    from gagar_jax.kernels.attention import blockwise as attention
+    from gagar_jax.kernels.attention import context as attention_context
 
     mesh = sharding.make_mesh(types.SimpleNamespace(data=2, fsdp=1, expert=1, context=2, tensor=1),
                               aot.topology_devices("v5p:2x2x1"))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gagar_jax.attention import attention, blockwise_attention, plain_attention
+from gagar_jax.kernels.attention.blockwise import attention, blockwise_attention, plain_attention
 from close import assert_rel_close
 
 B, S, H, KV, DH = 2, 40, 4, 2, 8
@@ -175,7 +175,7 @@ def test_window_sinks_and_value_width_match_numpy_and_plain_grads():
 def test_window_block_ranges_are_exactly_the_blocks_with_visible_keys(nq, nk, blk, window, d):
     """The loops visit exactly the (query block, key block) pairs holding a visible pair: a
     sliding layer does O(S * W) work. Also with queries starting d keys in (context shards)."""
-    from gagar_jax.attention import _key_block_range, _query_block_range
+    from gagar_jax.kernels.attention.blockwise import _key_block_range, _query_block_range
     visible = lambda i, j: any(0 <= qi - kj and (not window or qi - kj < window)  # noqa: E731
                                for qi in range(d + i * blk, d + (i + 1) * blk)
                                for kj in range(j * blk, (j + 1) * blk))

@@ -8,8 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gagar_jax import aot, attention, attention_context, sharding
-from gagar_jax.attention_splash import splash_attention, splash_local_attention
+from gagar_jax import sharding
+from gagar_jax.aot import compile as aot
+from gagar_jax.kernels.attention import blockwise as attention
+from gagar_jax.kernels.attention import context as attention_context
+from gagar_jax.kernels.attention.splash import splash_attention, splash_local_attention
 from close import assert_rel_close
 
 B, S, H, KV, DH = 2, 200, 4, 2, 16   # S not a multiple of the 128-token kernel block
@@ -186,7 +189,7 @@ def test_band_masks_answer_every_block_as_the_kernels_masks(q_len, kv_len, offse
     evaluation on every block, edge blocks and blocks cut by the mask's end included."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    from gagar_jax import attention_splash
+    from gagar_jax.kernels.attention import splash as attention_splash
 
     shape = (q_len, kv_len)
     if window is None:

@@ -9,7 +9,9 @@ import os
 import pytest
 from etils import epath
 
-from gagar_jax import audit_file, metrics as metrics_lib, workdir_lock
+from gagar_jax import audit_file
+from gagar_jax.run import metrics as metrics_lib
+from gagar_jax.run import workdir_lock
 from gagar_jax.audit_file import AuditFile, AuditPosition, read_lines
 from gagar_jax.feed import Feed, FeedConfig, SpoolSource, convert, schema, synthetic
 from gagar_jax.feed.sources import DONE_MARKER
@@ -125,10 +127,10 @@ def test_feed_on_a_spool_dead_letter_and_ledger_anywhere(root):
 
 
 def test_object_store_workdir_lock_and_init_from_config(tmp_path, monkeypatch):
-    from gagar_jax import startup
+    from gagar_jax.run import startup
     from gagar_jax.config import ConfigError
-    from gagar_jax.hf_config import config_to_hf
-    from gagar_jax.model import ModelConfig
+    from gagar_jax.hf.config_json import config_to_hf
+    from gagar_jax.model.transformer import ModelConfig
 
     fs = use_memory_bucket(monkeypatch)
     monkeypatch.chdir(tmp_path)

@@ -13,8 +13,8 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gagar_jax import checkpoint as ckpt
-from gagar_jax import publish
+from gagar_jax.run import checkpoint as ckpt
+from gagar_jax.run import publish
 
 # A failed orbax read (the corrupt-checkpoint tests) can leave tensorstore callbacks aimed at
 # orbax's already-closed asyncio loop; Python reports them at garbage collection, possibly during
@@ -201,7 +201,7 @@ def _delete_metadata(step_dir):
 def test_corrupt_latest_falls_back_with_warning(tmp_path, state8, mesh8, caplog, corrupt):
     mgr, _ = _save_steps(tmp_path, state8, [2, 4])
     corrupt(tmp_path / "4")
-    with caplog.at_level(logging.WARNING, logger="gagar_jax.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="gagar_jax.run.checkpoint"):
         out = mgr.restore(_abstract(state8, mesh8))
     assert out.step == 2 and out.feed["offset"] == 2
     _assert_bit_equal(out.state, state8)

@@ -1,6 +1,6 @@
 """Every config loads, has tiny_cpu's schema, builds a ModelConfig, and is the size it claims.
 
-Parameter counts come from `gagar_jax.flops` (analytic), which is itself checked against the
+Parameter counts come from `gagar_jax.aot.flops` (analytic), which is itself checked against the
 model's real parameter tree (`nnx.eval_shape`, nothing allocated) for every config.
 """
 import glob
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gagar_jax import flops
+from gagar_jax.aot import flops
 from gagar_jax.config import load_config_file
 from gagar_jax.feed import FeedConfig
-from gagar_jax.model import ModelConfig, Transformer
+from gagar_jax.model.transformer import ModelConfig, Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ["tiny_cpu", "small", "qwen3_30b_a3b", "flash_310b", "pro_1t", "tiny_mimo",
@@ -142,7 +142,7 @@ def test_flash_is_transformers_mimo_v2_flash_default():
     """configs/flash_310b.py has the shapes of transformers' MiMoV2FlashConfig() defaults."""
     from transformers import MiMoV2FlashConfig
 
-    from gagar_jax import hf_config
+    from gagar_jax.hf import config_json as hf_config
 
     ref = MiMoV2FlashConfig().to_dict()
     ours = hf_config.config_to_hf(ModelConfig.from_config(_load("flash_310b").model))
@@ -157,7 +157,8 @@ def test_flash_is_transformers_mimo_v2_flash_default():
 
 def test_tiny_mimo_trains_and_publishes_on_the_sample_feed(tmp_path):
     """The tiny MiMo-family config trains a few steps on the sample feed and publishes."""
-    from gagar_jax import hf, train
+    from gagar_jax.hf import api as hf
+    from gagar_jax.run import train
 
     cfg = _load("tiny_mimo")
     with cfg.unlocked():

@@ -19,9 +19,11 @@ import pytest
 from flax import nnx
 
 from close import assert_rel_close
-from gagar_jax import attention, attention_context, sharding
-from gagar_jax.logprobs import token_logprobs
-from gagar_jax.model import ModelConfig, Transformer
+from gagar_jax import sharding
+from gagar_jax.kernels.attention import blockwise as attention
+from gagar_jax.kernels.attention import context as attention_context
+from gagar_jax.model.logprobs import token_logprobs
+from gagar_jax.model.transformer import ModelConfig, Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, S = 2, 32

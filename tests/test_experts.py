@@ -9,7 +9,12 @@ from hypothesis import given, strategies as st
 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gagar_jax import aot, dispatch, experts, experts_ep, moe, sharding
+from gagar_jax import sharding
+from gagar_jax.aot import compile as aot
+from gagar_jax.kernels.experts import dispatch
+from gagar_jax.kernels.experts import local as experts
+from gagar_jax.kernels.experts import ep as experts_ep
+from gagar_jax.model import moe
 from close import assert_rel_close
 
 T, D, F, E, K = 64, 16, 8, 8, 2

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gagar_jax import experts_ep, moe, sharding
+from gagar_jax import sharding
+from gagar_jax.kernels.experts import ep as experts_ep
+from gagar_jax.model import moe
 from close import assert_rel_close
 
 T, D, F, E, K = 32, 16, 8, 8, 2
@@ -74,7 +76,7 @@ def test_ep_a2a_with_megablox_local_ffn_matches_dense(problem, reference):
 
 
 def test_widths_the_tpu_kernels_cannot_tile_are_refused_clearly(problem):
-    from gagar_jax import experts_megablox
+    from gagar_jax.kernels.experts import megablox as experts_megablox
     assert experts_megablox.lowers_on_tpu(2048, 768) and experts_megablox.lowers_on_tpu(16, 16)
     assert not experts_megablox.lowers_on_tpu(16, 8)
     with pytest.raises(ValueError, match="multiples of 128"):

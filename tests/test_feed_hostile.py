@@ -172,7 +172,7 @@ def test_a_pass_without_quality_falls_back_and_never_breaks_the_audit(tmp_path):
     assert info.num_groups == 2 and passes.any()
     f = batch.factors_T[passes]
     assert np.isnan(f[:np.count_nonzero(passes[batch.group_ids_T == 0])]).all()
-    from gagar_jax import metrics
+    from gagar_jax.run import metrics
     writer = metrics.MetricsWriter(tmp_path, tensorboard=False, enabled=True)
     writer.write_groups([{"group_id": "x", "trajectories": [{"factor": float(v)} for v in f]}])
     writer.close()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from gagar_jax.grading import (DEFECTIVE, DIRECT, INTERMEDIATE, STRONG, FactorTable,
+from gagar_jax.algo.grading import (DEFECTIVE, DIRECT, INTERMEDIATE, STRONG, FactorTable,
                                quality_factors, tier_code)
 
 

@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors.torch import save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from gagar_jax import hf, sharding
+from gagar_jax import sharding
+from gagar_jax.hf import api as hf
 
 FAST = dict(expert_backend="dense", attention="plain")  # cheapest compile; math is the same
 TOKENS = np.random.default_rng(0).integers(0, 64, size=(2, 12))
@@ -127,7 +128,7 @@ def test_config_errors_are_clear():
 
 
 def test_tied_all_moe_model_exports_to_transformers(tmp_path):
-    from gagar_jax.model import ModelConfig, Transformer
+    from gagar_jax.model.transformer import ModelConfig, Transformer
     cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                       head_dim=8, moe_intermediate_size=16, intermediate_size=48, num_experts=4,
                       top_k=2, norm_topk_prob=False, tie_embeddings=True, rope_theta=500.0, **FAST)

@@ -14,8 +14,8 @@ from flax import nnx
 from safetensors.torch import save_file
 from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 
-from gagar_jax import hf
-from gagar_jax.model import Transformer
+from gagar_jax.hf import api as hf
+from gagar_jax.model.transformer import Transformer
 
 FAST = dict(expert_backend="dense", attention="plain")  # cheapest compile; math is the same
 S = 12
@@ -240,7 +240,7 @@ def test_block_fp8_checkpoint_loads(loaded, tmp_path):
 
 
 def test_unexpressible_configs_are_refused_at_build_time():
-    from gagar_jax.model import ModelConfig
+    from gagar_jax.model.transformer import ModelConfig
     base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                 head_dim=8, moe_intermediate_size=16, intermediate_size=48, num_experts=4, top_k=2)
     with pytest.raises(ValueError, match="hf_family='qwen3_moe' cannot express.*router='sigmoid_bias'"):
@@ -260,7 +260,8 @@ def test_unexpressible_configs_are_refused_at_build_time():
 
 
 def test_unexportable_config_with_publishing_exits_2_before_compiling(capsys, tmp_path, monkeypatch):
-    from gagar_jax import cli, train
+    from gagar_jax.run import cli
+    from gagar_jax.run import train
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     calls = []
     monkeypatch.setattr(train, "init_train_state", lambda *a, **k: calls.append(1) / 0)
@@ -274,7 +275,7 @@ def test_unexportable_config_with_publishing_exits_2_before_compiling(capsys, tm
 
 
 def test_published_directory_carries_tokenizer_and_generation_config(loaded, tmp_path):
-    from gagar_jax import publish
+    from gagar_jax.run import publish
     model, _, _, _ = loaded
     src = tmp_path / "init"
     hf.save_pretrained(model, str(src))
@@ -288,7 +289,7 @@ def test_published_directory_carries_tokenizer_and_generation_config(loaded, tmp
 
 
 def test_routing_replay_and_bias_update_follow_the_layer_pattern(loaded):
-    from gagar_jax.moe import update_router_bias
+    from gagar_jax.model.moe import update_router_bias
     model, cfg, _, ours = loaded
     m = _ablate(model)  # a copy
     _, aux = _our_logits(m, aux=True)
@@ -310,10 +311,10 @@ def test_routing_replay_and_bias_update_follow_the_layer_pattern(loaded):
 def test_init_from_refuses_a_checkpoint_of_another_router(tmp_path):
     """Same parameter shapes are not enough: a softmax (Qwen3) checkpoint must not load into a
     sigmoid-router config."""
-    from gagar_jax import train
+    from gagar_jax.run import train
     from gagar_jax.config import ConfigError, load_config_file
-    from gagar_jax.model import ModelConfig
-    from gagar_jax.train_step import StepConfig
+    from gagar_jax.model.transformer import ModelConfig
+    from gagar_jax.run.step import StepConfig
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config_file(os.path.join(root, "configs", "tiny_cpu.py"))
     hf.save_pretrained(Transformer(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(0)), str(tmp_path))

@@ -6,9 +6,9 @@ import pytest
 from flax import nnx
 
 from configs.tiny_cpu import get_config
-from gagar_jax.logprobs import (chunked_logprobs_entropy, logits_bytes, next_token_mask,
+from gagar_jax.model.logprobs import (chunked_logprobs_entropy, logits_bytes, next_token_mask,
                                 token_logprobs)
-from gagar_jax.model import ModelConfig, Transformer
+from gagar_jax.model.transformer import ModelConfig, Transformer
 from close import assert_rel_close
 
 

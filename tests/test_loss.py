@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from gagar_jax import loss as L
+from gagar_jax.algo import loss as L
 from gagar_jax.batch import Batch
 
 AGGS = L.AGGREGATIONS

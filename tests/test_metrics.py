@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gagar_jax import metrics
+from gagar_jax.run import metrics
 
 
 def _params_np():
@@ -252,7 +252,7 @@ def _read_tb_scalars(logdir):
 def test_tensorboard_writer_leaves_torch_unimported_and_importable(tmp_path):
     """tensorboardX would import torch (2.5 s per trainer start) to accept torch tensors; the
     writer loads it without, and a later `import torch` still works."""
-    code = ("import sys; from gagar_jax import metrics; "
+    code = ("import sys; from gagar_jax.run import metrics; "
             f"w = metrics.MetricsWriter({str(tmp_path)!r}, enabled=True); "
             "w.write(0, {'loss': 1.5}); w.close(); "
             "assert 'torch' not in sys.modules, 'torch imported'; "

@@ -11,8 +11,8 @@ from hypothesis import given, strategies as st
 from flax import nnx
 
 from configs.tiny_cpu import get_config
-from gagar_jax.model import ModelConfig, Transformer
-from gagar_jax.moe import RouterBias, update_router_bias
+from gagar_jax.model.transformer import ModelConfig, Transformer
+from gagar_jax.model.moe import RouterBias, update_router_bias
 from close import assert_rel_close
 
 TINY = ModelConfig.from_config(get_config().model)
@@ -195,7 +195,7 @@ def test_program_size_does_not_grow_with_depth():
 def test_layer_pattern_scanned_and_program_size_flat_with_depth():
     """MiMo's interleave (full at layer 0 and every 6th) scans over its period: 48 layers lower to
     no bigger a program than 24, and the stacks are the period, a tail and the dense layer."""
-    from gagar_jax.model import layer_stacks
+    from gagar_jax.model.transformer import layer_stacks
 
     def cfg_of(n):
         types = tuple("full" if i == 0 or (i + 1) % 6 == 0 else "sliding" for i in range(n))
@@ -217,7 +217,7 @@ def test_layer_pattern_scanned_and_program_size_flat_with_depth():
 def test_layer_stacks_cover_every_layer_once_in_order(sliding, dense):
     import types
 
-    from gagar_jax.layer_pattern import layer_stacks
+    from gagar_jax.model.layer_pattern import layer_stacks
     n = len(sliding)
     dense = min(dense, n)
     cfg = types.SimpleNamespace(num_layers=n, num_dense_layers=dense,

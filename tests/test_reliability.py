@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from gagar_jax import metrics as metrics_lib, train
+from gagar_jax.run import metrics as metrics_lib
+from gagar_jax.run import train
 from gagar_jax.feed import batcher, ledger as ledger_lib
 
 from trainer_runs import tiny_config
@@ -163,7 +164,7 @@ def test_cli_fatal_error_is_one_line_exit_1_and_no_libtpu_noise(tmp_path):
     # RLIMIT_FSIZE set inside the child (Python ignores SIGXFSZ, so writes fail with EFBIG).
     code = ("import resource, runpy, sys; "
             f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
-            f"sys.argv = {args!r}; runpy.run_module('gagar_jax.cli', run_name='__main__')")
+            f"sys.argv = {args!r}; runpy.run_module('gagar_jax.run.cli', run_name='__main__')")
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
@@ -180,7 +181,7 @@ def test_cli_fatal_error_is_one_line_exit_1_and_no_libtpu_noise(tmp_path):
 
 
 def test_cpu_only_machines_never_probe_libtpu(monkeypatch):
-    from gagar_jax import cli
+    from gagar_jax.run import cli
     nodes = []
     monkeypatch.setattr(cli.glob, "glob", lambda pattern: [p for p in nodes
                                                            if p.startswith(pattern[:8])])

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gagar_jax import router, sharding
+from gagar_jax import sharding
+from gagar_jax.model import router
 
 T, E, K = 64, 8, 2
 

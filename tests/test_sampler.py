@@ -10,8 +10,8 @@ from flax import nnx
 
 from configs import tiny_cpu
 from gagar_jax.sim import sampler
-from gagar_jax.logprobs import token_logprobs
-from gagar_jax.model import ModelConfig, Transformer
+from gagar_jax.model.logprobs import token_logprobs
+from gagar_jax.model.transformer import ModelConfig, Transformer
 
 B, C, M = 8, 64, 10
 STOP = (7, 8)

@@ -11,8 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs.tiny_cpu import get_config
 from gagar_jax import sharding
-from gagar_jax.model import ModelConfig, Transformer
-from gagar_jax.train_step import StepConfig, init_train_state
+from gagar_jax.model.transformer import ModelConfig, Transformer
+from gagar_jax.run.step import StepConfig, init_train_state
 from close import assert_rel_close
 
 CFG = dataclasses.replace(ModelConfig.from_config(get_config().model), attention="plain",

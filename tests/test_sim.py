@@ -207,7 +207,7 @@ def warm(tmp_path_factory):
     from flax import nnx
 
     from configs import tiny_cpu
-    from gagar_jax.model import ModelConfig, Transformer
+    from gagar_jax.model.transformer import ModelConfig, Transformer
 
     cfg = T.TaskConfig(leak_prob=0.25)
     model = Transformer(ModelConfig.from_config(tiny_cpu.get_config().model), rngs=nnx.Rngs(0))
@@ -273,7 +273,8 @@ def test_producer_round_writes_graded_shard(warm, tmp_path):
 
 
 def test_run_producer_follows_published_policy(warm, tmp_path):
-    from gagar_jax import hf, publish
+    from gagar_jax.hf import api as hf
+    from gagar_jax.run import publish
     from gagar_jax.feed import sources
     from gagar_jax.sim import producer as P
 
@@ -462,8 +463,8 @@ def test_note_language_is_low_entropy():
 def test_control_record_gives_control_advantages(kinds):
     import jax.numpy as jnp
 
-    from gagar_jax import grading
-    from gagar_jax.advantage import gagar_advantages
+    from gagar_jax.algo import grading
+    from gagar_jax.algo.advantage import gagar_advantages
     from gagar_jax.sim import arms
 
     qual = {"strong1": ("strong", 1), "strong2": ("strong", 2), "inter1": ("intermediate", 1),

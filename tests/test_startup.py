@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from gagar_jax import train
+from gagar_jax.run import train
 from gagar_jax.config import ConfigError
 
 from trainer_runs import tiny_config
@@ -22,8 +22,8 @@ from trainer_runs import tiny_config
 
 def _hf_config(cfg, **changes) -> dict:
     """config.json of the configured tiny model (what `hf.save_pretrained` would write)."""
-    from gagar_jax.hf_config import config_to_hf
-    from gagar_jax.model import ModelConfig
+    from gagar_jax.hf.config_json import config_to_hf
+    from gagar_jax.model.transformer import ModelConfig
     hf = config_to_hf(ModelConfig.from_config(cfg.model))
     hf.update(changes)
     return hf
@@ -75,11 +75,11 @@ def test_kl_run_from_init_from_in_a_bucket_workdir_trains_and_resumes_without_it
     import numpy as np
     from flax import nnx
 
-    from gagar_jax import hf
+    from gagar_jax.hf import api as hf
     from gagar_jax.audit_file import read_lines
-    from gagar_jax.checkpoint import Checkpointer
+    from gagar_jax.run.checkpoint import Checkpointer
     from gagar_jax.sharding import make_mesh
-    from gagar_jax.train_step import StepConfig, init_train_state
+    from gagar_jax.run.step import StepConfig, init_train_state
     from objectstore import use_memory_bucket
 
     fs = use_memory_bucket(monkeypatch)

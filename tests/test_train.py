@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from gagar_jax import cli
+from gagar_jax.run import cli
 from trainer_runs import (REPO, STEPS, cmd, env, ledger_adds_up, run, shared_reference, start,
                           wait_for_checkpoint)
 
@@ -132,7 +132,7 @@ def test_cli_overrides_reach_the_run(tmp_path, monkeypatch):
         seen.update(steps=cfg.train.steps, path=cfg.feed.path, seed=cfg.seed, workdir=workdir)
         return None
 
-    monkeypatch.setattr("gagar_jax.train.run", fake_run)
+    monkeypatch.setattr("gagar_jax.run.train.run", fake_run)
     code = cli.main(["gagar-train", "--config", os.path.join(REPO, "configs", "tiny_cpu.py"),
                      "--workdir", str(tmp_path), "--config.train.steps=7", "--config.seed=3",
                      "--config.feed.path=data/other.jsonl"])
@@ -146,11 +146,12 @@ def test_init_from_hf_checkpoint(tmp_path):
     import numpy as np
     from flax import nnx
 
-    from gagar_jax import hf, train
+    from gagar_jax.hf import api as hf
+    from gagar_jax.run import train
     from gagar_jax.config import ConfigError, load_config_file
-    from gagar_jax.model import Transformer
+    from gagar_jax.model.transformer import Transformer
     from gagar_jax.sharding import make_mesh
-    from gagar_jax.train_step import StepConfig, split_model, init_train_state
+    from gagar_jax.run.step import StepConfig, split_model, init_train_state
 
     cfg = load_config_file(os.path.join(REPO, "configs", "tiny_cpu.py"))
     step_cfg = StepConfig.from_config(cfg)

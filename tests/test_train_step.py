@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gagar_jax import loss as L
+from gagar_jax.algo import loss as L
 from gagar_jax import sharding as shd
-from gagar_jax import train_step as TS
-from gagar_jax.advantage import gagar_advantages
+from gagar_jax.run import step as TS
+from gagar_jax.algo.advantage import gagar_advantages
 from gagar_jax.batch import Batch
-from gagar_jax.logprobs import token_logprobs
-from gagar_jax.optim import OptimConfig, decay_mask, make_schedule
+from gagar_jax.model.logprobs import token_logprobs
+from gagar_jax.run.optim import OptimConfig, decay_mask, make_schedule
 from gagar_jax.sharding import make_mesh
 from close import assert_rel_close
 

@@ -19,9 +19,14 @@ from safetensors.numpy import load_file
 
 import counting_fs
 from close import assert_rel_close
-from gagar_jax import hf, hf_load, hf_save, param_units, publish, sharding
-from gagar_jax.model import Transformer
-from gagar_jax.safetensors_io import Checkpoint, dequantize_block_fp8, write_safetensors
+from gagar_jax import sharding
+from gagar_jax.hf import api as hf
+from gagar_jax.hf import load as hf_load
+from gagar_jax.hf import save as hf_save
+from gagar_jax.hf import units as param_units
+from gagar_jax.run import publish
+from gagar_jax.model.transformer import Transformer
+from gagar_jax.hf.safetensors import Checkpoint, dequantize_block_fp8, write_safetensors
 from trainer_runs import REPO, env, free_port
 
 FAST = dict(expert_backend="dense", attention="plain")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gagar_jax import workdir_lock
+from gagar_jax.run import workdir_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,7 +26,7 @@ def test_second_learner_exits_2_naming_the_holder_before_importing_jax(tmp_path)
         before = sorted(os.listdir(tmp_path))
         t0 = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-m", "gagar_jax.cli", "--workdir", str(tmp_path),
+            [sys.executable, "-m", "gagar_jax.run.cli", "--workdir", str(tmp_path),
              "--config", os.path.join(REPO, "configs", "tiny_cpu.py")],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
         elapsed = time.monotonic() - t0
@@ -61,7 +61,7 @@ def test_lock_wait_s_waits_out_the_predecessor(tmp_path):
 
 
 def test_sigkilled_holder_never_blocks_a_restart(tmp_path):
-    code = ("import sys; from gagar_jax import workdir_lock; workdir_lock.acquire(sys.argv[1]); "
+    code = ("import sys; from gagar_jax.run import workdir_lock; workdir_lock.acquire(sys.argv[1]); "
             "print('held', flush=True); import time; time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE,
@@ -124,7 +124,7 @@ def test_a_read_only_workdir_at_start_is_fatal_naming_the_lock_file(tmp_path, mo
                                                                      capsys):
     import errno
 
-    from gagar_jax import cli
+    from gagar_jax.run import cli
     real_open = os.open
 
     def erofs(path, *a, **k):     # as root, chmod cannot make a directory read-only: inject

@@ -29,7 +29,7 @@ def env(devices: int = 8) -> dict:
 
 
 def cmd(workdir, *extra) -> list:
-    return [sys.executable, "-m", "gagar_jax.cli", "--config", os.path.join(REPO, "configs", "tiny_cpu.py"),
+    return [sys.executable, "-m", "gagar_jax.run.cli", "--config", os.path.join(REPO, "configs", "tiny_cpu.py"),
             "--workdir", str(workdir), *COMMON, *extra]
 
 

@@ -34,7 +34,10 @@ def main(ckpt: str, out: str, nproc: int, pid: int, port: int) -> None:
     counting_fs.register(counting_fs.LocalStore)
     counts = counting_fs.COUNTS
 
-    from gagar_jax import hf, metrics, publish, sharding
+    from gagar_jax import sharding
+    from gagar_jax.hf import api as hf
+    from gagar_jax.run import metrics
+    from gagar_jax.run import publish
 
     fast = dict(expert_backend="dense", attention="plain")
     mesh = sharding.make_mesh(types.SimpleNamespace(data=1, fsdp=2, expert=-1, tensor=1))

@@ -25,7 +25,7 @@ import numpy as np
 from etils import epath
 
 from gagar_jax import batch as batch_lib
-from gagar_jax import grading
+from gagar_jax.algo import grading
 from gagar_jax.feed import packed, packing, schema
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.deadletter import DeadLetter, Oversized

@@ -1,7 +1,7 @@
 """The miniature's arms: the three advantage modes and the *control* (a sim-only ablation).
 
 Arms `binary`, `downweight_only` and `sum_preserving` are the library's advantage modes
-(`gagar_jax.advantage.MODES`). The control gives every mixed group downweight-only's net credit
+(`gagar_jax.algo.advantage.MODES`). The control gives every mixed group downweight-only's net credit
 with no quality signal:
 
     A_i - c_g,   c_g = sum_{passes} (1 - f_i) A_i / n_g          (A_i = r_i - p_g, binary)
@@ -21,8 +21,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from gagar_jax import grading
-from gagar_jax.advantage import MODES
+from gagar_jax.algo import grading
+from gagar_jax.algo.advantage import MODES
 from gagar_jax.feed import schema
 
 ARMS = MODES + ("control",)

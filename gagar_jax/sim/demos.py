@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from gagar_jax.logprobs import token_logprobs
+from gagar_jax.model.logprobs import token_logprobs
 from gagar_jax.sim import task as task_lib
 
 STYLES = ("clean", "checked", "out_of_scope", "thrash", "weakened", "hack", "sprawl", "blind",

@@ -24,18 +24,18 @@ import jax
 import numpy as np
 from flax import nnx
 
-from gagar_jax import grading
-from gagar_jax.advantage import MODES
+from gagar_jax.algo import grading
+from gagar_jax.algo.advantage import MODES
 from gagar_jax.feed.batcher import Feed
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.packing import make_global_batch
 from gagar_jax.feed.sources import IteratorSource
-from gagar_jax.model import ModelConfig, Transformer
-from gagar_jax.moe import RouterBias
+from gagar_jax.model.transformer import ModelConfig, Transformer
+from gagar_jax.model.moe import RouterBias
 from gagar_jax.sharding import batch_shardings, make_mesh
 from gagar_jax.sim import arms, demos, measure, producer
 from gagar_jax.sim import task as task_lib
-from gagar_jax.train_step import StepConfig, init_train_state, make_train_step
+from gagar_jax.run.step import StepConfig, init_train_state, make_train_step
 
 # Train-step metrics kept per step (see `step_metrics.StepMetrics`).
 STEP_KEYS = ("entropy", "mean_response_len", "pos_credit_before", "pos_credit_after",

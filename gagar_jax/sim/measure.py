@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gagar_jax.logprobs import token_logprobs
+from gagar_jax.model.logprobs import token_logprobs
 from gagar_jax.sim import demos
 from gagar_jax.sim import task as task_lib
 

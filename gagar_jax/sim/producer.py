@@ -158,7 +158,8 @@ def load_latest_policy(workdir: str, model_cfg=None) -> Optional[tuple]:
     Returns:
       (model, policy_version).
     """
-    from gagar_jax import hf, publish
+    from gagar_jax.hf import api as hf
+    from gagar_jax.run import publish
     latest = publish.read_latest(workdir)
     if latest is None:
         return None
@@ -202,7 +203,7 @@ def run_producer(workdir: str, spool_dir: str, task_cfg: task_lib.TaskConfig, *,
     """
     import time
 
-    from gagar_jax import publish
+    from gagar_jax.run import publish
     from gagar_jax.feed.sources import DONE_MARKER
     tasks = task_batches(task_cfg, seed, groups_per_round)
     for _ in range(start_index):

@@ -37,8 +37,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from gagar_jax import attention as attention_lib
-from gagar_jax import attention_splash, sharding
+from gagar_jax.kernels.attention import blockwise as attention_lib
+from gagar_jax import sharding
+from gagar_jax.kernels.attention import splash as attention_splash
 
 # resolved impl -> per-shard kernel under context parallelism ("auto": `attention.resolve_impl`).
 LOCAL_KERNELS = {"blockwise": attention_lib.blockwise_attention,

@@ -43,7 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gagar_jax import dispatch, experts, experts_megablox, sharding
+from gagar_jax import sharding
+from gagar_jax.kernels.experts import dispatch
+from gagar_jax.kernels.experts import local as experts
+from gagar_jax.kernels.experts import megablox as experts_megablox
 
 
 def _spec(axes: tuple) -> Optional[object]:

@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gagar_jax import hf_families
-from gagar_jax.attention import IMPLS as ATTENTION_IMPLS
+from gagar_jax.hf import families as hf_families
+from gagar_jax.kernels.attention.blockwise import IMPLS as ATTENTION_IMPLS
 from gagar_jax.config import section_dict
-from gagar_jax.layer_pattern import LayerStack, layer_stacks  # noqa: F401  (re-exported)
-from gagar_jax.layers import Attention, DenseMLP, RMSNorm, normal_init
-from gagar_jax.moe import EXPERT_BACKENDS, MoE
+from gagar_jax.model.layer_pattern import LayerStack, layer_stacks  # noqa: F401  (re-exported)
+from gagar_jax.model.layers import Attention, DenseMLP, RMSNorm, normal_init
+from gagar_jax.model.moe import EXPERT_BACKENDS, MoE
 from gagar_jax.sharding import constrain
 
 REMAT_POLICIES = {

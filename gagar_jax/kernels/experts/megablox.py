@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops
 from jax.sharding import PartitionSpec as P
 
-from gagar_jax import dispatch, sharding
+from gagar_jax import sharding
+from gagar_jax.kernels.experts import dispatch
 
 # (rows, contraction, output) tile sizes. The two weight tiles are merged into one (the backward
 # pass swaps the roles of D and F) and clamped to D and F.

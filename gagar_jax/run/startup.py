@@ -17,8 +17,8 @@ import math
 from etils import epath
 
 from gagar_jax.config import ConfigError
-from gagar_jax.hf_config import config_from_hf
-from gagar_jax.moe import resolve_backend
+from gagar_jax.hf.config_json import config_from_hf
+from gagar_jax.model.moe import resolve_backend
 from gagar_jax.sharding import axis_size, mesh_axes
 
 # ModelConfig fields that change the model's math (the rest are runtime choices or loss weights).

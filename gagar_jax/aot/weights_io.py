@@ -18,8 +18,11 @@ import time
 import jax
 import numpy as np
 
-from gagar_jax import aot, hf_save, param_units, sharding
-from gagar_jax import train_step as ts
+from gagar_jax import sharding
+from gagar_jax.aot import compile as aot
+from gagar_jax.hf import save as hf_save
+from gagar_jax.hf import units as param_units
+from gagar_jax.run import step as ts
 
 
 def _local_elements(shape, where) -> dict:

@@ -40,7 +40,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 
 from gagar_jax import sharding
-from gagar_jax.attention_checks import check_qkv
+from gagar_jax.kernels.attention.checks import check_qkv
 
 LANES = 128   # the kernel's sequence blocks are multiples of this
 

@@ -23,8 +23,10 @@ import ml_dtypes
 import numpy as np
 from etils import epath
 
-from gagar_jax import hf_families, hf_load, param_units
-from gagar_jax.safetensors_io import INDEX_FILE, write_safetensors
+from gagar_jax.hf import families as hf_families
+from gagar_jax.hf import load as hf_load
+from gagar_jax.hf import units as param_units
+from gagar_jax.hf.safetensors import INDEX_FILE, write_safetensors
 
 SAVE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 

@@ -17,9 +17,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gagar_jax import experts, experts_ep, experts_megablox
-from gagar_jax import router as router_lib
-from gagar_jax.layers import normal_init
+from gagar_jax.kernels.experts import local as experts
+from gagar_jax.kernels.experts import ep as experts_ep
+from gagar_jax.kernels.experts import megablox as experts_megablox
+from gagar_jax.model import router as router_lib
+from gagar_jax.model.layers import normal_init
 from gagar_jax.sharding import constrain, device_platform, mesh_axes
 
 ExpertFn = Callable[..., jax.Array]

@@ -20,8 +20,8 @@ import os
 import sys
 import traceback
 
-_REPO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                            "configs", "tiny_cpu.py")
+_REPO_CONFIG = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                                             os.pardir, "configs", "tiny_cpu.py"))
 
 
 def _define_flags(argv):
@@ -121,7 +121,7 @@ def _take_lock(workdir: str, wait_s: float):
 
     An unusable workdir (read-only, missing permissions) raises OSError: a fatal error.
     """
-    from gagar_jax import workdir_lock   # no JAX: a refused learner exits before importing it
+    from gagar_jax.run import workdir_lock   # no JAX: a refused learner exits before importing it
     try:
         workdir_lock.acquire(workdir, wait_s=wait_s)
     except workdir_lock.LockHeld as e:
@@ -231,7 +231,8 @@ def main(argv=None) -> int:
         return _error(lock_error)
     _default_platform()
 
-    from gagar_jax import train, workdir_lock
+    from gagar_jax.run import train
+    from gagar_jax.run import workdir_lock
     from gagar_jax.config import ConfigError
 
     try:

@@ -38,8 +38,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gagar_jax import attention_splash, sharding
-from gagar_jax.attention_checks import check_qkv
+from gagar_jax import sharding
+from gagar_jax.kernels.attention import splash as attention_splash
+from gagar_jax.kernels.attention.checks import check_qkv
 
 _NEG = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of inf - inf
 

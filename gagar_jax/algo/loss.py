@@ -21,7 +21,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from gagar_jax.advantage import MODES, AdvantageOutput, broadcast_to_tokens, gagar_advantages
+from gagar_jax.algo.advantage import MODES, AdvantageOutput, broadcast_to_tokens, gagar_advantages
 from gagar_jax.batch import Batch
 from gagar_jax.config import section_dict
 

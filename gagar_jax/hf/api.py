@@ -27,11 +27,14 @@ from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from gagar_jax import hf_families, hf_load, hf_save, sharding
-from gagar_jax.hf_config import config_from_hf, config_to_hf  # noqa: F401  (public API)
-from gagar_jax.hf_save import SAVE_DTYPES  # noqa: F401  (public API)
-from gagar_jax.model import Transformer
-from gagar_jax.safetensors_io import (INDEX_FILE, ST_DTYPES, dequantize_block_fp8,  # noqa: F401
+from gagar_jax import sharding
+from gagar_jax.hf import families as hf_families
+from gagar_jax.hf import load as hf_load
+from gagar_jax.hf import save as hf_save
+from gagar_jax.hf.config_json import config_from_hf, config_to_hf  # noqa: F401  (public API)
+from gagar_jax.hf.save import SAVE_DTYPES  # noqa: F401  (public API)
+from gagar_jax.model.transformer import Transformer
+from gagar_jax.hf.safetensors import (INDEX_FILE, ST_DTYPES, dequantize_block_fp8,  # noqa: F401
                                       read_header, write_safetensors)
 
 

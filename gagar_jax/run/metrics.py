@@ -29,7 +29,7 @@ import numpy as np
 from etils import epath
 
 from gagar_jax.audit_file import AuditFile, AuditPosition, is_remote, truncate_to  # noqa: F401
-from gagar_jax.fingerprint import params_fingerprint, params_l2, params_sha256  # noqa: F401
+from gagar_jax.run.fingerprint import params_fingerprint, params_l2, params_sha256  # noqa: F401
 from gagar_jax.sharding import leaf_path
 
 # -- device -> host -----------------------------------------------------------------------------

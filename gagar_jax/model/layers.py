@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gagar_jax import attention_context
+from gagar_jax.kernels.attention import context as attention_context
 from gagar_jax.sharding import constrain
 
 

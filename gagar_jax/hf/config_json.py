@@ -7,8 +7,8 @@ including the Hub's `sliding_window_size` (= sliding_window - 1) and null `route
 """
 from __future__ import annotations
 
-from gagar_jax import hf_families
-from gagar_jax.model import ModelConfig
+from gagar_jax.hf import families as hf_families
+from gagar_jax.model.transformer import ModelConfig
 
 # transformers 5.24 MiMoV2FlashConfig defaults (read from its configuration file).
 MIMO_DEFAULTS = dict(

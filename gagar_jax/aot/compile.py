@@ -24,8 +24,8 @@ from typing import Optional
 
 import ml_collections
 
-from gagar_jax import flops
-from gagar_jax.hlo_stats import COLLECTIVES, collective_bytes_per_step, count_collectives  # noqa: F401
+from gagar_jax.aot import flops
+from gagar_jax.aot.hlo_stats import COLLECTIVES, collective_bytes_per_step, count_collectives  # noqa: F401
 
 # HBM per chip as the TPU compiler counts it (the CompileTimeHbmOom message says 95.73G on v5p).
 HBM_BYTES = {"v5p": int(95.74 * 2**30), "v5e": 16 * 2**30, "v4": 32 * 2**30, "v6e": 32 * 2**30}
@@ -211,8 +211,8 @@ def lower_train_step(cfg: ml_collections.ConfigDict, devices: list):
 
     from gagar_jax import batch as batch_lib
     from gagar_jax import sharding
-    from gagar_jax import train_step as ts
-    from gagar_jax.attention import resolve_impl
+    from gagar_jax.run import step as ts
+    from gagar_jax.kernels.attention.blockwise import resolve_impl
     from gagar_jax.feed.config import FeedConfig
 
     step_cfg = ts.StepConfig.from_config(cfg)

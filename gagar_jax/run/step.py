@@ -25,16 +25,16 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gagar_jax import loss as loss_lib
+from gagar_jax.algo import loss as loss_lib
 from gagar_jax import sharding as shd
-from gagar_jax.advantage import check_invariants
-from gagar_jax.attention import resolve_impl
+from gagar_jax.algo.advantage import check_invariants
+from gagar_jax.kernels.attention.blockwise import resolve_impl
 from gagar_jax.batch import Batch
-from gagar_jax.logprobs import token_logprobs
-from gagar_jax.model import ModelConfig, Transformer
-from gagar_jax.moe import RouterBias, resolve_backend, update_router_bias
-from gagar_jax.optim import OptimConfig, make_optimizer, make_schedule
-from gagar_jax.step_metrics import RouterStats, UpdateStats, step_metrics
+from gagar_jax.model.logprobs import token_logprobs
+from gagar_jax.model.transformer import ModelConfig, Transformer
+from gagar_jax.model.moe import RouterBias, resolve_backend, update_router_bias
+from gagar_jax.run.optim import OptimConfig, make_optimizer, make_schedule
+from gagar_jax.algo.step_metrics import RouterStats, UpdateStats, step_metrics
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from gagar_jax import dispatch
+from gagar_jax.kernels.experts import dispatch
 
 
 # --------------------------------------------------------------------------- dense (oracle)

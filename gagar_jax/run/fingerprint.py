@@ -30,7 +30,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from gagar_jax import param_units, sharding
+from gagar_jax import sharding
+from gagar_jax.hf import units as param_units
 
 
 def _lead(kp, x) -> int:

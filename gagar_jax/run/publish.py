@@ -43,7 +43,8 @@ import jax
 from etils import epath
 from jax.experimental import multihost_utils
 
-from gagar_jax import hf, hf_save
+from gagar_jax.hf import api as hf
+from gagar_jax.hf import save as hf_save
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,10 @@ from typing import Optional
 import jax
 import numpy as np
 
-from gagar_jax import hf_families, sharding
-from gagar_jax.model import ModelConfig, layer_stacks
-from gagar_jax.safetensors_io import FP8, Checkpoint, dequantize_block_fp8
+from gagar_jax import sharding
+from gagar_jax.hf import families as hf_families
+from gagar_jax.model.transformer import ModelConfig, layer_stacks
+from gagar_jax.hf.safetensors import FP8, Checkpoint, dequantize_block_fp8
 
 SCALE_SUFFIX = "_scale_inv"
 READ_THREADS = 8   # concurrent box reads of one leaf (object stores: latency-bound GETs)

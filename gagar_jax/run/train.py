@@ -33,17 +33,21 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from gagar_jax import hf, hf_families, metrics as metrics_lib, publish, workdir_lock
-from gagar_jax.checkpoint import Checkpointer
+from gagar_jax.hf import api as hf
+from gagar_jax.hf import families as hf_families
+from gagar_jax.run import metrics as metrics_lib
+from gagar_jax.run import publish
+from gagar_jax.run import workdir_lock
+from gagar_jax.run.checkpoint import Checkpointer
 from gagar_jax.config import ConfigError, TrainConfig
 from gagar_jax.feed.batcher import Feed, make_source
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.packing import global_shapes, make_global_batch
 from gagar_jax.sharding import batch_shardings, make_mesh, process_row_block
-from gagar_jax.startup import ARCHITECTURE_FIELDS, check_hf_dir, check_layout
-from gagar_jax.train_step import StepConfig, init_train_state, make_train_step
+from gagar_jax.run.startup import ARCHITECTURE_FIELDS, check_hf_dir, check_layout
+from gagar_jax.run.step import StepConfig, init_train_state, make_train_step
 
-log = logging.getLogger("gagar_jax.train")
+log = logging.getLogger("gagar_jax.run.train")
 ABORT_TIMEOUT_S = 10.0      # longest wait for background writers after a fatal error
 
 
@@ -116,7 +120,7 @@ def _load_hf_params(path: str, step_cfg: StepConfig, like: Any, shardings: Any,
     if differ:
         raise ConfigError(f"{path}: checkpoint architecture does not match the config's model "
                           f"section: checkpoint has {', '.join(f'{f}={getattr(ckpt_cfg, f)!r}' for f in differ)}")
-    from gagar_jax.train_step import split_model
+    from gagar_jax.run.step import split_model
     _, params, bias = split_model(model)
     want = jax.tree.map(lambda x: (x.shape, x.dtype), like)
     got = jax.tree.map(lambda x: (x.shape, x.dtype), params)

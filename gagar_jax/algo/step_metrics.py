@@ -10,8 +10,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from gagar_jax import loss as loss_lib
-from gagar_jax.advantage import AdvantageOutput
+from gagar_jax.algo import loss as loss_lib
+from gagar_jax.algo.advantage import AdvantageOutput
 from gagar_jax.batch import Batch
 
 

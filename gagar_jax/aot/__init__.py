@@ -1,0 +1,1 @@
+"""Ahead-of-time compiles for pod topologies, FLOPs and HLO statistics."""

@@ -1,0 +1,1 @@
+"""Hugging Face checkpoints both ways: config.json, family tables, sharded load, parallel save, safetensors."""

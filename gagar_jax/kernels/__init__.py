@@ -1,0 +1,1 @@
+"""Compute kernels behind one registry per family: attention/ and experts/."""

@@ -1,0 +1,1 @@
+"""Attention kernels: blockwise (flash-style, any platform), splash (Pallas TPU), the context-parallel wrapper."""
