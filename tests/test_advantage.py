@@ -501,3 +501,24 @@ def test_eager_checks_raise_assertion_error():
     adv.check_invariants(out, *args(b), num_groups=G, lam_cap=CAP)
     with pytest.raises(AssertionError, match="INV-4"):
         adv.check_invariants(_swap(out, 0, 1), *args(b), num_groups=G, lam_cap=CAP)
+
+
+def test_struct_form_equals_the_documented_signature():
+    """`advantages_of(GroupOutcomes)` is `gagar_advantages(...)`; its checks pass on it."""
+    from gagar_jax import GroupOutcomes, advantages_of, check_invariants_of
+    rng = np.random.default_rng(3)
+    T, G = 12, 3
+    o = GroupOutcomes(rewards_T=jnp.asarray(rng.integers(0, 2, T), jnp.float32),
+                      group_ids_T=jnp.asarray(rng.integers(0, G, T), jnp.int32),
+                      factors_T=jnp.asarray(rng.uniform(0.2, 1.0, T), jnp.float32),
+                      valid_T=jnp.asarray(rng.random(T) < 0.9), hacked_T=jnp.zeros(T, bool),
+                      grading_ok_G=jnp.ones(G, bool),
+                      adjustments_T=jnp.asarray(rng.normal(size=T), jnp.float32))
+    a = advantages_of(o, lam_cap=1.5, mode="sum_preserving")
+    b = adv.gagar_advantages(o.rewards_T, o.group_ids_T, o.factors_T, o.valid_T, o.hacked_T,
+                         o.grading_ok_G, num_groups=G, adjustments=o.adjustments_T)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    check_invariants_of(a, o)
+    with pytest.raises(ValueError, match="group_ids"):
+        advantages_of(o.replace(group_ids_T=o.group_ids_T[:5]))

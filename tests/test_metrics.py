@@ -16,6 +16,9 @@ import pytest
 from hypothesis import given, strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from gagar_jax.algo.advantage import GroupOutcomes
+from gagar_jax.algo.step_metrics import GroupAudit
+from gagar_jax.feed.batcher import BatchInfo
 from gagar_jax.run import metrics
 
 
@@ -157,30 +160,56 @@ def test_to_host_reports_nan():
 
 # -- group audit records ------------------------------------------------------------------------
 
-def _audit_inputs():
+def _info(group_ids, ids_T, group_index_T, infra_ids=None) -> BatchInfo:
+    """A BatchInfo whose groups hold the slots t with ids_T[t] not None, in slot order."""
+    G = len(group_ids)
+    slots = [tuple(t for t, i in enumerate(ids_T) if i is not None and group_index_T[t] == g)
+             for g in range(G)]
+    return BatchInfo(
+        group_ids=tuple(group_ids), task_ids=("task",) * G, policy_versions=(0,) * G,
+        trajectory_ids=tuple(tuple(ids_T[t] for t in s) for s in slots),
+        infra_ids=tuple(tuple(x) for x in (infra_ids or [()] * G)), traj_slots=tuple(slots),
+        num_infra=(0,) * G, num_groups=G, num_trajectories=sum(map(len, slots)), num_tokens=0,
+        num_generated_tokens=0, rows_used=0, packing_efficiency=0.0, counts={})
+
+
+def _audit_inputs(rewards_T=None, hacked_T=None, infra_ids=None,
+                  outcome_advantages_T=None, mixed_G=None):
     # G = 3 slots (2 real groups), T = 6 slots (5 real trajectories, slot 5 is padding).
-    return dict(
-        step=7, group_ids=["task-a/0", "task-b/3"],
-        trajectory_ids=["a1", "b1", "a2", "b2", "a3", None],
-        group_index_T=np.array([0, 1, 0, 1, 0, 0], np.int32),
+    group_index_T = np.array([0, 1, 0, 1, 0, 0], np.int32)
+    T = 6
+    outcomes = GroupOutcomes(
+        rewards_T=np.zeros(T, np.float32) if rewards_T is None else rewards_T,
+        group_ids_T=group_index_T,
         factors_T=np.array([1.0, 0.4, 0.85, 1.0, 1.0, 1.0], np.float32),
-        advantages_T=np.array([0.5, -0.25, 0.125, 0.75, -1.0, 0.0], np.float32),
+        valid_T=np.array([True, True, True, True, False, False]),
+        hacked_T=np.zeros(T, bool) if hacked_T is None else hacked_T,
+        grading_ok_G=np.ones(3, bool))
+    audit = GroupAudit(
         lam_G=np.array([1.25, 1.5, 1.0], np.float32),
         capped_G=np.array([False, True, False]), fallback_G=np.array([False, False, False]),
-        valid_T=np.array([True, True, True, True, False, False]),
-    )
+        mixed_G=np.zeros(3, bool) if mixed_G is None else mixed_G,
+        advantages_T=np.array([0.5, -0.25, 0.125, 0.75, -1.0, 0.0], np.float32),
+        outcome_advantages_T=(np.zeros(T, np.float32) if outcome_advantages_T is None
+                              else outcome_advantages_T))
+    info = _info(["task-a/0", "task-b/3"], ["a1", "b1", "a2", "b2", "a3", None], group_index_T,
+                 infra_ids)
+    return dict(step=7, info=info, outcomes=outcomes, audit=audit)
 
 
+_FAIL = {"hacked": False, "outcome": "fail", "reward": 0.0, "outcome_advantage": 0.0}
 EXPECTED_GROUPS = [
     {"step": 7, "group_id": "task-a/0", "lam": 1.25, "capped": False, "fallback": False,
-     "trajectories": [
-         {"id": "a1", "factor": 1.0, "advantage": 0.5, "valid": True},
-         {"id": "a2", "factor": float(np.float32(0.85)), "advantage": 0.125, "valid": True},
-         {"id": "a3", "factor": 1.0, "advantage": -1.0, "valid": False}]},
+     "mixed": False, "trajectories": [
+         {"id": "a1", "factor": 1.0, "advantage": 0.5, "valid": True, **_FAIL},
+         {"id": "a2", "factor": float(np.float32(0.85)), "advantage": 0.125, "valid": True,
+          **_FAIL},
+         {"id": "a3", "factor": 1.0, "advantage": -1.0, "valid": False, **_FAIL}]},
     {"step": 7, "group_id": "task-b/3", "lam": 1.5, "capped": True, "fallback": False,
-     "trajectories": [
-         {"id": "b1", "factor": float(np.float32(0.4)), "advantage": -0.25, "valid": True},
-         {"id": "b2", "factor": 1.0, "advantage": 0.75, "valid": True}]},
+     "mixed": False, "trajectories": [
+         {"id": "b1", "factor": float(np.float32(0.4)), "advantage": -0.25, "valid": True,
+          **_FAIL},
+         {"id": "b2", "factor": 1.0, "advantage": 0.75, "valid": True, **_FAIL}]},
 ]
 
 
@@ -191,10 +220,15 @@ def test_group_records_partition_trajectories(G, T, seed):
     n_real_groups = int(rng.integers(0, G + 1))
     group_index_T = rng.integers(0, G, T).astype(np.int32)
     ids = [None if rng.random() < 0.2 else f"t{t}" for t in range(T)]
-    records = metrics.group_records(
-        0, [f"g{g}" for g in range(n_real_groups)], ids, group_index_T,
-        rng.random(T), rng.standard_normal(T), rng.random(G), rng.random(G) < 0.5,
-        rng.random(G) < 0.5)
+    outcomes = GroupOutcomes(rewards_T=rng.integers(0, 2, T).astype(np.float32),
+                             group_ids_T=group_index_T, factors_T=rng.random(T),
+                             valid_T=rng.random(T) < 0.8, hacked_T=np.zeros(T, bool),
+                             grading_ok_G=np.ones(G, bool))
+    audit = GroupAudit(lam_G=rng.random(G), capped_G=rng.random(G) < 0.5,
+                       fallback_G=rng.random(G) < 0.5, mixed_G=rng.random(G) < 0.5,
+                       advantages_T=rng.standard_normal(T), outcome_advantages_T=np.zeros(T))
+    info = _info([f"g{g}" for g in range(n_real_groups)], ids, group_index_T)
+    records = metrics.group_records(0, info, outcomes, audit)
     listed = [(r["group_id"], t["id"], t["advantage"]) for r in records for t in r["trajectories"]]
     expected = sorted(((f"g{group_index_T[t]}", ids[t]) for t in range(T)
                        if ids[t] is not None and group_index_T[t] < n_real_groups),
@@ -205,30 +239,32 @@ def test_group_records_partition_trajectories(G, T, seed):
 
 def test_group_records_contents():
     assert metrics.group_records(**_audit_inputs()) == EXPECTED_GROUPS
-    extra = metrics.group_records(
-        **_audit_inputs(), mixed_G=np.array([True, False, False]),
+    extra = metrics.group_records(**_audit_inputs(
+        mixed_G=np.array([True, False, False]),
         rewards_T=np.array([1, 0, 1, 1, 0, 0], np.float32),
-        outcome_advantages_T=np.array([0.4, -0.5, 0.4, 0.5, -0.6, 0.0], np.float32))
+        outcome_advantages_T=np.array([0.4, -0.5, 0.4, 0.5, -0.6, 0.0], np.float32)))
     assert [r["mixed"] for r in extra] == [True, False]
     assert extra[0]["trajectories"][1] == {
         **EXPECTED_GROUPS[0]["trajectories"][1], "reward": 1.0, "outcome": "pass",
         "outcome_advantage": float(np.float32(0.4))}
     assert [t["reward"] for t in extra[1]["trajectories"]] == [0.0, 1.0]
     # A hacked pass: outcome "pass", hacked true, effective reward 0; infra errors listed.
-    hacked = metrics.group_records(
-        **_audit_inputs(), rewards_T=np.array([1, 0, 1, 1, 0, 0], np.float32),
+    hacked = metrics.group_records(**_audit_inputs(
+        rewards_T=np.array([1, 0, 1, 1, 0, 0], np.float32),
         hacked_T=np.array([False, False, True, False, False, False]),
-        infra_ids=[["a9"], []])
+        infra_ids=[["a9"], []]))
     t = hacked[0]["trajectories"]
     assert [(x["id"], x["outcome"], x.get("hacked"), x.get("reward")) for x in t] == [
         ("a1", "pass", False, 1.0), ("a2", "pass", True, 0.0), ("a3", "fail", False, 0.0),
         ("a9", "infra_error", None, None)]
     assert t[-1] == {"id": "a9", "outcome": "infra_error", "valid": False, "advantage": 0.0}
     assert all(x["id"] != "a9" for x in hacked[1]["trajectories"])
+    bad = _audit_inputs()
     with pytest.raises(ValueError, match="advantage"):
-        metrics.group_records(**{**_audit_inputs(), "advantages_T": np.zeros(5)})
+        metrics.group_records(**{**bad, "audit": bad["audit"].replace(advantages_T=np.zeros(5))})
     with pytest.raises(ValueError, match="group_ids"):
-        metrics.group_records(**{**_audit_inputs(), "group_ids": ["a", "b", "c", "d"]})
+        metrics.group_records(**{**bad, "info": _info(["a", "b", "c", "d"], [None] * 6,
+                                                      np.zeros(6, int))})
 
 
 # -- writers ------------------------------------------------------------------------------------

@@ -269,17 +269,17 @@ def test_debug_checks_and_optional_paths(cfg, init, batch, mesh1, monkeypatch):
     with a truncated IS weight, a KL reference, routing replay, and the sigmoid_bias router's
     bias update."""
     host, graphdef, shardings = init
-    real = L.gagar_advantages
+    real = L.advantages_of
 
-    def broken(rewards, group_ids, factors, *args, **kwargs):
+    def broken(outcomes, **kwargs):
         # Trajectory 2 fails, so its factor is never read by the real function: use it to
         # perturb trajectory 0's advantage at run time (0 while the factor is 1; one compile).
-        out = real(rewards, group_ids, factors, *args, **kwargs)
-        eps = factors[2] - 1.0
+        out = real(outcomes, **kwargs)
+        eps = outcomes.factors_T[2] - 1.0
         return out.replace(advantages=out.advantages.at[0].add(eps),
                            redistributed_advantages=out.redistributed_advantages.at[0].add(eps))
 
-    monkeypatch.setattr(L, "gagar_advantages", broken)
+    monkeypatch.setattr(L, "advantages_of", broken)
     loss = dataclasses.replace(cfg.loss, recompute_old_logprobs=True, tis_cap=2.0, kl_coef=0.1)
     dcfg = dataclasses.replace(cfg, debug_checks=True, loss=loss, mini_batches=1,
                                model=dataclasses.replace(cfg.model, router="sigmoid_bias"))

@@ -19,6 +19,29 @@ MODES = ("sum_preserving", "downweight_only", "binary")
 
 
 @flax.struct.dataclass
+class GroupOutcomes:
+    """What the feed says about one batch's trajectories and groups: the advantage's inputs."""
+    rewards_T: jax.Array                 # f32 binary outcome 0/1
+    group_ids_T: jax.Array               # int group index in [0, G) (ignored for invalid ones)
+    factors_T: jax.Array                 # f32 quality factor in (0, 1]; read for passes only
+    valid_T: jax.Array                   # bool: false for infra failures and padding
+    hacked_T: jax.Array                  # bool: grader-confirmed reliance on a leaked answer
+    grading_ok_G: jax.Array              # bool: false = grading failed (outcome advantages kept)
+    adjustments_T: Optional[jax.Array] = None   # f32 additive reward adjustments (rule 9)
+
+    @property
+    def num_groups(self) -> int:
+        return self.grading_ok_G.shape[0]
+
+    @classmethod
+    def of_batch(cls, batch) -> "GroupOutcomes":
+        """The outcome fields of a packed `Batch`."""
+        return cls(rewards_T=batch.rewards_T, group_ids_T=batch.group_ids_T,
+                   factors_T=batch.factors_T, valid_T=batch.valid_T, hacked_T=batch.hacked_T,
+                   grading_ok_G=batch.grading_ok_G, adjustments_T=batch.adjustments_T)
+
+
+@flax.struct.dataclass
 class AdvantageOutput:
     """Per-trajectory advantages and per-group diagnostics of one batch."""
     advantages: jax.Array                # f32[T] final: A' plus centred adjustments
@@ -73,7 +96,7 @@ def _check_array(name, x, kind, shape):
 
 
 def validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok, *, num_groups,
-                    lam_cap=1.5, mode="sum_preserving", adjustments=None):
+                    lam_cap=1.5, mode="sum_preserving", adjustments=None) -> GroupOutcomes:
     """Trace-time checks of ranks, shapes, dtypes and static options; returns jnp arrays.
 
     Raises:
@@ -92,27 +115,32 @@ def validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok, *, n
     if rewards.ndim != 1:
         raise ValueError(f"rewards must have rank 1 (shape [T]), got shape {rewards.shape}")
     t = rewards.shape
-    arrays = dict(
-        rewards=_check_array("rewards", rewards, "float", t),
-        group_ids=_check_array("group_ids", group_ids, "int", t),
-        factors=_check_array("factors", factors, "float", t),
-        valid=_check_array("valid", valid, "bool", t),
-        hacked=_check_array("hacked", hacked, "bool", t),
-        grading_ok=_check_array("grading_ok", grading_ok, "bool", (num_groups,)),
-    )
-    if adjustments is not None:
-        arrays["adjustments"] = _check_array("adjustments", adjustments, "float", t)
-    return arrays
+    return GroupOutcomes(
+        rewards_T=_check_array("rewards", rewards, "float", t),
+        group_ids_T=_check_array("group_ids", group_ids, "int", t),
+        factors_T=_check_array("factors", factors, "float", t),
+        valid_T=_check_array("valid", valid, "bool", t),
+        hacked_T=_check_array("hacked", hacked, "bool", t),
+        grading_ok_G=_check_array("grading_ok", grading_ok, "bool", (num_groups,)),
+        adjustments_T=(None if adjustments is None
+                       else _check_array("adjustments", adjustments, "float", t)))
 
 
-def group_stats(rewards, group_ids, factors, valid, hacked, grading_ok, *, num_groups: int,
-                use_factors: bool = True) -> GroupStats:
+def _validated(o: GroupOutcomes, lam_cap: float, mode: str) -> GroupOutcomes:
+    return validate_inputs(o.rewards_T, o.group_ids_T, o.factors_T, o.valid_T, o.hacked_T,
+                           o.grading_ok_G, num_groups=o.num_groups, lam_cap=lam_cap, mode=mode,
+                           adjustments=o.adjustments_T)
+
+
+def group_stats(o: GroupOutcomes, *, use_factors: bool = True) -> GroupStats:
     """Rules 1-5: exclusion, hack zeroing, mixed groups, outcome advantages, grading fallback.
 
     Inputs are validated arrays (see `validate_inputs`). With `use_factors=False` (binary mode)
     no factor is read and no group falls back.
     """
-    G = num_groups
+    G = o.num_groups
+    group_ids, valid, hacked, rewards = o.group_ids_T, o.valid_T, o.hacked_T, o.rewards_T
+    factors, grading_ok = o.factors_T, o.grading_ok_G
     gid = group_ids.astype(jnp.int32)
     member = valid & (gid >= 0) & (gid < G)   # out-of-range ids would be dropped by segment ops
     gid = jnp.where(member, gid, 0)
@@ -158,17 +186,16 @@ def _redistribute(st: GroupStats, *, num_groups: int, lam_cap: float, mode: str)
     return A2, lam.astype(jnp.float32), capped
 
 
-def _advantages(x, *, num_groups: int, lam_cap: float, mode: str):
+def _advantages(x: GroupOutcomes, *, lam_cap: float, mode: str):
     """The computation behind `gagar_advantages` on validated arrays; also returns the stats."""
-    G = num_groups
-    st = group_stats(x["rewards"], x["group_ids"], x["factors"], x["valid"], x["hacked"],
-                     x["grading_ok"], num_groups=G, use_factors=mode != "binary")
+    G = x.num_groups
+    st = group_stats(x, use_factors=mode != "binary")
     A2, lam, capped = _redistribute(st, num_groups=G, lam_cap=float(lam_cap), mode=mode)
     gid, in_mixed = st.gid_T, st.member_T & st.mixed_G[st.gid_T]
     final = A2
-    if "adjustments" in x:
+    if x.adjustments_T is not None:
         # Rule 9: adjustments are centred on their own and never enter lambda or the cap.
-        c = jnp.where(in_mixed, x["adjustments"].astype(jnp.float32), 0.0)
+        c = jnp.where(in_mixed, x.adjustments_T.astype(jnp.float32), 0.0)
         c_mean = segment_sum(c, gid, G) / jnp.maximum(st.n_G, 1.0)
         final = A2 + jnp.where(in_mixed, c - c_mean[gid], 0.0)
     fail = st.member_T & ~st.pass_T
@@ -207,7 +234,13 @@ def gagar_advantages(rewards, group_ids, factors, valid, hacked, grading_ok, *,
     """
     x = validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok,
                         num_groups=num_groups, lam_cap=lam_cap, mode=mode, adjustments=adjustments)
-    return _advantages(x, num_groups=num_groups, lam_cap=lam_cap, mode=mode)[0]
+    return _advantages(x, lam_cap=lam_cap, mode=mode)[0]
+
+
+def advantages_of(outcomes: GroupOutcomes, *, lam_cap: float = 1.5,
+                  mode: str = "sum_preserving") -> AdvantageOutput:
+    """`gagar_advantages` on a `GroupOutcomes` struct (G = `outcomes.num_groups`)."""
+    return _advantages(_validated(outcomes, lam_cap, mode), lam_cap=lam_cap, mode=mode)[0]
 
 
 def equivalent_rewards(rewards, group_ids, factors, valid, hacked, grading_ok, *,
@@ -226,7 +259,7 @@ def equivalent_rewards(rewards, group_ids, factors, valid, hacked, grading_ok, *
     """
     x = validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok,
                         num_groups=num_groups, lam_cap=lam_cap, mode=mode)
-    out, st = _advantages(x, num_groups=num_groups, lam_cap=lam_cap, mode=mode)
+    out, st = _advantages(x, lam_cap=lam_cap, mode=mode)
     in_mixed = st.member_T & st.mixed_G[st.gid_T]
     return jnp.where(in_mixed, st.p_G[st.gid_T] + out.redistributed_advantages,
                      out.effective_rewards)
@@ -281,19 +314,25 @@ def check_invariants(out: AdvantageOutput, rewards, group_ids, factors, valid, h
     """
     x = validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok,
                         num_groups=num_groups, lam_cap=lam_cap, mode=mode)
-    G = num_groups
-    st = group_stats(x["rewards"], x["group_ids"], x["factors"], x["valid"], x["hacked"],
-                     x["grading_ok"], num_groups=G, use_factors=mode != "binary")
+    check_invariants_of(out, x, lam_cap=lam_cap, mode=mode, atol=atol)
+
+
+def check_invariants_of(out: AdvantageOutput, outcomes: GroupOutcomes, *, lam_cap: float = 1.5,
+                        mode: str = "sum_preserving", atol: float = 1e-5) -> None:
+    """`check_invariants` on a `GroupOutcomes` struct."""
+    x = _validated(outcomes, lam_cap, mode)
+    G = x.num_groups
+    st = group_stats(x, use_factors=mode != "binary")
     gid, member, passed, A, f = st.gid_T, st.member_T, st.pass_T, st.A_T, st.f_T
     seg = lambda v: segment_sum(v, gid, G)  # noqa: E731
     close = lambda a, b, tol: jnp.abs(a - b) <= tol  # noqa: E731
     fail, in_mixed = member & ~passed, member & st.mixed_G[gid]
     A1, tol_G = out.redistributed_advantages, atol * jnp.maximum(st.n_G, 1.0)
-    r, g, adj = x["rewards"], x["group_ids"], jnp.where(member, out.advantages - A1, 0.0)
+    r, g, adj = x.rewards_T, x.group_ids_T, jnp.where(member, out.advantages - A1, 0.0)
     checks = {
-        "input contract: rewards of valid members are 0 or 1": ~x["valid"] | (r == 0) | (r == 1),
+        "input contract: rewards of valid members are 0 or 1": ~x.valid_T | (r == 0) | (r == 1),
         "input contract: valid members' group ids lie in [0, num_groups)":
-            ~x["valid"] | ((g >= 0) & (g < G)),
+            ~x.valid_T | ((g >= 0) & (g < G)),
         "advantages are finite": jnp.isfinite(out.advantages) & jnp.isfinite(A1),
         "mixed flags follow 0 < k < n": out.mixed == st.mixed_G,
         "outcome advantages are r - p": close(out.outcome_advantages, A, atol),

@@ -21,7 +21,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from gagar_jax.algo.advantage import MODES, AdvantageOutput, broadcast_to_tokens, gagar_advantages
+from gagar_jax.algo.advantage import (MODES, AdvantageOutput, GroupOutcomes, advantages_of,
+                                      broadcast_to_tokens)
 from gagar_jax.batch import Batch
 from gagar_jax.config import section_dict
 
@@ -197,10 +198,7 @@ def prepare(batch: Batch, cfg: LossConfig, *, mini_batches: int = 1,
         raise ValueError("learner_old_logprobs_BxS must be given iff cfg.recompute_old_logprobs")
     if (cfg.kl_coef > 0) != (ref_logprobs_BxS is not None):
         raise ValueError("ref_logprobs_BxS must be given iff cfg.kl_coef > 0")
-    adv_out = gagar_advantages(
-        batch.rewards_T, batch.group_ids_T, batch.factors_T, batch.valid_T, batch.hacked_T,
-        batch.grading_ok_G, num_groups=batch.num_groups, lam_cap=cfg.lam_cap, mode=cfg.mode,
-        adjustments=batch.adjustments_T)
+    adv_out = advantages_of(GroupOutcomes.of_batch(batch), lam_cap=cfg.lam_cap, mode=cfg.mode)
     # Invalid trajectories (infra errors) take no part in the loss at all, KL included.
     valid_BxS = batch.valid_T[batch.traj_index_BxS].astype(jnp.float32)
     mask_BxS = batch.loss_mask_BxS.astype(jnp.float32) * valid_BxS

@@ -28,8 +28,11 @@ import jax
 import numpy as np
 from etils import epath
 
+from gagar_jax.algo.advantage import GroupOutcomes
+from gagar_jax.algo.step_metrics import GroupAudit
 from gagar_jax.audit_file import AuditFile, AuditPosition, is_remote, truncate_to  # noqa: F401
 from gagar_jax.run.fingerprint import params_fingerprint, params_l2, params_sha256  # noqa: F401
+from gagar_jax.feed.batcher import BatchInfo
 from gagar_jax.sharding import leaf_path
 
 # -- device -> host -----------------------------------------------------------------------------
@@ -84,85 +87,60 @@ def to_host(step: int, device_metrics: Any) -> HostMetrics:
 # -- per-group audit records --------------------------------------------------------------------
 
 
-def group_records(step: int, group_ids: Sequence[str], trajectory_ids: Sequence[Optional[str]],
-                  group_index_T: np.ndarray, factors_T: np.ndarray, advantages_T: np.ndarray,
-                  lam_G: np.ndarray, capped_G: np.ndarray, fallback_G: np.ndarray, *,
-                  valid_T: Optional[np.ndarray] = None,
-                  rewards_T: Optional[np.ndarray] = None,
-                  outcome_advantages_T: Optional[np.ndarray] = None,
-                  mixed_G: Optional[np.ndarray] = None,
-                  hacked_T: Optional[np.ndarray] = None,
-                  infra_ids: Optional[Sequence[Sequence[str]]] = None) -> list[dict]:
+def group_records(step: int, info: BatchInfo, outcomes: GroupOutcomes,
+                  audit: GroupAudit) -> list[dict]:
     """One audit record per real group of a batch, for `groups.jsonl`.
 
     Args:
       step: the train step.
-      group_ids: the feed's group id of batch group g, for the real groups (len <= G; the
-        rest of the G slots are padding and skipped).
-      trajectory_ids: the feed's trajectory id of slot t, None (or missing, if shorter than T)
-        for padding slots.
-      group_index_T: int [T], batch group of each slot.
-      factors_T, advantages_T: float [T], quality factor and final advantage.
-      lam_G, capped_G, fallback_G: [G] per-group λ, cap fired, grading fallback.
-      valid_T: optional bool [T]; written per trajectory when given.
-      rewards_T: optional float [T], the binary outcome as sent (1 = pass). When given, each
-        trajectory gets "outcome" ("pass" | "fail") and "reward", the effective reward (0 for
-        a hacked pass, SPEC rule 2).
-      outcome_advantages_T: optional float [T], the advantage before redistribution; written
-        per trajectory as "outcome_advantage" when given.
-      mixed_G: optional bool [G]; written per group as "mixed" when given.
-      hacked_T: optional bool [T]; written per trajectory as "hacked" when given.
-      infra_ids: optional, per real group, the ids of its infra_error trajectories (not in the
-        batch); each is appended as {"id", "outcome": "infra_error", "valid": false,
-        "advantage": 0.0}.
+      info: the feed's `BatchInfo`: group ids (the real groups, <= G; the other group slots are
+        padding), each group's trajectory ids and slots, its infra_error trajectories.
+      outcomes: host copy of the batch's `GroupOutcomes` (group index, outcome, factor, valid,
+        hacked per slot).
+      audit: host copy of the step's `GroupAudit` (lambda, cap, fallback, mixed per group; final
+        and outcome advantage per slot).
 
     Returns:
-      A list of dicts {"step", "group_id", "lam", "capped", "fallback", ["mixed"],
-      "trajectories": [{"id", "factor", "advantage", ["valid"], ["outcome", "reward"],
-      ["hacked"], ["outcome_advantage"]}, ...]} in batch group order. Non-finite values (a
+      A list of dicts {"step", "group_id", "lam", "capped", "fallback", "mixed",
+      "trajectories": [{"id", "factor", "advantage", "valid", "hacked", "outcome", "reward",
+      "outcome_advantage"}, ...]} in batch group order; a hacked pass has outcome "pass" and
+      reward 0 (SPEC rule 2); each infra_error trajectory (not in the batch) is appended as
+      {"id", "outcome": "infra_error", "valid": false, "advantage": 0.0}. Non-finite values (a
       pass sent without quality has factor NaN) are written as null by the writer.
     """
-    group_index_T = np.asarray(group_index_T)
-    T, G = group_index_T.shape[0], np.asarray(lam_G).shape[0]
-    if len(group_ids) > G:
-        raise ValueError(f"group_ids has {len(group_ids)} entries for {G} group slots")
-    if len(trajectory_ids) > T:
-        raise ValueError(f"trajectory_ids has {len(trajectory_ids)} entries for {T} slots")
-    per_traj = {"factor": np.asarray(factors_T, np.float64),
-                "advantage": np.asarray(advantages_T, np.float64)}
-    if valid_T is not None:
-        per_traj["valid"] = np.asarray(valid_T, bool)
-    hacked = None if hacked_T is None else np.asarray(hacked_T, bool)
-    if hacked is not None:
-        per_traj["hacked"] = hacked
-    if rewards_T is not None:
-        raw = np.asarray(rewards_T, np.float64)
-        per_traj["outcome"] = np.where(raw > 0, "pass", "fail")
-        per_traj["reward"] = raw if hacked is None else np.where(hacked, 0.0, raw)
-    if outcome_advantages_T is not None:
-        per_traj["outcome_advantage"] = np.asarray(outcome_advantages_T, np.float64)
+    group_index_T = np.asarray(outcomes.group_ids_T)
+    T, G = group_index_T.shape[0], np.asarray(audit.lam_G).shape[0]
+    if len(info.group_ids) > G:
+        raise ValueError(f"info.group_ids has {len(info.group_ids)} entries for {G} group slots")
+    raw = np.asarray(outcomes.rewards_T, np.float64)
+    hacked = np.asarray(outcomes.hacked_T, bool)
+    per_traj = {"factor": np.asarray(outcomes.factors_T, np.float64),
+                "advantage": np.asarray(audit.advantages_T, np.float64),
+                "valid": np.asarray(outcomes.valid_T, bool), "hacked": hacked,
+                "outcome": np.where(raw > 0, "pass", "fail"),
+                "reward": np.where(hacked, 0.0, raw),
+                "outcome_advantage": np.asarray(audit.outcome_advantages_T, np.float64)}
     for name, arr in per_traj.items():
         if arr.shape != (T,):
             raise ValueError(f"{name}_T has shape {arr.shape}, expected ({T},)")
-    members: list[list[dict]] = [[] for _ in group_ids]
-    for t, traj_id in enumerate(trajectory_ids):
-        g = int(group_index_T[t])
-        if traj_id is None or g >= len(group_ids):
-            continue
-        entry = {"id": traj_id}
-        entry.update({k: v[t].item() for k, v in per_traj.items()})
-        members[g].append(entry)
-    lam, capped, fallback = (np.asarray(a) for a in (lam_G, capped_G, fallback_G))
+    members: list[list[dict]] = [[] for _ in info.group_ids]
+    for g, (ids, slots) in enumerate(zip(info.trajectory_ids, info.traj_slots)):
+        if g >= len(members):
+            break
+        for traj_id, t in sorted(zip(ids, slots), key=lambda x: x[1]):
+            if not 0 <= t < T:
+                raise ValueError(f"trajectory slot {t} of group {g} is outside [0, {T})")
+            members[g].append({"id": traj_id, **{k: v[t].item() for k, v in per_traj.items()}})
+    lam, capped, fallback, mixed = (np.asarray(a) for a in (audit.lam_G, audit.capped_G,
+                                                              audit.fallback_G, audit.mixed_G))
     records = []
-    for g, gid in enumerate(group_ids):
-        record = {"step": int(step), "group_id": gid, "lam": float(lam[g]),
-                  "capped": bool(capped[g]), "fallback": bool(fallback[g])}
-        if mixed_G is not None:
-            record["mixed"] = bool(np.asarray(mixed_G)[g])
-        record["trajectories"] = members[g] + [
-            {"id": tid, "outcome": "infra_error", "valid": False, "advantage": 0.0}
-            for tid in (infra_ids[g] if infra_ids is not None else ())]
-        records.append(record)
+    for g, gid in enumerate(info.group_ids):
+        records.append({
+            "step": int(step), "group_id": gid, "lam": float(lam[g]), "capped": bool(capped[g]),
+            "fallback": bool(fallback[g]), "mixed": bool(mixed[g]),
+            "trajectories": members[g] + [
+                {"id": tid, "outcome": "infra_error", "valid": False, "advantage": 0.0}
+                for tid in info.infra_ids[g]]})
     return records
 
 

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gagar_jax.algo import loss as loss_lib
 from gagar_jax import sharding as shd
-from gagar_jax.algo.advantage import check_invariants
+from gagar_jax.algo.advantage import GroupOutcomes, check_invariants_of
 from gagar_jax.kernels.attention.blockwise import resolve_impl
 from gagar_jax.batch import Batch
 from gagar_jax.model.logprobs import token_logprobs
@@ -46,7 +46,7 @@ class StepConfig:
       epochs: passes over each feed batch.
       mini_batches: optimizer updates per epoch (rows split along B).
       micro_batches: gradient-accumulation chunks per mini-batch.
-      debug_checks: run `advantage.check_invariants` inside the step (needs `make_train_step`'s
+      debug_checks: run `advantage.check_invariants_of` inside the step (needs `make_train_step`'s
         chexified wrapper).
     """
     model: ModelConfig
@@ -282,9 +282,8 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, cfg: StepConfig):
     inputs, adv = loss_lib.prepare(batch, cfg.loss, mini_batches=n_mini,
                             learner_old_logprobs_BxS=learner_old, ref_logprobs_BxS=ref)
     if cfg.debug_checks:
-        check_invariants(adv, batch.rewards_T, batch.group_ids_T, batch.factors_T, batch.valid_T,
-                         batch.hacked_T, batch.grading_ok_G, num_groups=batch.num_groups,
-                         lam_cap=cfg.loss.lam_cap, mode=cfg.loss.mode)
+        check_invariants_of(adv, GroupOutcomes.of_batch(batch), lam_cap=cfg.loss.lam_cap,
+                            mode=cfg.loss.mode)
         chex.assert_trees_all_equal(
             jnp.all(jnp.isfinite(inputs.weight_BxS)), jnp.array(True),
             custom_message="loss weights are finite")

@@ -39,6 +39,7 @@ from gagar_jax.run import metrics as metrics_lib
 from gagar_jax.run import publish
 from gagar_jax.run import workdir_lock
 from gagar_jax.run.checkpoint import Checkpointer
+from gagar_jax.algo.advantage import GroupOutcomes
 from gagar_jax.config import ConfigError, TrainConfig
 from gagar_jax.feed.batcher import Feed, make_source
 from gagar_jax.feed.config import FeedConfig
@@ -175,21 +176,13 @@ class _StepLog:
         self.t_last = time.perf_counter()
 
     def finish_step(self, step: int, info, batch_np, device_metrics) -> metrics_lib.HostMetrics:
-        m = metrics_lib.to_host(step, device_metrics)
-        a = m.arrays
-        n = info.num_groups
-        self.feed.record_trained(info.group_ids, a["audit/fallback_G"][:n].tolist(),
-                                 a["audit/capped_G"][:n].tolist())
-        traj_ids: list = [None] * a["audit/advantages_T"].shape[0]
-        for ids, slots in zip(info.trajectory_ids, info.traj_slots):
-            for tid, t in zip(ids, slots):
-                traj_ids[t] = tid
+        host_metrics = jax.device_get(device_metrics)   # one transfer; to_host then copies nothing
+        m = metrics_lib.to_host(step, host_metrics)
+        a, audit, n = m.arrays, host_metrics.audit, info.num_groups
+        self.feed.record_trained(info.group_ids, audit.fallback_G[:n].tolist(),
+                                 audit.capped_G[:n].tolist())
         self.writer.write_groups(metrics_lib.group_records(
-            step, info.group_ids, traj_ids, batch_np.group_ids_T, batch_np.factors_T,
-            a["audit/advantages_T"], a["audit/lam_G"], a["audit/capped_G"],
-            a["audit/fallback_G"], valid_T=batch_np.valid_T, rewards_T=batch_np.rewards_T,
-            outcome_advantages_T=a["audit/outcome_advantages_T"], mixed_G=a["audit/mixed_G"],
-            hacked_T=batch_np.hacked_T, infra_ids=info.infra_ids))
+            step, info, GroupOutcomes.of_batch(batch_np), audit))
         s = dict(m.scalars)
         load_LxE = a.get("expert_load_LxE")
         if load_LxE is not None and load_LxE.size:
