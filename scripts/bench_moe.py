@@ -25,6 +25,7 @@ from gagar_jax import sharding  # noqa: E402
 from gagar_jax.kernels.experts import local as experts
 from gagar_jax.model import moe
 from gagar_jax.model import router
+from gagar_jax.kernels.experts import registry as experts_registry
 
 DEFAULT = "grouped"  # the dropless CPU default (configs/tiny_cpu.py: expert_backend)
 HEADING = "## MoE layer (scripts/bench_moe.py)"
@@ -37,7 +38,7 @@ def make_step(backend: str, top_k: int, mesh=None):
 
     def loss(x, w_router, gate, up, down, ct):
         r = router.route(x @ w_router, top_k=top_k, norm_topk_prob=True)
-        y = moe.expert_ffn(x, gate, up, down, r.idx_TxK, r.weights_TxK, backend=backend,
+        y = experts_registry.expert_ffn(x, gate, up, down, r.idx_TxK, r.weights_TxK, backend=backend,
                                **opts)
         return jnp.sum(y * ct) + 1e-3 * r.aux_loss + 1e-4 * r.z_loss
 

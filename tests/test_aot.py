@@ -10,6 +10,8 @@ import sys
 import pytest
 
 from gagar_jax.aot import compile as aot
+from gagar_jax.kernels.experts import registry as experts_registry
+from gagar_jax.kernels.attention import registry as attention_registry
 from xla_flags import FAST_COMPILE, without
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -139,14 +141,14 @@ def test_auto_expert_backend_follows_the_mesh_devices_not_the_process():
 
     import jax
     tpu, cpu = aot.topology_devices("v5p:2x2x1"), jax.devices()[:4]
-    assert moe.resolve_backend("auto", mesh(tpu, 1), 8) == "megablox"
-    assert moe.resolve_backend("auto", mesh(tpu, 4), 8) == "ep_a2a"
-    assert moe.resolve_backend("auto", mesh(cpu, 1), 8) == "grouped"
-    assert moe.resolve_backend("auto", mesh(cpu, 4), 8) == "ep"
-    assert moe.resolve_backend("auto", mesh(cpu, 4), 6) == "grouped"   # E not divisible
-    assert moe.resolve_backend("dense", mesh(tpu, 4), 8) == "dense"      # explicit wins
+    assert experts_registry.resolve("auto", mesh(tpu, 1), 8) == "megablox"
+    assert experts_registry.resolve("auto", mesh(tpu, 4), 8) == "ep_a2a"
+    assert experts_registry.resolve("auto", mesh(cpu, 1), 8) == "grouped"
+    assert experts_registry.resolve("auto", mesh(cpu, 4), 8) == "ep"
+    assert experts_registry.resolve("auto", mesh(cpu, 4), 6) == "grouped"   # E not divisible
+    assert experts_registry.resolve("dense", mesh(tpu, 4), 8) == "dense"      # explicit wins
     with pytest.raises(ValueError, match="expert_backend"):
-        moe.resolve_backend("nope")
+        experts_registry.resolve("nope")
     # The trainer fixes the choice in the graphdef it compiles.
     step_cfg = ts.StepConfig.from_config(get_config())
     step_cfg = dataclasses.replace(step_cfg, model=dataclasses.replace(
@@ -179,10 +181,10 @@ def test_kernels_compile_ahead_of_time_for_v5p(tmp_path):
     row, tok = P("data"), P(("data", "fsdp", "expert"))
 
     def loss(q, k, v, seg, x, g, u, d, idx, w):
-        o = attention.attention(q, k, v, seg, impl="auto", block=128)
-        y = moe.expert_ffn(x, g, u, d, idx, w, backend="megablox")
+        o = attention_registry.attention(q, k, v, seg, impl=attention_registry.resolve("auto"), block=128)
+        y = experts_registry.expert_ffn(x, g, u, d, idx, w, backend="megablox")
         # "auto" on this mesh: ep_a2a, whose local FFN on TPU is megablox.
-        y2 = moe.expert_ffn(x, g, u, d, idx, w, backend="auto")
+        y2 = experts_registry.expert_ffn(x, g, u, d, idx, w, backend=experts_registry.resolve("auto"))
         return sum(jnp.sum(a.astype(jnp.float32)) for a in (o, y, y2))
 
     bf = jnp.bfloat16
@@ -193,7 +195,7 @@ def test_kernels_compile_ahead_of_time_for_v5p(tmp_path):
     with jax.set_mesh(mesh):
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4, 5, 6, 7, 9))).lower(*args)
     text = lowered.as_text()
-    assert moe.resolve_backend("auto", mesh, E) == "ep_a2a"
+    assert experts_registry.resolve("auto", mesh, E) == "ep_a2a"
     # Real kernels, not interpreted: splash fwd, dq, dkv; gmm and tgmm (one lowered function
     # per distinct shape, called several times).
     assert text.count("tpu_custom_call") >= 6, "expected Mosaic kernels"
@@ -225,8 +227,8 @@ def test_splash_under_context_compiles_ahead_of_time_for_v5p(tmp_path):
     rows = P("data", "context")
 
     def loss(q, k, v, seg, sinks):
-        full = attention_context.attention(q, k, v, seg, impl="auto", block=128)
-        slide = attention_context.attention(q, k, v, seg, impl="auto", block=128, window=100,
+        full = attention_context.attention(q, k, v, seg, impl=attention_registry.resolve("auto"), block=128)
+        slide = attention_context.attention(q, k, v, seg, impl=attention_registry.resolve("auto"), block=128, window=100,
                                             sinks_H=sinks)
         return jnp.sum((full + slide).astype(jnp.float32))
 
@@ -235,7 +237,7 @@ def test_splash_under_context_compiles_ahead_of_time_for_v5p(tmp_path):
             sds((B, S, KV, DH), bf, rows), sds((B, S), jnp.int32, rows),
             sds((H,), jnp.float32, P()))
     with jax.set_mesh(mesh):
-        assert attention.resolve_impl("auto") == "splash"
+        assert attention_registry.resolve("auto") == "splash"
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4))).lower(*args)
     # Mosaic kernels (fwd, dq, dkv): 2 query halves x 2 offsets on the full layer, 1 sliding.
     assert lowered.as_text().count("tpu_custom_call") >= 15, "expected Mosaic kernels"

@@ -13,6 +13,7 @@ from gagar_jax.aot import compile as aot
 from gagar_jax.kernels.attention import blockwise as attention
 from gagar_jax.kernels.attention import context as attention_context
 from gagar_jax.kernels.attention.splash import splash_attention, splash_local_attention
+from gagar_jax.kernels.attention import registry as attention_registry
 from close import assert_rel_close
 
 B, S, H, KV, DH = 2, 200, 4, 2, 16   # S not a multiple of the 128-token kernel block
@@ -66,7 +67,7 @@ def test_splash_matches_reference_forward_and_grads_on_packed_rows(qkv):
     got = _loss_and_grads(lambda q, k, v: splash_attention(q, k, v, SEG, block=128))(*qkv)
     assert_rel_close(got, want)
     # Through the model's dispatch, and against an independent loop.
-    o = attention.attention(*qkv, SEG, impl="splash", block=128)
+    o = attention_registry.attention(*qkv, SEG, impl="splash", block=128)
     assert_rel_close(o, numpy_attention(*qkv, SEG))
 
 
@@ -111,17 +112,17 @@ def test_auto_resolves_to_splash_for_tpu_devices_only():
     tpu = sharding.make_mesh(types.SimpleNamespace(data=-1, fsdp=1, expert=1, tensor=1),
                              aot.topology_devices("v5p:2x2x1"))
     cpu = sharding.make_mesh(types.SimpleNamespace(data=-1, fsdp=1, expert=1, tensor=1))
-    assert attention.resolve_impl("auto", tpu) == "splash"
+    assert attention_registry.resolve("auto", tpu) == "splash"
     axes = types.SimpleNamespace(data=-1, fsdp=1, expert=1, context=2, tensor=1)
     tpu_context = sharding.make_mesh(axes, aot.topology_devices("v5p:2x2x1"))
-    assert attention.resolve_impl("auto", tpu_context) == "splash"   # the per-shard kernel
+    assert attention_registry.resolve("auto", tpu_context) == "splash"   # the per-shard kernel
     # Every resolved impl has a per-shard kernel under context parallelism.
-    assert set(attention_context.LOCAL_KERNELS) == set(attention.IMPLS) - {"auto"}
-    assert attention.resolve_impl("auto", cpu) == "blockwise"
-    assert attention.resolve_impl("auto") == "blockwise"       # no mesh: this CPU process
-    assert attention.resolve_impl("plain", tpu) == "plain"      # explicit wins
+    assert set(attention_registry.KERNELS) == set(attention_registry.names()) - {"auto"}
+    assert attention_registry.resolve("auto", cpu) == "blockwise"
+    assert attention_registry.resolve("auto") == "blockwise"       # no mesh: this CPU process
+    assert attention_registry.resolve("plain", tpu) == "plain"      # explicit wins
     with pytest.raises(ValueError, match="attention impl"):
-        attention.resolve_impl("flash3")
+        attention_registry.resolve("flash3")
 
 
 def test_bad_arguments_name_the_problem(qkv):

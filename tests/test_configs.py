@@ -16,6 +16,7 @@ from flax import nnx
 from gagar_jax.aot import flops
 from gagar_jax.config import load_config_file
 from gagar_jax.feed import FeedConfig
+from gagar_jax.hf.families import resolve_family
 from gagar_jax.model.transformer import ModelConfig, Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,7 +136,7 @@ def test_pod_meshes_fill_their_slice_and_divide_shapes(name, chips):
 @pytest.mark.parametrize("name", ["flash_310b", "pro_1t", "tiny_mimo"])
 def test_mimo_configs_export_as_mimo(name):
     mc = ModelConfig.from_config(_load(name).model)
-    assert mc.export_family == "mimo_v2_flash"
+    assert resolve_family(mc) == "mimo_v2_flash"
 
 
 def test_flash_is_transformers_mimo_v2_flash_default():

@@ -24,6 +24,8 @@ from gagar_jax.kernels.attention import blockwise as attention
 from gagar_jax.kernels.attention import context as attention_context
 from gagar_jax.model.logprobs import token_logprobs
 from gagar_jax.model.transformer import ModelConfig, Transformer
+from gagar_jax.kernels.experts import registry as experts_registry
+from gagar_jax.kernels.attention import registry as attention_registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, S = 2, 32
@@ -38,7 +40,7 @@ def _mimo_cfg() -> ModelConfig:
     cfg = ModelConfig.from_config(mod.get_config().model)
     return dataclasses.replace(cfg, num_layers=3, layer_types=("full", "sliding", "full"),
                                sliding_window=6, attn_block=4, attention="blockwise",
-                               expert_backend="auto")
+                               expert_backend=experts_registry.resolve("auto"))
 
 
 CFG = _mimo_cfg()
@@ -154,7 +156,7 @@ def test_context_errors():
         with pytest.raises(ValueError, match="attention impl must be one of"):
             jax.jit(lambda x: attention_context.attention(x, x, x, jnp.ones((1, 8), jnp.int32),
                                                           impl="flash3"))(x)
-        assert attention.resolve_impl("auto") == "blockwise"
+        assert attention_registry.resolve("auto") == "blockwise"
 
 
 def test_process_row_block_with_rows_spanning_hosts():

@@ -15,6 +15,7 @@ from gagar_jax.kernels.experts import dispatch
 from gagar_jax.kernels.experts import local as experts
 from gagar_jax.kernels.experts import ep as experts_ep
 from gagar_jax.model import moe
+from gagar_jax.kernels.experts import registry as experts_registry
 from close import assert_rel_close
 
 T, D, F, E, K = 64, 16, 8, 8, 2
@@ -51,7 +52,7 @@ def problem():
 
 def _loss_and_grads(backend, **opts):
     def loss(x, g, u, d, idx, w):
-        y = moe.expert_ffn(x, g, u, d, idx, w, backend=backend, **opts)
+        y = experts_registry.expert_ffn(x, g, u, d, idx, w, backend=backend, **opts)
         return jnp.sum(jnp.sin(y)), y
     return jax.jit(jax.value_and_grad(loss, argnums=GRAD_ARGS, has_aux=True))
 
@@ -141,7 +142,7 @@ def test_ep_a2a_compiles_ahead_of_time_for_tpu(problem, tmp_path):
               for a, s in zip(problem, specs)]
 
     def loss(x, g, u, d, idx, w):
-        y = moe.expert_ffn(x, g, u, d, idx, w, backend="ep_a2a", mesh=mesh)
+        y = experts_registry.expert_ffn(x, g, u, d, idx, w, backend="ep_a2a", mesh=mesh)
         return jnp.sum(jnp.sin(y))
 
     lowered = jax.jit(jax.grad(loss, argnums=GRAD_ARGS)).lower(*shapes)
@@ -160,10 +161,10 @@ def test_ep_with_explicit_mesh_argument_and_no_ambient_mesh(problem, reference):
 
 def test_ep_errors_name_the_problem(problem):
     with pytest.raises(ValueError, match="needs a mesh"):
-        moe.expert_ffn(*problem, backend="ep")
+        experts_registry.expert_ffn(*problem, backend="ep")
     with pytest.raises(ValueError, match="num_experts=6 is not divisible"):
         x, g, u, d, idx, w = problem
-        moe.expert_ffn(x, g[:6], u[:6], d[:6], idx, w, backend="ep",
+        experts_registry.expert_ffn(x, g[:6], u[:6], d[:6], idx, w, backend="ep",
                            mesh=_mesh((2, 1, 4, 1)))
 
 
@@ -172,12 +173,12 @@ def test_dropless_when_every_token_picks_one_expert(problem):
     idx = jnp.full((T, K), 3, jnp.int32)
     want = numpy_moe(x, g, u, d, np.asarray(idx), w)
     for backend in ("dense", "ragged", "grouped"):
-        y = jax.jit(lambda *a, b=backend: moe.expert_ffn(*a, backend=b))(x, g, u, d, idx, w)
+        y = jax.jit(lambda *a, b=backend: experts_registry.expert_ffn(*a, backend=b))(x, g, u, d, idx, w)
         np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5, err_msg=backend)
     with jax.set_mesh(_mesh((2, 1, 4, 1))):
-        y = jax.jit(lambda *a: moe.expert_ffn(*a, backend="ep"))(x, g, u, d, idx, w)
+        y = jax.jit(lambda *a: experts_registry.expert_ffn(*a, backend="ep"))(x, g, u, d, idx, w)
         np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5, err_msg="ep")
-        y = jax.jit(lambda *a: moe.expert_ffn(
+        y = jax.jit(lambda *a: experts_registry.expert_ffn(
             *a, backend="ep_a2a", exchange=experts_ep.emulated_ragged_all_to_all))(
                 x, g, u, d, idx, w)
         np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5, err_msg="ep_a2a")
@@ -211,8 +212,8 @@ def test_grouped_and_ragged_match_numpy_on_any_routing(problem, ids):
     np.testing.assert_allclose(_RAGGED(x, g, u, d, idx, w), want, atol=1e-5, rtol=1e-5)
 
 
-_GROUPED = jax.jit(lambda *a: moe.expert_ffn(*a, backend="grouped", block=4, big_block=16))
-_RAGGED = jax.jit(lambda *a: moe.expert_ffn(*a, backend="ragged"))
+_GROUPED = jax.jit(lambda *a: experts_registry.expert_ffn(*a, backend="grouped", block=4, big_block=16))
+_RAGGED = jax.jit(lambda *a: experts_registry.expert_ffn(*a, backend="ragged"))
 
 
 def test_no_recompiles_for_same_shapes(problem):
@@ -239,10 +240,10 @@ def test_padded_block_bound_covers_any_split(sizes, block):
 def test_bad_arguments_raise_clear_errors(problem):
     x, g, u, d, idx, w = problem
     with pytest.raises(ValueError, match="backend='nope'"):
-        moe.expert_ffn(x, g, u, d, idx, w, backend="nope")
+        experts_registry.expert_ffn(x, g, u, d, idx, w, backend="nope")
     with pytest.raises(ValueError, match="gate/up/down shapes"):
-        moe.expert_ffn(x, g, u, g, idx, w)
+        experts_registry.expert_ffn(x, g, u, g, idx, w, backend="grouped")
     with pytest.raises(ValueError, match="idx_TxK"):
-        moe.expert_ffn(x, g, u, d, idx[:, :1], w)
+        experts_registry.expert_ffn(x, g, u, d, idx[:, :1], w, backend="grouped")
     with pytest.raises(ValueError, match="integer expert ids"):
-        moe.expert_ffn(x, g, u, d, w, w)
+        experts_registry.expert_ffn(x, g, u, d, w, w, backend="grouped")

@@ -10,6 +10,7 @@ import pytest
 from gagar_jax import sharding
 from gagar_jax.kernels.experts import ep as experts_ep
 from gagar_jax.model import moe
+from gagar_jax.kernels.experts import registry as experts_registry
 from close import assert_rel_close
 
 T, D, F, E, K = 32, 16, 8, 8, 2
@@ -33,7 +34,7 @@ def problem():
 
 def _loss_and_grads(backend, **opts):
     def loss(x, g, u, d, idx, w):
-        y = moe.expert_ffn(x, g, u, d, idx, w, backend=backend, **opts)
+        y = experts_registry.expert_ffn(x, g, u, d, idx, w, backend=backend, **opts)
         return jnp.sum(jnp.sin(y)), y
     return jax.jit(jax.value_and_grad(loss, argnums=GRAD_ARGS, has_aux=True))
 
@@ -72,7 +73,7 @@ def test_ep_a2a_with_megablox_local_ffn_matches_dense(problem, reference):
     assert_rel_close(got, reference)
     with pytest.raises(ValueError, match="local="):
         with jax.set_mesh(_mesh((4, 1, 2, 1))):
-            moe.expert_ffn(*problem, backend="ep_a2a", local="nope")
+            experts_registry.expert_ffn(*problem, backend="ep_a2a", local="nope")
 
 
 def test_widths_the_tpu_kernels_cannot_tile_are_refused_clearly(problem):
@@ -80,4 +81,4 @@ def test_widths_the_tpu_kernels_cannot_tile_are_refused_clearly(problem):
     assert experts_megablox.lowers_on_tpu(2048, 768) and experts_megablox.lowers_on_tpu(16, 16)
     assert not experts_megablox.lowers_on_tpu(16, 8)
     with pytest.raises(ValueError, match="multiples of 128"):
-        moe.expert_ffn(*problem, backend="megablox", interpret=False)
+        experts_registry.expert_ffn(*problem, backend="megablox", interpret=False)

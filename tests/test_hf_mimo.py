@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 
 from gagar_jax.hf import api as hf
+from gagar_jax.hf import families as hf_families
 from gagar_jax.model.transformer import Transformer
 
 FAST = dict(expert_backend="dense", attention="plain")  # cheapest compile; math is the same
@@ -96,7 +97,7 @@ def test_config_reads_every_feature(loaded):
     assert (cfg.rope_theta, cfg.sliding_rope_theta, cfg.attention_value_scale) == (1000.0, 50.0, 0.707)
     assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) == (4, 2, 2.5)
     assert cfg.router == "sigmoid_bias" and cfg.attention_sinks and not cfg.qk_norm
-    assert cfg.num_dense_layers == 1 and cfg.export_family == "mimo_v2_flash"
+    assert cfg.num_dense_layers == 1 and hf_families.resolve_family(cfg) == "mimo_v2_flash"
 
 
 def test_transformers_checkpoint_loads_with_equal_logits(loaded):
@@ -239,24 +240,26 @@ def test_block_fp8_checkpoint_loads(loaded, tmp_path):
                               tensors("model.layers.1.self_attn.q_proj.weight"))  # really rounded
 
 
-def test_unexpressible_configs_are_refused_at_build_time():
+def test_unexpressible_configs_are_refused():
+    from gagar_jax.hf.families import resolve_family
     from gagar_jax.model.transformer import ModelConfig
     base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                 head_dim=8, moe_intermediate_size=16, intermediate_size=48, num_experts=4, top_k=2)
     with pytest.raises(ValueError, match="hf_family='qwen3_moe' cannot express.*router='sigmoid_bias'"):
-        ModelConfig(**base, router="sigmoid_bias", hf_family="qwen3_moe")
+        resolve_family(ModelConfig(**base, router="sigmoid_bias", hf_family="qwen3_moe"))
     with pytest.raises(ValueError, match="mimo_v2_flash' cannot express.*qk_norm=True"):
-        ModelConfig(**base, router="sigmoid_bias", hf_family="mimo_v2_flash")
+        resolve_family(ModelConfig(**base, router="sigmoid_bias", hf_family="mimo_v2_flash"))
     with pytest.raises(ValueError, match="twice the KV heads"):
-        ModelConfig(**base, router="sigmoid_bias", qk_norm=False, layer_types=("full", "sliding"),
-                    sliding_window=4, attention_sinks=True, hf_family="mimo_v2_flash")
+        resolve_family(ModelConfig(**base, router="sigmoid_bias", qk_norm=False,
+                                   layer_types=("full", "sliding"), sliding_window=4,
+                                   attention_sinks=True, hf_family="mimo_v2_flash"))
     # "auto" lets it be built (training without publishing), but no family exports it.
     orphan = ModelConfig(**base, router="sigmoid_bias")
-    assert orphan.export_family is None
+    assert resolve_family(orphan) is None
     with pytest.raises(ValueError, match="cannot be exported"):
         hf.config_to_hf(orphan)
-    assert ModelConfig(**base).export_family == "qwen3_moe"
-    assert ModelConfig(**base, router="sigmoid_bias", qk_norm=False).export_family == "mimo_v2_flash"
+    assert resolve_family(ModelConfig(**base)) == "qwen3_moe"
+    assert resolve_family(ModelConfig(**base, router="sigmoid_bias", qk_norm=False)) == "mimo_v2_flash"
 
 
 def test_unexportable_config_with_publishing_exits_2_before_compiling(capsys, tmp_path, monkeypatch):

@@ -212,7 +212,7 @@ def lower_train_step(cfg: ml_collections.ConfigDict, devices: list):
     from gagar_jax import batch as batch_lib
     from gagar_jax import sharding
     from gagar_jax.run import step as ts
-    from gagar_jax.kernels.attention.blockwise import resolve_impl
+    from gagar_jax.kernels.attention import registry as attention_registry
     from gagar_jax.feed.config import FeedConfig
 
     step_cfg = ts.StepConfig.from_config(cfg)
@@ -242,7 +242,7 @@ def lower_train_step(cfg: ml_collections.ConfigDict, devices: list):
                       "rows_per_shard": max(1, micro_rows // batch_shards),
                       "expert_backend": mc.expert_backend, "remat": mc.remat,
                       # as compiled: "auto" resolved for the mesh's devices
-                      "attention": f"{resolve_impl(mc.attention, mesh)}/{mc.attn_block}"}}
+                      "attention": f"{attention_registry.resolve(mc.attention, mesh)}/{mc.attn_block}"}}
     return lowered, meta
 
 

@@ -163,7 +163,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "") -> dict:
     Raises:
       ValueError: no family can express `cfg` (the message says why for each).
     """
-    family = cfg.export_family
+    family = hf_families.resolve_family(cfg)
     if family is None:
         raise ValueError(hf_families.export_error(cfg))
     writer = {"qwen3_moe": _qwen3_to_hf, "mimo_v2_flash": _mimo_to_hf}[family]

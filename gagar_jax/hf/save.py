@@ -98,11 +98,12 @@ def plan_save(leaves: dict, cfg, procs: int, dtype: str, carried: dict | None = 
       carried: stored name -> shape of tensors copied from another checkpoint (MiMo MTP).
       max_shard_bytes: bound on one file's tensor bytes.
     """
-    if cfg.export_family is None:
+    family_name = hf_families.resolve_family(cfg)
+    if family_name is None:
         raise ValueError(hf_families.export_error(cfg))
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(SAVE_DTYPES)}, got {dtype!r}")
-    family = hf_families.FAMILIES[cfg.export_family]
+    family = hf_families.FAMILIES[family_name]
     top = {s.ours: s for s in family.top}
     layer = {s.ours: s for s in family.layer}
     prefixes = hf_load.stack_paths(cfg)
@@ -113,7 +114,7 @@ def plan_save(leaves: dict, cfg, procs: int, dtype: str, carried: dict | None = 
         if spec is None:
             if prefix is not None and key in family.zero_if_absent:
                 continue
-            raise KeyError(f"{cfg.export_family} has no tensor for parameter {name}")
+            raise KeyError(f"{family_name} has no tensor for parameter {name}")
         specs[name] = (spec, layers)
     pub = np.dtype(SAVE_DTYPES[dtype]).name
     units = param_units.plan({n: leaves[n] for n in specs}, procs,

@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gagar_jax.hf import families as hf_families
-from gagar_jax.kernels.attention.blockwise import IMPLS as ATTENTION_IMPLS
 from gagar_jax.config import section_dict
+from gagar_jax.kernels.attention import registry as attention_registry
+from gagar_jax.kernels.experts import registry as expert_registry
 from gagar_jax.model.layer_pattern import LayerStack, layer_stacks  # noqa: F401  (re-exported)
 from gagar_jax.model.layers import Attention, DenseMLP, RMSNorm, normal_init
-from gagar_jax.model.moe import EXPERT_BACKENDS, MoE
+from gagar_jax.model.moe import MoE
 from gagar_jax.sharding import constrain
 
 REMAT_POLICIES = {
@@ -52,12 +52,17 @@ class ModelConfig:
       param_dtype, compute_dtype: "float32" | "bfloat16".
       remat: "none" | "full" | "save_matmuls" (activation rematerialization of each layer).
       attention: "auto" (the default: splash on TPU, blockwise elsewhere, from the mesh's
-        devices; `attention.resolve_impl`) | "blockwise" (memory-linear pure JAX, custom VJP) |
-        "splash" (Pallas TPU kernel; interpreted elsewhere) | "plain" (reference).
+        devices; `kernels/attention/registry.py`) | "blockwise" (memory-linear pure JAX,
+        custom VJP) | "splash" (Pallas TPU kernel; interpreted elsewhere) | "plain" (reference)
+        | any registered kernel.
       attn_block: query/key block of the blockwise and splash paths.
-      expert_backend: the expert FFN implementation, a key of `moe.BACKENDS`, or "auto" (the
-        default): the fastest exact backend for the mesh's devices (`moe.resolve_backend`;
-        grouped / ep on CPU, ragged / ep_a2a on TPU and GPU).
+      expert_backend: the expert FFN implementation, a kernel of `kernels/experts/registry.py`,
+        or "auto" (the default): the fastest exact backend for the mesh's devices (grouped / ep
+        on CPU, ragged / ep_a2a on TPU and GPU).
+      ep_local_ffn: `ep_a2a`'s per-device expert FFN, "grouped" | "megablox" | "auto" (the
+        default: megablox when compiling for TPU at widths its kernels lower for).
+      "auto" values are resolved once, for the mesh's devices, when the model or the train state
+      is built (`resolve_kernels`).
       logprob_vocab_chunk: vocab chunk of the log-prob / entropy computation.
       logprob_keep_logits_mib: the log-prob backward reuses the forward's float32 logits when
         they take at most this many MiB per call (saves one of four N x D x V matmuls); larger
@@ -78,8 +83,9 @@ class ModelConfig:
       n_group, topk_group: group-limited top-k: keep the topk_group groups (of n_group) whose
         two best selection scores sum highest, then pick top_k experts inside them.
       routed_scaling_factor: gate weights are multiplied by it (after normalization).
-      hf_family: checkpoint family to export to: "auto" (the first of `hf_families.FAMILIES`
-        that can express this config, or none) or a family name, which must express it.
+      hf_family: checkpoint family to export to: "auto" (the first of `hf.families.FAMILIES`
+        that can express this config, or none) or a family name, which must express it (checked
+        by the start-up checks and by `save_pretrained`: `hf.families.resolve_family`).
     """
     vocab_size: int
     hidden_size: int
@@ -103,6 +109,7 @@ class ModelConfig:
     attention: str = "auto"
     attn_block: int = 512
     expert_backend: str = "auto"
+    ep_local_ffn: str = "auto"
     logprob_vocab_chunk: int = 8192
     logprob_keep_logits_mib: int = 0
     router_aux_loss_coef: float = 1e-3
@@ -143,8 +150,9 @@ class ModelConfig:
             raise ValueError(f"model.num_dense_layers must be in [0, num_layers], "
                              f"got {self.num_dense_layers}")
         checks = {"router": ("softmax", "sigmoid_bias"), "param_dtype": DTYPES, "compute_dtype": DTYPES,
-                  "remat": tuple(REMAT_POLICIES), "attention": ATTENTION_IMPLS,
-                  "expert_backend": EXPERT_BACKENDS}
+                  "remat": tuple(REMAT_POLICIES), "attention": attention_registry.names(),
+                  "expert_backend": expert_registry.names(),
+                  "ep_local_ffn": ("auto",) + expert_registry.LOCAL_FFNS}
         for name, allowed in checks.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -190,7 +198,8 @@ class ModelConfig:
                              f"{self.topk_group} groups")
         if self.routed_scaling_factor <= 0:
             raise ValueError("model.routed_scaling_factor must be > 0")
-        hf_families.resolve_family(self)  # raises for an explicit family that cannot express it
+        if not isinstance(self.hf_family, str) or not self.hf_family:
+            raise ValueError(f"model.hf_family must be 'auto' or a family name, got {self.hf_family!r}")
 
     # Derived shapes and layer kinds.
     @property
@@ -211,11 +220,6 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"
-
-    @property
-    def export_family(self):
-        """The HF family `save_pretrained` writes this config as, or None if none can."""
-        return hf_families.resolve_family(self)
 
     @property
     def num_moe_layers(self) -> int:
@@ -280,10 +284,22 @@ class PatternStack(nnx.Module):
             setattr(self, f"p{k}", _stack(cfg, spec.moe, spec.repeats, rngs, sliding))
 
 
+def resolve_kernels(cfg: ModelConfig, mesh=None) -> ModelConfig:
+    """`cfg` with every "auto" kernel choice resolved for the mesh's devices (default: the
+    ambient mesh): attention, expert backend, ep_a2a's local FFN. The dispatchers reject "auto",
+    so this runs once, where the model or the train state is built."""
+    return dataclasses.replace(
+        cfg, attention=attention_registry.resolve(cfg.attention, mesh),
+        expert_backend=expert_registry.resolve(cfg.expert_backend, mesh, cfg.num_experts),
+        ep_local_ffn=expert_registry.resolve_local(cfg.ep_local_ffn, mesh, cfg.hidden_size,
+                                                   cfg.moe_intermediate_size))
+
+
 class Transformer(nnx.Module):
     """Decoder-only MoE transformer; see the module docstring for the layout."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        cfg = resolve_kernels(cfg)   # "auto" kernels: for the ambient mesh (no-op if resolved)
         self.cfg = cfg
         D, V, pd = cfg.hidden_size, cfg.vocab_size, cfg.param_dtype
         self.embedding = nnx.Param((jax.random.normal(rngs.params(), (V, D)) * 0.02).astype(pd))

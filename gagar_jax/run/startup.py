@@ -18,7 +18,7 @@ from etils import epath
 
 from gagar_jax.config import ConfigError
 from gagar_jax.hf.config_json import config_from_hf
-from gagar_jax.model.moe import resolve_backend
+from gagar_jax.kernels.experts import registry as expert_registry
 from gagar_jax.sharding import axis_size, mesh_axes
 
 # ModelConfig fields that change the model's math (the rest are runtime choices or loss weights).
@@ -63,7 +63,7 @@ def check_layout(step_cfg, feed_cfg, mesh, process_count: int) -> None:
                           f"(model.num_layers={model.num_layers}, "
                           f"model.num_dense_layers={model.num_dense_layers})")
     try:
-        backend = resolve_backend(model.expert_backend, mesh, model.num_experts)
+        backend = expert_registry.resolve(model.expert_backend, mesh, model.num_experts)
     except ValueError as e:
         raise ConfigError(f"model.expert_backend: {e}") from e
     if backend not in EP_BACKENDS or not model.num_moe_layers:

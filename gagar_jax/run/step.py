@@ -28,11 +28,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from gagar_jax.algo import loss as loss_lib
 from gagar_jax import sharding as shd
 from gagar_jax.algo.advantage import GroupOutcomes, check_invariants_of
-from gagar_jax.kernels.attention.blockwise import resolve_impl
 from gagar_jax.batch import Batch
 from gagar_jax.model.logprobs import token_logprobs
-from gagar_jax.model.transformer import ModelConfig, Transformer
-from gagar_jax.model.moe import RouterBias, resolve_backend, update_router_bias
+from gagar_jax.model.transformer import ModelConfig, Transformer, resolve_kernels
+from gagar_jax.model.moe import RouterBias, update_router_bias
 from gagar_jax.run.optim import OptimConfig, make_optimizer, make_schedule
 from gagar_jax.algo.step_metrics import RouterStats, UpdateStats, step_metrics
 
@@ -144,15 +143,12 @@ def abstract_train_state(cfg: StepConfig, mesh=None):
 
     Args:
       cfg: the StepConfig.
-      mesh: the mesh the step runs on; "auto" expert backend and attention are resolved for
-        its devices (`moe.resolve_backend`, `attention.resolve_impl`) and fixed in the graphdef.
+      mesh: the mesh the step runs on; "auto" kernel choices are resolved for its devices
+        (`transformer.resolve_kernels`, the one place) and fixed in the graphdef.
     Returns:
       (abstract TrainState of jax.ShapeDtypeStruct, graphdef).
     """
-    m = cfg.model
-    model_cfg = dataclasses.replace(
-        m, expert_backend=resolve_backend(m.expert_backend, mesh, m.num_experts),
-        attention=resolve_impl(m.attention, mesh))
+    model_cfg = resolve_kernels(cfg.model, mesh)
     graphdef = split_model(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))[0]
     abstract = jax.eval_shape(functools.partial(_init_state, cfg=cfg), jax.random.PRNGKey(0))
     return abstract, graphdef

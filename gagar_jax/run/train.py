@@ -282,7 +282,7 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
         raise ConfigError(f"mesh: {e}") from e
     model_cfg = rc.step.model
     check_layout(rc.step, rc.feed, mesh, pcount)
-    if rc.train.publish_every and model_cfg.export_family is None:
+    if rc.train.publish_every and hf_families.resolve_family(model_cfg) is None:
         raise ConfigError(f"train.publish_every={rc.train.publish_every}: "
                           f"{hf_families.export_error(model_cfg)}")
     # checkpoint_every = 0: only the forced saves (end of run, SIGTERM).

@@ -24,8 +24,8 @@ a window from crossing into the previous segment.
 Attention sinks (`sinks_H`, gpt-oss / MiMo-V2-Flash): one learned logit per head that joins every
 softmax denominator and contributes no value: p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k)).
 
-On TPU the same contract is served by the Pallas splash kernel (`attention_splash.py`);
-`attention(..., impl="auto")` picks it from the platform of the mesh's devices (`resolve_impl`).
+On TPU the same contract is served by the Pallas splash kernel (`splash.py`); `registry.py`
+holds the kernels and chooses one.
 
 Shapes: q [B, S, H, Dh], k [B, S, Kv, Dh], v [B, S, Kv, Dv] with H a multiple of Kv (grouped-query
 attention); the value head width Dv may differ from the q/k width Dh (MiMo: 192 / 128). Scores
@@ -38,8 +38,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gagar_jax import sharding
-from gagar_jax.kernels.attention import splash as attention_splash
 from gagar_jax.kernels.attention.checks import check_qkv
 
 _NEG = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of inf - inf
@@ -310,41 +308,3 @@ def blockwise_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, blo
     sink = sinks_H if has_sink else jnp.zeros((H,), jnp.float32)
     d = jnp.asarray(q_offset, jnp.int32)
     return _flash(q, k, v, seg_q, seg_k, sink, d, blk, int(window), has_sink)[:, :S]
-
-
-IMPLS = ("auto", "blockwise", "plain", "splash")   # the values `model.attention` accepts
-# platform -> the "auto" choice. GPU keeps blockwise: jax's cuDNN attention has no segment ids.
-AUTO_IMPLS = {"cpu": "blockwise", "gpu": "blockwise", "tpu": "splash"}
-
-
-def resolve_impl(impl: str, mesh=None) -> str:
-    """`impl` itself, or for "auto" the path for the platform of the mesh's devices.
-
-    Args:
-      impl: one of `IMPLS`.
-      mesh: a `Mesh` (default: the ambient one); its devices' platform decides
-        (`sharding.device_platform`), so an ahead-of-time TPU compile on a CPU host gets splash,
-        with or without a context axis (there it is the per-shard kernel,
-        `attention_context.py`).
-    """
-    if impl not in IMPLS:
-        raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
-    if impl != "auto":
-        return impl
-    return AUTO_IMPLS.get(sharding.device_platform(mesh), "blockwise")
-
-
-def attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, impl: str = "auto",
-              block: int = 512, window: int = 0, sinks_H=None):
-    """Dispatch on `impl` (see `IMPLS`; "auto" = `resolve_impl` on the ambient mesh);
-    `window` (0 = full causal) and `sinks_H` as in `plain_attention`."""
-    impl = resolve_impl(impl)
-    if impl == "blockwise":
-        return blockwise_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, block=block,
-                                   window=window, sinks_H=sinks_H)
-    if impl == "splash":
-        return attention_splash.splash_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD,
-                                                 segment_ids_BxS, block=block,
-                                                 window=int(window) or None, sinks_H=sinks_H)
-    return plain_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, window=window,
-                           sinks_H=sinks_H)

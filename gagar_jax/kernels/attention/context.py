@@ -4,7 +4,7 @@ With context parallelism (`sharding.LOGICAL_RULES["seq"] = "context"`, n = the a
 holds rows [r * S / n, (r + 1) * S / n) of every sequence: its queries, keys, values and segment
 ids. Everything else in the model is per token; attention alone reads other chips' keys. Inside a
 `jax.shard_map` over the mesh, each chip gathers the keys its queries can see and runs an
-ordinary per-shard attention kernel on them (`LOCAL_KERNELS`), told where its first query sits
+ordinary per-shard attention kernel on them (`registry.py`), told where its first query sits
 among the keys (`q_offset`); segment ids travel with the keys, so packing masks, causality and
 sinks hold across chip boundaries exactly as on one chip.
 
@@ -20,14 +20,12 @@ sinks hold across chip boundaries exactly as on one chip.
   so each chip receives just those rows, from the chip(s) before it (`ppermute`, as many hops
   as W - 1 spans chunks). The first chip receives segment id -1 (no key) there.
 
-The per-shard kernel is pluggable (`LOCAL_KERNELS`): any function with the contract of
-`attention.blockwise_attention` (keys of their own length via `kv_segment_ids_BxK`, the key
-index of the first query as `q_offset`). `impl="auto"` picks it from the platform of the mesh's
-devices (`attention.resolve_impl`): the Pallas splash kernel on TPU
-(`attention_splash.splash_local_attention`), blockwise elsewhere. Splash's masks are static, so
-where a chip's offset depends on its `axis_index` (full layers) the kernel is also given the
-offsets the chips can have (`q_offsets`) and builds one masked kernel per value, chosen by
-`lax.switch`; sliding layers' offset (the halo length) is the same on every chip.
+The per-shard kernel is any record of `registry.KERNELS` (its `local` function, with the
+contract of `blockwise.blockwise_attention`: keys of their own length via `kv_segment_ids_BxK`,
+the key index of the first query as `q_offset`). A kernel that declares `static_offset` (splash:
+its masks are static) is also given, where a chip's offset depends on its `axis_index` (full
+layers), the offsets the chips can have (`q_offsets`), and builds one masked kernel per value,
+chosen by `lax.switch`; sliding layers' offset (the halo length) is the same on every chip.
 """
 from __future__ import annotations
 
@@ -37,16 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from gagar_jax.kernels.attention import blockwise as attention_lib
 from gagar_jax import sharding
-from gagar_jax.kernels.attention import splash as attention_splash
-
-# resolved impl -> per-shard kernel under context parallelism ("auto": `attention.resolve_impl`).
-LOCAL_KERNELS = {"blockwise": attention_lib.blockwise_attention,
-                 "plain": attention_lib.plain_attention,
-                 "splash": attention_splash.splash_local_attention}
-# Kernels whose query offset must be static: a traced one comes with the values it can take.
-_STATIC_OFFSET = (attention_splash.splash_local_attention,)
+from gagar_jax.kernels.attention import registry
 
 
 def _specs(q, k, mesh):
@@ -107,40 +97,35 @@ def _balanced_full(kernel, q, k_all, v_all, seg, seg_all, axis: str, n: int, sin
         seg_j = jax.lax.ppermute(seg[:, part], axis, perm)
         # Chip r receives half-chunk r from the even-or-odd set of r's parity, else 2n - 1 - r.
         h = jnp.where(r % 2 == j, r, 2 * n - 1 - r)
-        if kernel in _STATIC_OFFSET:  # h is a half-chunk 2s + j: one of n values
+        if kernel.static_offset:  # h is a half-chunk 2s + j: one of n values
             kw = {**kw, "q_offsets": tuple(c * half for c in range(j, 2 * n, 2))}
-        o_j = kernel(q_j, k_all, v_all, seg_j, kv_segment_ids_BxK=seg_all, q_offset=h * half,
+        o_j = kernel.local(q_j, k_all, v_all, seg_j, kv_segment_ids_BxK=seg_all, q_offset=h * half,
                      window=0, sinks_H=sinks, **kw)
         outs.append(jax.lax.ppermute(o_j, axis, back))
     return jnp.concatenate(outs, axis=1)
 
 
-def attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, impl: str = "auto",
+def attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, impl: str,
               block: int = 512, window: int = 0, sinks_H=None, balance: bool = True):
-    """`attention.attention` with rows split along S over the ambient mesh's context axis.
+    """`registry.attention` with rows split along S over the ambient mesh's context axis.
 
     Without a context axis larger than 1 (or when S does not split over it) this is exactly
-    `attention.attention`. Arguments as there; `impl` names the per-shard kernel
-    (`LOCAL_KERNELS`; "auto": splash for a mesh of TPUs, blockwise elsewhere, as without a
-    context axis).
+    `registry.attention`. Arguments as there; `impl` names a resolved kernel of
+    `registry.KERNELS` ("auto" is an error: `registry.resolve` it when the model is built).
     `balance`: full layers compute zig-zag placed query halves (`_balanced_full`), so every chip
     does the same causal work; False keeps each chip on its own queries.
     """
     mesh = jax.sharding.get_abstract_mesh()
+    kernel = registry.get(impl)
     n = sharding.axis_size("seq", mesh)
     specs = _specs(q_BxSxHxD, k_BxSxKxD, mesh) if n > 1 else None
     if specs is None:
-        return attention_lib.attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS,
-                                       impl=impl, block=block, window=window, sinks_H=sinks_H)
-    kernel = LOCAL_KERNELS[attention_lib.resolve_impl(impl, mesh)]  # resolve_impl checks impl
+        return registry.attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS,
+                                  impl=impl, block=block, window=window, sinks_H=sinks_H)
     q_spec, k_spec = specs
     (axis,) = sharding.mesh_axes("seq", mesh)
     seg_spec, has_sink = P(q_spec[0], q_spec[1]), sinks_H is not None
-    kw = {}
-    if kernel is attention_lib.blockwise_attention:
-        kw = {"block": block}
-    elif kernel is attention_splash.splash_local_attention:  # compiled for TPU, else interpreted
-        kw = {"block": block, "interpret": sharding.device_platform(mesh) != "tpu"}
+    kw = kernel.kwargs(block, sharding.device_platform(mesh))
 
     def local(q, k, v, seg, sinks):
         chunk, kw_offsets = q.shape[1], {}
@@ -157,9 +142,9 @@ def attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, impl: str = "
                 return _balanced_full(kernel, q, k_all, v_all, seg, seg_all, axis, n,
                                       sinks if has_sink else None, kw)
             offset = jax.lax.axis_index(axis) * chunk
-            if kernel in _STATIC_OFFSET:
+            if kernel.static_offset:
                 kw_offsets = {"q_offsets": tuple(c * chunk for c in range(n))}
-        return kernel(q, k_all, v_all, seg, kv_segment_ids_BxK=seg_all, q_offset=offset,
+        return kernel.local(q, k_all, v_all, seg, kv_segment_ids_BxK=seg_all, q_offset=offset,
                       window=window, sinks_H=sinks if has_sink else None, **kw, **kw_offsets)
 
     sinks = sinks_H if has_sink else jnp.zeros((q_BxSxHxD.shape[2],), jnp.float32)

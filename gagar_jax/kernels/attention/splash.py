@@ -143,7 +143,7 @@ def splash_local_attention(q_BxSxHxD, k_BxKxKvxD, v_BxKxKvxD, segment_ids_BxS, *
                            kv_segment_ids_BxK=None, q_offset=0, q_offsets=None, window: int = 0,
                            sinks_H=None, block: int = 512, interpret: Optional[bool] = None):
     """The splash kernel on one shard, with the per-shard contract of
-    `attention.blockwise_attention` (context parallelism, `attention_context.LOCAL_KERNELS`):
+    `attention.blockwise_attention` (context parallelism, its `local` in `registry.py`):
     queries against keys of their own length K with their own segment ids, the first query at
     key index `q_offset`.
 

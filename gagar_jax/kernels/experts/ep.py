@@ -108,7 +108,7 @@ def ep_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
     """Expert-parallel routed SwiGLU, gather design (same math as `experts.dense_ffn`).
 
     Args:
-      x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK: as `moe.expert_ffn`.
+      x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK: as `registry.expert_ffn`.
       mesh: a `Mesh`/`AbstractMesh`; default the ambient one (`jax.set_mesh(mesh)`).
       block, big_block: grouped-matmul chunk rows (see `experts.grouped_ffn`).
     Returns:
@@ -159,18 +159,15 @@ def _chunks(num_tokens: int, requested: Optional[int], n_dev: int) -> int:
     return max(c for c in range(1, min(want, num_tokens) + 1) if num_tokens % c == 0)
 
 
-LOCAL_FFNS = ("auto", "grouped", "megablox")   # ep_a2a's per-device expert FFN
+LOCAL_FFNS = ("grouped", "megablox")   # ep_a2a's per-device expert FFN
 
 
-def _local_ffn(local: str, platform: str, gate_ExDxF, block: int, big_block: int,
+def _local_ffn(local: str, platform: str, block: int, big_block: int,
                interpret: Optional[bool]):
-    """(FFN, is a Pallas kernel) for `ep_a2a`: "auto" = megablox when compiling for TPU at
-    widths its kernels lower for, else grouped."""
+    """(FFN, is a Pallas kernel) for `ep_a2a` (`registry.resolve_local` chooses for "auto")."""
     if local not in LOCAL_FFNS:
-        raise ValueError(f"ep_a2a local={local!r}; expected one of {LOCAL_FFNS}")
-    if local == "auto":
-        fits = experts_megablox.lowers_on_tpu(*gate_ExDxF.shape[1:])
-        local = "megablox" if platform == "tpu" and fits else "grouped"
+        raise ValueError(f"ep_a2a local={local!r}; expected one of {LOCAL_FFNS} (an 'auto' is "
+                         f"resolved by kernels.experts.registry.resolve_local)")
     if local == "megablox":
         return functools.partial(experts_megablox.local_ffn,
                                  interpret=platform != "tpu" if interpret is None else interpret), True
@@ -179,7 +176,7 @@ def _local_ffn(local: str, platform: str, gate_ExDxF, block: int, big_block: int
 
 def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
                mesh=None, block: int = 32, big_block: int = 256, chunks: Optional[int] = None,
-               exchange=jax.lax.ragged_all_to_all, local: str = "auto",
+               exchange=jax.lax.ragged_all_to_all, local: str = "grouped",
                interpret: Optional[bool] = None) -> jax.Array:
     """Expert-parallel routed SwiGLU, all-to-all design (TPU/GPU; see the module docstring).
 
@@ -193,16 +190,16 @@ def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
         lowered to a divisor of the local token count); exchange: the ragged all-to-all
         collective (tests pass `emulated_ragged_all_to_all` to run on CPU); local: the
         per-device expert FFN on the received rows, "grouped" (`experts.grouped_ffn`),
-        "megablox" (`experts_megablox.local_ffn`) or "auto" (megablox when compiling for TPU
-        and D, F suit its kernels: `experts_megablox.lowers_on_tpu`);
+        "megablox" (`megablox.local_ffn`); the model's `ep_local_ffn` "auto" is resolved by
+        `registry.resolve_local` (megablox when compiling for TPU at widths it lowers for);
         interpret: Pallas interpret mode of megablox (None: unless compiling for TPU).
     Returns:
       y_TxD, sharded like the tokens.
     """
     lay = _layout(mesh, x_TxD.shape[0], gate_ExDxF, "ep_a2a")
     ax = lay.expert_axis
-    expert_ffn, kernel = _local_ffn(local, sharding.device_platform(lay.mesh), gate_ExDxF,
-                                    block, big_block, interpret)
+    expert_ffn, kernel = _local_ffn(local, sharding.device_platform(lay.mesh), block, big_block,
+                                    interpret)
 
     def one_chunk(x, wg, wu, wd, idx, w):
         t, k = idx.shape

@@ -6,7 +6,7 @@ Stacked weights: `gate_ExDxF`, `up_ExDxF`, `down_ExFxD`. An expert id outside `[
 means "no expert": that assignment contributes zero (expert parallelism uses this for experts
 that live on other devices; callers may use it to skip padding tokens).
 
-Backends (the table `moe.BACKENDS` picks one per config; all dropless except `capacity`):
+Backends (`registry.py` picks one per config; all dropless except `capacity`):
   * `dense`    every expert on every token; the test oracle (E times the useful FLOPs).
   * `ragged`   sort by expert, `jax.lax.ragged_dot`, unsort by gather. Native on TPU/GPU; XLA:CPU
                runs ragged_dot as a masked loop over all groups, so it is slow there.

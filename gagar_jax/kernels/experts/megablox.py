@@ -21,7 +21,7 @@ Under a mesh whose token axes are larger than 1, the kernel runs per shard insid
 (a Pallas call has no SPMD partitioning rule: left to the partitioner it would gather every
 token onto every device): tokens stay on their shard, experts are whole on each shard except F
 split over 'tensor', whose partial sums are added with a psum. Expert parallelism is
-`ep_a2a` with this function as its local FFN (`moe.BACKENDS["ep_a2a_megablox"]`).
+`ep_a2a` with this function as its local FFN (`ep_local_ffn="megablox"`).
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def megablox_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, 
     """Dropless routed SwiGLU with the megablox kernels (same math as `experts.dense_ffn`).
 
     Args:
-      x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK: as `moe.expert_ffn`.
+      x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK: as `registry.expert_ffn`.
       mesh: the mesh (default the ambient one); token axes > 1 run the kernel per shard.
       tiling: (rows, contraction, output) tile sizes of the kernels.
       interpret: Pallas interpret mode (None: unless compiling for TPU).
