@@ -29,13 +29,10 @@ from typing import Any, Mapping
 
 from etils import epath
 
+from gagar_jax.distributed import is_remote
+
 log = logging.getLogger(__name__)
 SEGMENT_BYTES = 1 << 20     # object stores: largest open segment (bounds each flush's upload)
-
-
-def is_remote(path: Any) -> bool:
-    """True for object-store paths (gs://, s3://, ...): no append, truncate, rename or fsync."""
-    return "://" in str(path)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ import numpy as np
 from etils import epath
 
 from gagar_jax.feed import packed, schema
-from gagar_jax.feed.shards import is_remote
+from gagar_jax.distributed import is_remote
 from gagar_jax.feed.sources import ShardReader, shard_encoding
 
 

@@ -17,7 +17,7 @@ from typing import Sequence
 
 from etils import epath
 
-from gagar_jax.audit_file import is_remote
+from gagar_jax.distributed import is_remote
 
 
 @dataclasses.dataclass

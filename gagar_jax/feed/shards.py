@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 from etils import epath
 
+from gagar_jax.distributed import is_remote
 from gagar_jax.feed.deadletter import PREFIX_BYTES, Oversized
 
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -49,11 +50,6 @@ class SourceEvents:
 
     def idle(self) -> None:
         """The source has nothing to hand out right now (called before each idle wait)."""
-
-
-def is_remote(path: Any) -> bool:
-    """True for object-store paths (gs://, s3://): no POSIX stat, locks or truncation there."""
-    return "://" in str(path)
 
 
 def shard_encoding(path: epath.PathLike) -> str:

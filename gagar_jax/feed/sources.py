@@ -15,10 +15,11 @@ from typing import Any, Callable, Iterable, Optional
 
 from etils import epath
 
+from gagar_jax.distributed import is_remote
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.multihost import broadcast_from_process0
 from gagar_jax.feed.shards import (ARRAYRECORD_SUFFIXES, DONE_MARKER, JSONL_SUFFIXES,  # noqa: F401
-                                   RawRecord, ShardReader, SourceEvents, is_remote, open_shard,
+                                   RawRecord, ShardReader, SourceEvents, open_shard,
                                    read_next, shard_encoding)
 
 

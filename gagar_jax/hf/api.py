@@ -25,9 +25,9 @@ import jax
 import numpy as np
 from etils import epath
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from gagar_jax import sharding
+from gagar_jax.distributed import barrier, is_primary
 from gagar_jax.hf import families as hf_families
 from gagar_jax.hf import load as hf_load
 from gagar_jax.hf import save as hf_save
@@ -95,11 +95,6 @@ def carried_shapes(path) -> dict:
             if any(n.startswith(p) for p in family.carried_prefixes)}
 
 
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
-
-
 def save_pretrained(model: Transformer, path, max_shard_bytes: int = 5 * 2**30, *,
                     dtype: str = "float32", carry_from: str = "") -> None:
     """Writes config.json and safetensors (sharded with an index above `max_shard_bytes` or on
@@ -123,11 +118,11 @@ def save_pretrained(model: Transformer, path, max_shard_bytes: int = 5 * 2**30, 
     if carry_from:
         share.update(hf_save.read_carried(plan, carry_from))
     out = epath.Path(path)
-    if jax.process_index() == 0:
+    if is_primary():
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(config, indent=2))
-    _barrier("gagar_save_pretrained_dir")
+    barrier("gagar_save_pretrained_dir")
     hf_save.write_share(share, plan, out, jax.process_index())
-    _barrier("gagar_save_pretrained_files")
-    if jax.process_index() == 0:
+    barrier("gagar_save_pretrained_files")
+    if is_primary():
         hf_save.write_index(plan, out)

@@ -24,6 +24,8 @@ import ml_dtypes
 import numpy as np
 from etils import epath
 
+from gagar_jax.distributed import is_remote
+
 INDEX_FILE = "model.safetensors.index.json"
 ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
              "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32,
@@ -116,7 +118,7 @@ class Checkpoint:
         if out.size == 0:
             return out
         base = start + e["data_offsets"][0]
-        if "://" not in os.fspath(fname):   # local file: map it, copy only the box (in C)
+        if not is_remote(fname):   # local file: map it, copy only the box (in C)
             mm = np.memmap(os.fspath(fname), np.uint8, "r", offset=0)
             try:
                 whole = mm[base:base + e["data_offsets"][1] - e["data_offsets"][0]]

@@ -36,7 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from gagar_jax.audit_file import is_remote
+from gagar_jax.distributed import barrier, is_primary, is_remote
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +96,6 @@ def _check_abstract(abstract_state: Any) -> None:
             raise ValueError(
                 "abstract_state: every leaf must be a jax.ShapeDtypeStruct (or jax.Array) with a "
                 f"sharding; leaf {jax.tree_util.keystr(path)} has none")
-
-
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        ocp.multihost.sync_global_processes(name)
 
 
 class Checkpointer:
@@ -276,7 +271,7 @@ class Checkpointer:
 
         Object stores have no rename: there the bad step is deleted (and the warning says so).
         """
-        if jax.process_index() == 0:
+        if is_primary():
             src = epath.Path(self.directory) / str(step)
             if src.exists() and is_remote(self.directory):
                 src.rmtree()
@@ -285,5 +280,5 @@ class Checkpointer:
                 dst = src.parent / f"{src.name}.corrupt-{int(time.time())}"
                 src.replace(dst)
                 log.warning("moved unusable checkpoint %s to %s", src, dst)
-        _barrier(f"gagar_checkpoint_quarantine_{step}")
+        barrier(f"gagar_checkpoint_quarantine_{step}")
         self._manager.reload()

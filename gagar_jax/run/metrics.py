@@ -30,7 +30,8 @@ from etils import epath
 
 from gagar_jax.algo.advantage import GroupOutcomes
 from gagar_jax.algo.step_metrics import GroupAudit
-from gagar_jax.audit_file import AuditFile, AuditPosition, is_remote, truncate_to  # noqa: F401
+from gagar_jax.audit_file import AuditFile, AuditPosition, truncate_to  # noqa: F401
+from gagar_jax.distributed import is_primary, is_remote
 from gagar_jax.run.fingerprint import params_fingerprint, params_l2, params_sha256  # noqa: F401
 from gagar_jax.feed.batcher import BatchInfo
 from gagar_jax.sharding import leaf_path
@@ -189,7 +190,7 @@ class MetricsWriter:
                  enabled: Optional[bool] = None,
                  resume: Optional[Mapping[str, AuditPosition]] = None,
                  purge_step: Optional[int] = None):
-        self.enabled = jax.process_index() == 0 if enabled is None else enabled
+        self.enabled = is_primary() if enabled is None else enabled
         self.workdir = epath.Path(workdir)
         self._files: dict = {}
         self._tb = None
@@ -285,7 +286,7 @@ class Progress:
     def __init__(self, total: int, initial: int = 0, *, enabled: Optional[bool] = None,
                  file: Any = None):
         from tqdm.auto import tqdm
-        on = jax.process_index() == 0 if enabled is None else enabled
+        on = is_primary() if enabled is None else enabled
         self._bar = tqdm(total=total, initial=initial, disable=not on, unit="step",
                          dynamic_ncols=True, file=file)
 

@@ -41,8 +41,8 @@ from typing import Any, Callable, Optional
 
 import jax
 from etils import epath
-from jax.experimental import multihost_utils
 
+from gagar_jax.distributed import barrier, is_primary, is_remote, kv_client
 from gagar_jax.hf import api as hf
 from gagar_jax.hf import save as hf_save
 
@@ -59,23 +59,10 @@ SERVING_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
                  "chat_template.jinja", "generation_config.json")
 
 
-def _is_primary() -> bool:
-    return jax.process_index() == 0
-
-
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
-
-
-def _is_local(path) -> bool:
-    return "://" not in os.fspath(path)
-
-
 def root_of(workdir) -> epath.Path:
     """`<workdir>/published` (absolute for a local workdir)."""
     w = os.fspath(workdir)
-    return epath.Path(os.path.abspath(w) if _is_local(w) else w) / PUBLISH_DIR
+    return epath.Path(os.path.abspath(w) if not is_remote(w) else w) / PUBLISH_DIR
 
 
 def step_dir_name(step: int) -> str:
@@ -101,7 +88,7 @@ def read_latest(workdir) -> Optional[dict]:
 
 def _write_pointer(root: epath.Path, obj: dict) -> None:
     text = json.dumps(obj)
-    if not _is_local(root):   # an object write replaces the whole object at once
+    if is_remote(root):   # an object write replaces the whole object at once
         (root / POINTER).write_text(text)
         return
     path = os.path.join(os.fspath(root), POINTER)
@@ -159,14 +146,14 @@ def publish_weights(model: Any, step: int, workdir, save_fn: Callable[[Any, str]
     _check(step, keep)
     root = root_of(workdir)
     final = root / step_dir_name(step)
-    if _is_primary():
+    if is_primary():
         _prepare(root, step)
-    _barrier(f"gagar_publish_start_{step}")
+    barrier(f"gagar_publish_start_{step}")
     save_fn(model, os.fspath(final))
-    _barrier(f"gagar_publish_written_{step}")
-    if _is_primary():
+    barrier(f"gagar_publish_written_{step}")
+    if is_primary():
         _finish(root, final, step, keep)
-    _barrier(f"gagar_publish_done_{step}")
+    barrier(f"gagar_publish_done_{step}")
     return os.fspath(final)
 
 
@@ -185,14 +172,9 @@ def hf_save_fn(init_from: str = "", dtype: str = "bfloat16") -> Callable[[Any, s
     the tokenizer files, generation_config.json and carried tensors (MiMo MTP) of `init_from`."""
     def save(model, directory: str) -> None:
         hf.save_pretrained(model, directory, dtype=dtype, carry_from=init_from)
-        if init_from and _is_primary():
+        if init_from and is_primary():
             copy_serving_files(init_from, directory)
     return save
-
-
-def _kv_client():
-    from jax._src import distributed   # the coordination service's client (no device work)
-    return distributed.global_state.client
 
 
 class Publisher:
@@ -237,11 +219,11 @@ class Publisher:
             self._plan = hf_save.plan_save(leaves, model.cfg, jax.process_count(), self.dtype,
                                            carried, self.max_shard_bytes)
         final = self.root / step_dir_name(step)
-        if _is_primary():
+        if is_primary():
             _prepare(self.root, step)
             (final / "config.json").write_text(json.dumps(hf.config_to_hf(model.cfg, self.dtype),
                                                           indent=2))
-        _barrier(f"gagar_publish_start_{step}")
+        barrier(f"gagar_publish_start_{step}")
         share = hf_save.gather_share(leaves, self._plan)   # device-to-host: training waits here
         self._count += 1
         self._thread = threading.Thread(target=self._write, args=(share, step, final, self._count),
@@ -251,7 +233,7 @@ class Publisher:
 
     def _write(self, share: dict, step: int, final: epath.Path, count: int) -> None:
         key = f"gagar_publish/{count}/"
-        client = _kv_client() if jax.process_count() > 1 else None
+        client = kv_client() if jax.process_count() > 1 else None
         try:
             if self.init_from:
                 share.update(hf_save.read_carried(self._plan, self.init_from))
@@ -263,7 +245,7 @@ class Publisher:
             self._error, status, nbytes = e, f"process {jax.process_index()}: {e!r}", 0
         del share
         self.last_bytes = nbytes
-        if client is not None and not _is_primary():
+        if client is not None and not is_primary():
             client.key_value_set(key + str(jax.process_index()), status)
             return
         try:

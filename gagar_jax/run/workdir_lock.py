@@ -28,6 +28,8 @@ import socket
 import time
 from typing import Optional
 
+from gagar_jax.distributed import is_remote, kv_client
+
 LOCK_NAME = "gagar.lock"
 _KEY = "gagar_jax/workdir_lock"
 _held: dict = {}            # realpath(workdir) -> WorkdirLock held by this process
@@ -74,7 +76,7 @@ def acquire(workdir: str, *, wait_s: float = 0.0,
     Raises:
       LockHeld: still held by another process after `wait_s`.
     """
-    if "://" in str(workdir):
+    if is_remote(workdir):
         if str(workdir) not in _warned:
             _warned.add(str(workdir))
             logging.getLogger(__name__).warning(
@@ -127,8 +129,7 @@ def agree(error: Optional[str], process_index: int, *, timeout_s: float = 300.0)
     Returns:
       None if process 0 holds the lock, else its one-line error.
     """
-    from jax._src import distributed   # the coordination service's client (no device work)
-    client = distributed.global_state.client
+    client = kv_client()
     if client is None:
         return error
     if process_index == 0:

@@ -1,0 +1,43 @@
+"""Multi-host helpers, in one place: which process leads, a barrier, the coordination service's
+key-value store, and whether a path is on an object store.
+
+Nothing here imports JAX at module import: the workdir lock uses this module before JAX starts
+(`run/workdir_lock.py`), and the rollout side runs where JAX is not installed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def is_remote(path: Any) -> bool:
+    """True for an object-store path (`gs://...`, any `scheme://`): no append, truncate, rename
+    or fsync there. False for a local one."""
+    return "://" in str(path)
+
+
+def is_primary() -> bool:
+    """Whether this is process 0, the one that writes shared files (metrics, pointers, markers)."""
+    import jax
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Blocks until every process reaches the barrier `name` (a no-op with one process).
+
+    JAX's own barrier (`multihost_utils.sync_global_devices`): a tiny all-reduce over every
+    device, so a name may be reused, unlike the coordination service's named barriers."""
+    import jax
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def kv_client():
+    """The coordination service's key-value client (None without `jax.distributed`).
+
+    JAX exposes it only as `jax._src.distributed.global_state.client`; it is the one way for
+    processes to exchange small strings (the workdir lock's verdict, the publisher's step
+    counter) without device work, so this private import lives here alone and a JAX upgrade that
+    moves it breaks one function."""
+    from jax._src import distributed
+    return distributed.global_state.client
