@@ -4,7 +4,7 @@
                 top_k=...)
     while (item := feed.next_batch(step)) is not None:
         batch, info = item            # numpy Batch: this process's rows, all T/G arrays
-        ...train...; feed.ledger.record_trained(info.group_ids, fallback_G, capped_G)
+        ...train...; feed.record_trained(info.group_ids, fallback_G, capped_G)
         save(checkpoint, feed_state=feed.state())
     feed.finish()
 
@@ -14,6 +14,7 @@ dead_letter.jsonl), drop stale and uniform-outcome groups, and add whole groups 
 """
 from __future__ import annotations
 
+import logging
 import dataclasses
 import json
 import math
@@ -34,6 +35,8 @@ from gagar_jax.feed.multihost import agree_across_processes
 from gagar_jax.feed.sources import SourceEvents, make_source
 from gagar_jax.feed.validate import (ModelShape, ParsedGroup, Reason, Rejected,
                                      classify_decode_error, validate_group)
+
+LOG = logging.getLogger(__name__)   # only the CLI configures logging
 
 STATE_VERSION = 2            # 1: seen_group_ids was a list (still restored)
 SEEN_IDS_MAX = 1_000_000     # hard cap on remembered group ids (oldest versions go first)
@@ -92,7 +95,7 @@ class Feed:
                  num_moe_layers: int = 0, top_k: int = 0, num_experts: Optional[int] = None,
                  source: Any = None, factor_table: Any = None, process_index: int = 0,
                  process_count: int = 1, rows: Optional[slice] = None,
-                 cols: Optional[slice] = None, log: Callable[[str], None] = print,
+                 cols: Optional[slice] = None, log: Callable[[str], None] = LOG.info,
                  agree: Optional[Callable[[dict], dict]] = None):
         self.cfg = cfg
         self.shape = ModelShape(vocab_size, num_moe_layers, top_k, num_experts)

@@ -8,6 +8,7 @@ directory, a symlink to /dev/zero, a FIFO) or cannot be read is skipped and repo
 """
 from __future__ import annotations
 
+import logging
 import dataclasses
 import hashlib
 import os
@@ -18,6 +19,8 @@ from etils import epath
 
 from gagar_jax.distributed import is_remote
 from gagar_jax.feed.deadletter import PREFIX_BYTES, Oversized
+
+LOG = logging.getLogger(__name__)   # only the CLI configures logging
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 ARRAYRECORD_SUFFIXES = (".arrayrecord", ".array_record")
@@ -36,7 +39,7 @@ class SourceEvents:
     """What a source reports besides records. The `Feed` replaces this with one that also
     counts shards in its ledger; this default only logs."""
 
-    def __init__(self, log: Callable[[str], None] = print):
+    def __init__(self, log: Callable[[str], None] = LOG.info):
         self.log = log
 
     def skipped(self, path: str, kind: str, detail: str) -> None:

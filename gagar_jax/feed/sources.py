@@ -8,6 +8,7 @@ Paths go through `etils.epath` (local disk, GCS, S3). Sources never crash on wha
 """
 from __future__ import annotations
 
+import logging
 import os
 import stat as stat_lib
 import time
@@ -21,6 +22,8 @@ from gagar_jax.feed.multihost import broadcast_from_process0
 from gagar_jax.feed.shards import (ARRAYRECORD_SUFFIXES, DONE_MARKER, JSONL_SUFFIXES,  # noqa: F401
                                    RawRecord, ShardReader, SourceEvents, open_shard,
                                    read_next, shard_encoding)
+
+LOG = logging.getLogger(__name__)   # only the CLI configures logging
 
 
 def _glob(pattern: str) -> list:
@@ -106,7 +109,7 @@ class SpoolSource:
     """
 
     def __init__(self, directory: str, *, poll_s: float = 1.0, timeout_s: float = 0.0,
-                 log_every_s: float = 30.0, log: Callable[[str], None] = print,
+                 log_every_s: float = 30.0, log: Callable[[str], None] = LOG.info,
                  agree: Optional[Callable[[dict], dict]] = None,
                  stop: Optional[Callable[[], bool]] = None, settle_s: float = 0.0,
                  max_record_bytes: int = 4_000_000):
@@ -266,7 +269,7 @@ class IteratorSource:
         self.consumed = int(state["consumed"])
 
 
-def make_source(cfg: FeedConfig, *, process_count: int = 1, log: Callable[[str], None] = print,
+def make_source(cfg: FeedConfig, *, process_count: int = 1, log: Callable[[str], None] = LOG.info,
                 stop: Optional[Callable[[], bool]] = None):
     """The source `cfg` names: the spool directory if set, else the file/glob `path`.
 

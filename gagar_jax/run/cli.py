@@ -16,6 +16,7 @@ so that an installed libtpu is never probed (it prints E0000 lines on CPU-only m
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import sys
 import traceback
@@ -186,6 +187,10 @@ def _config_path(argv) -> str | None:
 def main(argv=None) -> int:
     argv = list(sys.argv if argv is None else argv)
     from absl import flags
+
+    # The one place that configures logging: library modules only log (stderr), stdout keeps
+    # the JSON summary.
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     path = _config_path(argv)
     if path is None and os.path.isfile(_REPO_CONFIG):  # the embedded default

@@ -17,6 +17,7 @@ import math
 from etils import epath
 
 from gagar_jax.config import ConfigError
+from gagar_jax.hf import families as hf_families
 from gagar_jax.hf.config_json import config_from_hf
 from gagar_jax.kernels.experts import registry as expert_registry
 from gagar_jax.sharding import axis_size, mesh_axes
@@ -30,6 +31,24 @@ ARCHITECTURE_FIELDS = (
     "attention_value_scale", "partial_rotary_factor", "sliding_rope_theta", "qk_norm", "n_group",
     "topk_group", "routed_scaling_factor")
 EP_BACKENDS = ("ep", "ep_a2a")     # expert backends that shard_map over the expert axis
+
+
+def check_run(step_cfg, feed_cfg, train_cfg) -> None:
+    """The rules that need no mesh: the feed file exists, publishing has a family to write.
+
+    Raises:
+      ConfigError naming the key.
+    """
+    if feed_cfg.path and not any(ch in feed_cfg.path for ch in "*?[") and not epath.Path(
+            feed_cfg.path).exists():
+        raise ConfigError(f"feed.path: no such file: {feed_cfg.path}")
+    try:
+        family = hf_families.resolve_family(step_cfg.model)
+    except ValueError as e:   # an explicit model.hf_family that cannot express the model
+        raise ConfigError(str(e)) from e
+    if train_cfg.publish_every and family is None:
+        raise ConfigError(f"train.publish_every={train_cfg.publish_every}: "
+                          f"{hf_families.export_error(step_cfg.model)}")
 
 
 def check_layout(step_cfg, feed_cfg, mesh, process_count: int) -> None:

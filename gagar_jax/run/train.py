@@ -41,11 +41,12 @@ from gagar_jax.run import workdir_lock
 from gagar_jax.run.checkpoint import Checkpointer
 from gagar_jax.algo.advantage import GroupOutcomes
 from gagar_jax.config import ConfigError, TrainConfig
+from gagar_jax.distributed import is_primary
 from gagar_jax.feed.batcher import Feed, make_source
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.packing import global_shapes, make_global_batch
 from gagar_jax.sharding import batch_shardings, make_mesh, process_row_block
-from gagar_jax.run.startup import ARCHITECTURE_FIELDS, check_hf_dir, check_layout
+from gagar_jax.run.startup import ARCHITECTURE_FIELDS, check_hf_dir, check_layout, check_run
 from gagar_jax.run.step import StepConfig, init_train_state, make_train_step
 
 log = logging.getLogger("gagar_jax.run.train")
@@ -224,7 +225,7 @@ def run(cfg, workdir: str, *, source: Any = None) -> Optional[dict]:
       The summary dict (also written to `workdir/summary.json` by process 0).
     """
     # One learner per workdir (the CLI took the lock already, before JAX started).
-    if jax.process_index() == 0:
+    if is_primary():
         workdir_lock.acquire(workdir)
     # SIGTERM at any point of the run becomes a checkpoint and a clean exit.
     with _Preemption() as preemption:
@@ -261,18 +262,60 @@ def _run(cfg, workdir: str, source: Any, preemption: "_Preemption") -> Optional[
         raise
 
 
-def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
-           res: _Resources) -> Optional[dict]:
-    """The run itself; registers what it opens in `res`."""
+@dataclasses.dataclass
+class _Run:
+    """What setup built and the loop drives: the run's objects and its moving step."""
+    rc: RunConfig
+    workdir: epath.Path
+    mesh: Any
+    state: Any
+    graphdef: Any
+    shardings: Any
+    feed: Feed
+    ckpt: Checkpointer
+    publisher: publish.Publisher
+    writer: metrics_lib.MetricsWriter
+    progress: Any
+    steplog: _StepLog
+    cfg_json: dict
+    step: int
+    start_step: int
+    pending: Any = None     # (step, BatchInfo, numpy Batch, device metrics) not yet read back
+
+    def drain(self) -> None:
+        """Reads back the pending step's metrics (audit lines, ledger, progress)."""
+        if self.pending is not None:
+            self.steplog.finish_step(*self.pending)
+            self.pending = None
+
+    def checkpoint(self, force: bool) -> None:
+        """Saves the state with the feed position and the audit logs' lengths."""
+        self.drain()          # the ledger must include this step before saving
+        # The audit logs and dead-letter file reach the disk before the step that points at
+        # their lengths can commit. Every process passes the item (the same checkpoint
+        # structure everywhere); only process 0 writes files, so its positions are stored.
+        positions = self.writer.sync()
+        self.feed.dead_letter.sync()
+        self.ckpt.save(self.step, self.state, self.feed.state(), self.cfg_json, force=force,
+                       audit=positions)
+
+    def publish(self) -> None:
+        """Publishes the weights for rollout engines (files written in the background)."""
+        self.drain()
+        # The publish reshard is a collective: let the in-flight step finish first. Training
+        # waits for the device-to-host copy of this process's share (publish.Publisher).
+        jax.block_until_ready(self.state)
+        self.publisher.publish(nnx.merge(self.graphdef, self.state.params,
+                                         self.state.router_bias), self.step)
+
+
+def _setup(cfg, workdir: str, source: Any, preemption: "_Preemption", res: _Resources) -> _Run:
+    """Checks the config, builds the mesh, state, feed and writers; restores a checkpoint."""
     rc = RunConfig.from_config(cfg)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     wd = epath.Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
     pidx, pcount = jax.process_index(), jax.process_count()
     # Every cross-section rule before anything compiles (docs/reliability.md: exit 2).
-    if rc.feed.path and not any(ch in rc.feed.path for ch in "*?[") and not epath.Path(
-            rc.feed.path).exists():
-        raise ConfigError(f"feed.path: no such file: {rc.feed.path}")
     try:
         mesh = make_mesh(cfg.mesh)
         # The rows and S range of the batch this host's devices hold: with the context axis
@@ -281,10 +324,8 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from e
     model_cfg = rc.step.model
+    check_run(rc.step, rc.feed, rc.train)
     check_layout(rc.step, rc.feed, mesh, pcount)
-    if rc.train.publish_every and hf_families.resolve_family(model_cfg) is None:
-        raise ConfigError(f"train.publish_every={rc.train.publish_every}: "
-                          f"{hf_families.export_error(model_cfg)}")
     # checkpoint_every = 0: only the forced saves (end of run, SIGTERM).
     ckpt = res.ckpt = Checkpointer(str(wd / "checkpoints"),
                                    save_interval_steps=rc.train.checkpoint_every,
@@ -318,7 +359,6 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
             log.info("checkpoint has no audit-log positions: appending without truncating")
 
     step = int(jax.device_get(state.step))
-    start_step = step
     publisher = publish.Publisher(workdir, keep=rc.train.keep_published,
                                   dtype=rc.train.publish_dtype, init_from=rc.train.init_from)
     writer = res.writer = metrics_lib.MetricsWriter(
@@ -326,87 +366,80 @@ def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
         resume=None if audit is None else {
             k: metrics_lib.AuditPosition.from_json(v) for k, v in audit.items()})
     progress = res.progress = metrics_lib.Progress(total=rc.train.steps, initial=step)
-    steplog = _StepLog(feed, writer, progress, rc.train.log_every)
-    step_fn, batch_sh = None, None
-    pending = None            # (step, BatchInfo, numpy Batch, device metrics) not yet read back
-    cfg_json = json.loads(cfg.to_json())
-    t0 = time.perf_counter()
-    preempted = False
+    run = _Run(rc=rc, workdir=wd, mesh=mesh, state=state, graphdef=graphdef, shardings=shardings,
+               feed=feed, ckpt=ckpt, publisher=publisher, writer=writer, progress=progress,
+               steplog=_StepLog(feed, writer, progress, rc.train.log_every),
+               cfg_json=json.loads(cfg.to_json()), step=step, start_step=step)
+    feed.on_idle = run.drain        # an idle feed: show the finished step now
+    return run
 
-    def drain():
-        nonlocal pending
-        if pending is not None:
-            steplog.finish_step(*pending)
-            pending = None
 
-    def save(force: bool) -> None:
-        # The audit logs and dead-letter file reach the disk before the step that points at
-        # their lengths can commit.
-        positions = writer.sync()
-        feed.dead_letter.sync()
-        # Every process passes the item (the same checkpoint structure everywhere); only
-        # process 0 writes files, so its positions are the ones stored.
-        ckpt.save(step, state, feed.state(), cfg_json, force=force, audit=positions)
-
-    feed.on_idle = drain            # an idle feed: show the finished step now
-
-    while step < rc.train.steps:
-        item = feed.next_batch(step)
+def _loop(run: _Run, preemption: "_Preemption") -> bool:
+    """Trains until `train.steps`, the end of a finite feed or SIGTERM; True if preempted."""
+    rc, step_fn, batch_sh = run.rc, None, None
+    while run.step < rc.train.steps:
+        item = run.feed.next_batch(run.step)
         if item is None:
-            log.info("feed exhausted after step %d", step)
+            log.info("feed exhausted after step %d", run.step)
             break
         batch_np, info = item
         if step_fn is None:
             batch_sh = batch_shardings(
-                global_shapes(batch_np, rc.feed.rows_per_batch, rc.feed.seq_len), mesh)
-            step_fn = make_train_step(rc.step, mesh, shardings, batch_sh, graphdef)
+                global_shapes(batch_np, rc.feed.rows_per_batch, rc.feed.seq_len), run.mesh)
+            step_fn = make_train_step(rc.step, run.mesh, run.shardings, batch_sh, run.graphdef)
         batch = make_global_batch(batch_np, batch_sh, rc.feed.rows_per_batch, rc.feed.seq_len)
-        state, device_metrics = step_fn(state, batch)
-        step += 1
-        drain()                       # step - 1's metrics, read while step runs
-        pending = (step, info, batch_np, device_metrics)
-        preempted = preemption.agreed(step)
-        publish_now = rc.train.publish_every and step % rc.train.publish_every == 0
-        save_now = bool(rc.train.checkpoint_every) and ckpt.should_save(step)
-        if preempted or save_now or publish_now:
-            drain()                   # the ledger must include this step before saving
-        if preempted or save_now:
-            save(force=preempted)
-        if publish_now:
-            # The publish reshard is a collective: let the in-flight step finish first. Training
-            # waits for the device-to-host copy of this process's share; files are written in
-            # the background (publish.Publisher).
-            jax.block_until_ready(state)
-            publisher.publish(nnx.merge(graphdef, state.params, state.router_bias), step)
+        run.state, device_metrics = step_fn(run.state, batch)
+        run.step += 1
+        run.drain()                   # step - 1's metrics, read while this step runs
+        run.pending = (run.step, info, batch_np, device_metrics)
+        preempted = preemption.agreed(run.step)
+        if preempted or (rc.train.checkpoint_every and run.ckpt.should_save(run.step)):
+            run.checkpoint(force=preempted)
+        if rc.train.publish_every and run.step % rc.train.publish_every == 0:
+            run.publish()
         if preempted:
-            log.info("SIGTERM: checkpoint written at step %d; exiting", step)
-            break
-    drain()
-    preempted = preempted or preemption.requested   # also while idle on a spool
-    jax.block_until_ready(state)  # before the collectives of the final save and hashes
-    if step > start_step:  # end of run, or SIGTERM while idle (a step saved already is kept)
-        save(force=True)
-    ckpt.close()
-    publisher.close()
-    progress.close()
-    ledger = feed.finish() if not preempted else feed.ledger
-    elapsed = time.perf_counter() - t0
+            log.info("SIGTERM: checkpoint written at step %d; exiting", run.step)
+            return True
+    run.drain()
+    return preemption.requested       # also while idle on a spool
+
+
+def _finish(run: _Run, preempted: bool, elapsed: float) -> dict:
+    """The final checkpoint, the writers closed, and the run summary (summary.json)."""
+    jax.block_until_ready(run.state)  # before the collectives of the final save and hashes
+    if run.step > run.start_step:  # end of run, or SIGTERM while idle (a saved step is kept)
+        run.checkpoint(force=True)
+    run.ckpt.close()
+    run.publisher.close()
+    run.progress.close()
+    ledger = run.feed.finish() if not preempted else run.feed.ledger
+    log_ = run.steplog
     summary = {
-        "steps": step,
-        "steps_this_run": step - start_step,
+        "steps": run.step,
+        "steps_this_run": run.step - run.start_step,
         "preempted": preempted,
-        "tokens": steplog.tokens,
-        "tokens_per_s": steplog.tokens / max(elapsed, 1e-9),          # compilation included
-        "tokens_per_s_steady": float(np.median(steplog.rates[1:])) if len(steplog.rates) > 1 else None,
+        "tokens": log_.tokens,
+        "tokens_per_s": log_.tokens / max(elapsed, 1e-9),          # compilation included
+        "tokens_per_s_steady": float(np.median(log_.rates[1:])) if len(log_.rates) > 1 else None,
         "wall_s": elapsed,
-        "final_loss": steplog.losses[-1] if steplog.losses else None,
-        "lam_mean": float(np.mean(steplog.lam_means)) if steplog.lam_means else None,
-        "lam_max": steplog.lam_max,
-        "skipped_updates": steplog.skipped,
+        "final_loss": log_.losses[-1] if log_.losses else None,
+        "lam_mean": float(np.mean(log_.lam_means)) if log_.lam_means else None,
+        "lam_max": log_.lam_max,
+        "skipped_updates": log_.skipped,
         "ledger": ledger.to_json(),
     }
-    summary["params_sha256"], summary["params_l2"] = metrics_lib.params_fingerprint(state.params)
-    writer.close()
-    if pidx == 0:   # one object written whole: no rename needed on object stores
-        (wd / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    summary["params_sha256"], summary["params_l2"] = metrics_lib.params_fingerprint(
+        run.state.params)
+    run.writer.close()
+    if is_primary():   # one object written whole: no rename needed on object stores
+        (run.workdir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
     return summary
+
+
+def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
+           res: _Resources) -> Optional[dict]:
+    """Setup, the loop, the summary; registers what it opens in `res`."""
+    run = _setup(cfg, workdir, source, preemption, res)
+    t0 = time.perf_counter()
+    preempted = _loop(run, preemption)
+    return _finish(run, preempted, time.perf_counter() - t0)

@@ -248,10 +248,3 @@ def task_batches(task_cfg: task_lib.TaskConfig, seed: int, groups_per_round: int
 
 def producer_key(seed: int, index: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), index)
-
-
-def tier_mix(model, tasks, task_cfg: task_lib.TaskConfig, key, *, group_size: int,
-             temperature: float = 1.0) -> RolloutStats:
-    """Samples and grades groups without writing them (e.g. the warm start's step-0 report)."""
-    return sample_groups(model, tasks, task_cfg, key, group_size=group_size, policy_version=0,
-                         temperature=temperature)[1]

@@ -1,4 +1,5 @@
-"""Expert parallelism: the `ep` expert backend, with `jax.shard_map` over the mesh.
+"""Expert parallelism: the `ep` (all-gather) and `ep_a2a` (ragged all-to-all) expert backends,
+with `jax.shard_map` over the mesh.
 
 Layout (from `sharding.LOGICAL_RULES`): tokens split over the batch axes
 ('data', 'fsdp', 'expert') and, for the flattened sequence, 'context'; expert weights split
