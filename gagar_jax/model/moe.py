@@ -10,7 +10,7 @@ stacked experts [E, D, F] / [E, F, D]) and the non-trainable `RouterBias` [E] of
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import flax.struct
 import jax
@@ -50,7 +50,8 @@ AUTO_BACKENDS: Mapping[str, tuple[str, str]] = {
 }
 
 
-def resolve_backend(backend: str, mesh=None, num_experts: int = 0) -> str:
+def resolve_backend(backend: str, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+                    num_experts: int = 0) -> str:
     """`backend` itself, or for "auto" the fastest exact backend for the mesh's devices.
 
     Args:
@@ -76,8 +77,9 @@ def resolve_backend(backend: str, mesh=None, num_experts: int = 0) -> str:
     return parallel if use_ep else single
 
 
-def expert_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
-               backend: str = "auto", **options) -> jax.Array:
+def expert_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array, down_ExFxD: jax.Array,
+               idx_TxK: jax.Array, weights_TxK: jax.Array, *, backend: str = "auto",
+               **options) -> jax.Array:
     """Routed SwiGLU experts: y_TxD = sum_k w_tk * FFN_{idx_tk}(x_t).
 
     Args:
@@ -126,7 +128,7 @@ class MoEStats:
 class MoE(nnx.Module):
     """Top-k routed SwiGLU experts."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
         D, E, F, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.param_dtype
         # transformers keeps the sigmoid router (and its bias) in float32 in any model dtype.
         rd = jnp.float32 if cfg.router == "sigmoid_bias" else pd
@@ -137,7 +139,8 @@ class MoE(nnx.Module):
         self.expert_down = nnx.Param(normal_init(rngs, (E, F, D), F, pd))
         self.cfg = cfg
 
-    def __call__(self, x_BxSxD, token_mask_BxS, routed_BxSxK=None):
+    def __call__(self, x_BxSxD: jax.Array, token_mask_BxS: jax.Array,
+                 routed_BxSxK: jax.Array | None = None):
         """Returns (y_BxSxD, MoEStats).
 
         Args:
@@ -168,7 +171,7 @@ class MoE(nnx.Module):
         return y, stats
 
 
-def update_router_bias(model, expert_load_LxE: jax.Array, rate: float) -> None:
+def update_router_bias(model: Any, expert_load_LxE: jax.Array, rate: float) -> None:
     """Auxiliary-loss-free balancing (DeepSeek-V3): nudges every MoE layer's `RouterBias`
     toward under-loaded experts, in place. `expert_load_LxE` is `ModelAux.expert_load_LxE`."""
     for bias, rows in model.moe_router_biases():  # one per MoE block stack, rows in layer order
