@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import TYPE_CHECKING
 
 from etils import epath
 
@@ -20,6 +21,13 @@ from gagar_jax.config import ConfigError
 from gagar_jax.hf.config_json import config_from_hf
 from gagar_jax.model.moe import resolve_backend
 from gagar_jax.sharding import axis_size, mesh_axes
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from gagar_jax.feed.config import FeedConfig
+    from gagar_jax.model.transformer import ModelConfig
+    from gagar_jax.run.step import StepConfig
 
 # ModelConfig fields that change the model's math (the rest are runtime choices or loss weights).
 ARCHITECTURE_FIELDS = (
@@ -32,7 +40,8 @@ ARCHITECTURE_FIELDS = (
 EP_BACKENDS = ("ep", "ep_a2a")     # expert backends that shard_map over the expert axis
 
 
-def check_layout(step_cfg, feed_cfg, mesh, process_count: int) -> None:
+def check_layout(step_cfg: StepConfig, feed_cfg: FeedConfig, mesh: Mesh,
+                 process_count: int) -> None:
     """The feed's global batch against the processes, the step's splits and the mesh.
 
     Args:
@@ -93,7 +102,7 @@ def read_hf_config(path: str, what: str) -> dict:
         raise ConfigError(f"{what}: unreadable {f}: {e}") from None
 
 
-def check_hf_dir(path: str, what: str, model_cfg, feed_cfg) -> None:
+def check_hf_dir(path: str, what: str, model_cfg: ModelConfig, feed_cfg: FeedConfig) -> None:
     """An outside HF checkpoint against the configured model and feed, from config.json alone.
 
     Args:

@@ -61,7 +61,7 @@ class RunConfig:
     seed: int
 
     @classmethod
-    def from_config(cls, cfg) -> "RunConfig":
+    def from_config(cls, cfg: Any) -> "RunConfig":
         try:
             return cls(step=StepConfig.from_config(cfg), feed=FeedConfig.from_config(cfg.feed),
                        train=TrainConfig.from_config(cfg.train), seed=int(cfg.seed))
@@ -93,7 +93,7 @@ class _Preemption:
                 self._old = None
         return self
 
-    def _handle(self, signum, frame):
+    def _handle(self, signum: int, frame: Any):
         self.requested = True
 
     def __exit__(self, *exc):
@@ -166,7 +166,8 @@ def _abstract(state: Any, shardings: Any) -> Any:
 class _StepLog:
     """Host-side bookkeeping of finished steps: ledger counts, audit log, metrics, summary."""
 
-    def __init__(self, feed: Feed, writer: metrics_lib.MetricsWriter, progress, log_every: int):
+    def __init__(self, feed: Feed, writer: metrics_lib.MetricsWriter,
+                 progress: metrics_lib.Progress, log_every: int):
         self.feed, self.writer, self.progress, self.log_every = feed, writer, progress, log_every
         self.losses, self.lam_means, self.lam_max = [], [], 0.0
         self.tokens = 0
@@ -174,7 +175,8 @@ class _StepLog:
         self.skipped = 0
         self.t_last = time.perf_counter()
 
-    def finish_step(self, step: int, info, batch_np, device_metrics) -> metrics_lib.HostMetrics:
+    def finish_step(self, step: int, info: Any, batch_np: Any,
+                    device_metrics: Any) -> metrics_lib.HostMetrics:
         m = metrics_lib.to_host(step, device_metrics)
         a = m.arrays
         n = info.num_groups
@@ -218,7 +220,7 @@ class _StepLog:
         return m
 
 
-def run(cfg, workdir: str, *, source: Any = None) -> Optional[dict]:
+def run(cfg: Any, workdir: str, *, source: Any = None) -> Optional[dict]:
     """Trains until `train.steps` or the end of a finite feed; returns the run summary.
 
     Args:
@@ -258,7 +260,7 @@ class _Resources:
                 pass
 
 
-def _run(cfg, workdir: str, source: Any, preemption: "_Preemption") -> Optional[dict]:
+def _run(cfg: Any, workdir: str, source: Any, preemption: "_Preemption") -> Optional[dict]:
     """`run` with the SIGTERM flag installed and background writers stopped on failure."""
     res = _Resources()
     try:
@@ -268,7 +270,7 @@ def _run(cfg, workdir: str, source: Any, preemption: "_Preemption") -> Optional[
         raise
 
 
-def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
+def _train(cfg: Any, workdir: str, source: Any, preemption: "_Preemption",
            res: _Resources) -> Optional[dict]:
     """The run itself; registers what it opens in `res`."""
     rc = RunConfig.from_config(cfg)
