@@ -58,7 +58,7 @@ def segment_sum(x_T: jax.Array, gid_T: jax.Array, num_groups: int) -> jax.Array:
     return jax.ops.segment_sum(x_T, gid_T, num_segments=num_groups)
 
 
-def _check_array(name, x, kind, shape):
+def _check_array(name: str, x: jax.typing.ArrayLike, kind: str, shape: tuple):
     x = jnp.asarray(x)
     if x.ndim != len(shape):
         raise ValueError(f"{name} must have rank {len(shape)} (shape {shape}), got {x.shape}")
@@ -72,8 +72,11 @@ def _check_array(name, x, kind, shape):
     return x
 
 
-def validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok, *, num_groups,
-                    lam_cap=1.5, mode="sum_preserving", adjustments=None):
+def validate_inputs(rewards: jax.typing.ArrayLike, group_ids: jax.typing.ArrayLike,
+                    factors: jax.typing.ArrayLike, valid: jax.typing.ArrayLike,
+                    hacked: jax.typing.ArrayLike, grading_ok: jax.typing.ArrayLike, *,
+                    num_groups: int, lam_cap: float = 1.5, mode: str = "sum_preserving",
+                    adjustments: Optional[jax.typing.ArrayLike] = None) -> dict[str, jax.Array]:
     """Trace-time checks of ranks, shapes, dtypes and static options; returns jnp arrays.
 
     Raises:
@@ -105,7 +108,8 @@ def validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok, *, n
     return arrays
 
 
-def group_stats(rewards, group_ids, factors, valid, hacked, grading_ok, *, num_groups: int,
+def group_stats(rewards: jax.Array, group_ids: jax.Array, factors: jax.Array, valid: jax.Array,
+                hacked: jax.Array, grading_ok: jax.Array, *, num_groups: int,
                 use_factors: bool = True) -> GroupStats:
     """Rules 1-5: exclusion, hack zeroing, mixed groups, outcome advantages, grading fallback.
 
@@ -158,7 +162,7 @@ def _redistribute(st: GroupStats, *, num_groups: int, lam_cap: float, mode: str)
     return A2, lam.astype(jnp.float32), capped
 
 
-def _advantages(x, *, num_groups: int, lam_cap: float, mode: str):
+def _advantages(x: dict[str, jax.Array], *, num_groups: int, lam_cap: float, mode: str):
     """The computation behind `gagar_advantages` on validated arrays; also returns the stats."""
     G = num_groups
     st = group_stats(x["rewards"], x["group_ids"], x["factors"], x["valid"], x["hacked"],
@@ -184,7 +188,9 @@ def _advantages(x, *, num_groups: int, lam_cap: float, mode: str):
     return out, st
 
 
-def gagar_advantages(rewards, group_ids, factors, valid, hacked, grading_ok, *,
+def gagar_advantages(rewards: jax.typing.ArrayLike, group_ids: jax.typing.ArrayLike,
+                     factors: jax.typing.ArrayLike, valid: jax.typing.ArrayLike,
+                     hacked: jax.typing.ArrayLike, grading_ok: jax.typing.ArrayLike, *,
                      num_groups: int, lam_cap: float = 1.5, mode: str = "sum_preserving",
                      adjustments: Optional[jax.Array] = None) -> AdvantageOutput:
     """Gagar advantages of one batch of groups (docs/advantage.md section 1).
@@ -210,7 +216,9 @@ def gagar_advantages(rewards, group_ids, factors, valid, hacked, grading_ok, *,
     return _advantages(x, num_groups=num_groups, lam_cap=lam_cap, mode=mode)[0]
 
 
-def equivalent_rewards(rewards, group_ids, factors, valid, hacked, grading_ok, *,
+def equivalent_rewards(rewards: jax.typing.ArrayLike, group_ids: jax.typing.ArrayLike,
+                       factors: jax.typing.ArrayLike, valid: jax.typing.ArrayLike,
+                       hacked: jax.typing.ArrayLike, grading_ok: jax.typing.ArrayLike, *,
                        num_groups: int, lam_cap: float = 1.5,
                        mode: str = "sum_preserving") -> jax.Array:
     """The shaped reward r' whose per-group mean-centring reproduces A' (INV-8).
@@ -263,9 +271,11 @@ def broadcast_to_tokens(adv_T: jax.Array, traj_index_BxS: jax.Array,
     return jnp.where(loss_mask_BxS.astype(jnp.bool_), adv_BxS, 0.0)
 
 
-def check_invariants(out: AdvantageOutput, rewards, group_ids, factors, valid, hacked, grading_ok,
-                     *, num_groups: int, lam_cap: float = 1.5, mode: str = "sum_preserving",
-                     atol: float = 1e-5) -> None:
+def check_invariants(out: AdvantageOutput, rewards: jax.typing.ArrayLike,
+                     group_ids: jax.typing.ArrayLike, factors: jax.typing.ArrayLike,
+                     valid: jax.typing.ArrayLike, hacked: jax.typing.ArrayLike,
+                     grading_ok: jax.typing.ArrayLike, *, num_groups: int, lam_cap: float = 1.5,
+                     mode: str = "sum_preserving", atol: float = 1e-5) -> None:
     """Asserts the input contract and the identities that hold for `mode` (chex value asserts).
 
     Runs eagerly, or inside jit when the jitted function is wrapped in `chex.chexify` (the loss
