@@ -13,6 +13,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import ml_collections
 
 
 class ConfigError(ValueError):
@@ -35,7 +39,7 @@ class TrainConfig:
     reference_from: str        # KL reference policy directory ("" = initial weights); fresh run only
 
     @classmethod
-    def from_config(cls, c) -> "TrainConfig":
+    def from_config(cls, c: ml_collections.ConfigDict) -> "TrainConfig":
         out = cls(**{f.name: c[f.name] for f in dataclasses.fields(cls)})
         for name in ("steps", "keep_checkpoints", "keep_published", "log_every"):
             if getattr(out, name) < 1:
@@ -51,7 +55,7 @@ class TrainConfig:
         return out
 
 
-def load_config_file(path: str) -> "ml_collections.ConfigDict":  # noqa: F821
+def load_config_file(path: str) -> "ml_collections.ConfigDict":
     """Imports a config file and returns its locked `get_config()`."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
@@ -65,7 +69,7 @@ def load_config_file(path: str) -> "ml_collections.ConfigDict":  # noqa: F821
     return cfg
 
 
-def section_dict(section, cls, name: str) -> dict:
+def section_dict(section: ml_collections.ConfigDict | dict, cls: type, name: str) -> dict:
     """A config section (ConfigDict or dict) as a dict of `cls`'s fields.
 
     Raises:

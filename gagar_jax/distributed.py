@@ -32,7 +32,7 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def kv_client():
+def kv_client() -> Any:
     """The coordination service's key-value client (None without `jax.distributed`).
 
     JAX exposes it only as `jax._src.distributed.global_state.client`; it is the one way for

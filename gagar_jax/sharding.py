@@ -20,11 +20,16 @@ small test models run on any mesh; large configs divide evenly.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
+
+if TYPE_CHECKING:
+    from gagar_jax.batch import Batch
+
+PyTree = Any
 
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 MESH_DEFAULTS = {"context": 1}   # axes a mesh config may leave out (configs from before the axis)
@@ -83,7 +88,7 @@ BATCH_AXES: dict[str, tuple] = {
 }
 
 
-def make_mesh(mesh_cfg, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+def make_mesh(mesh_cfg: Any, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
     """Builds the ('data', 'fsdp', 'expert', 'context', 'tensor') mesh.
 
     Args:
@@ -110,7 +115,7 @@ def make_mesh(mesh_cfg, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
                 axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
-def mesh_axes(name: Optional[str], mesh=None) -> tuple:
+def mesh_axes(name: Optional[str], mesh: Optional[Mesh | AbstractMesh] = None) -> tuple:
     """The mesh axes of logical axis `name` (in rule order); with `mesh`, those it has.
 
     Divisibility is the caller's business: `logical_to_spec` drops a non-dividing axis from a
@@ -125,7 +130,7 @@ def mesh_axes(name: Optional[str], mesh=None) -> tuple:
     return axes if mesh is None else tuple(a for a in axes if a in mesh.axis_names)
 
 
-def device_platform(mesh=None) -> str:
+def device_platform(mesh: Optional[Mesh | AbstractMesh] = None) -> str:
     """"cpu", "gpu" or "tpu": the platform of the mesh's devices, else of the default backend.
 
     Args:
@@ -145,7 +150,8 @@ def device_platform(mesh=None) -> str:
     return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
 
 
-def logical_to_spec(axes: Sequence, shape: Optional[Sequence[int]] = None, mesh=None) -> P:
+def logical_to_spec(axes: Sequence, shape: Optional[Sequence[int]] = None,
+                    mesh: Optional[Mesh | AbstractMesh] = None) -> P:
     """PartitionSpec for logical `axes`; with `shape` and `mesh`, drops non-dividing mesh axes."""
     spec = []
     for i, name in enumerate(axes):
@@ -178,7 +184,7 @@ def constrain(x: jax.Array, *axes) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh))
 
 
-def leaf_path(key_path) -> str:
+def leaf_path(key_path: Sequence) -> str:
     """A key path as a "/"-joined name, e.g. moe_layers/mlp/expert_gate (nnx's "value" dropped)."""
     name = jax.tree_util.keystr(tuple(key_path), simple=True, separator="/")
     return name[: -len("/value")] if name.endswith("/value") else name
@@ -198,20 +204,20 @@ def param_logical_axes(path: Sequence[str], ndim: int) -> tuple:
     return axes
 
 
-def state_specs(state, mesh: Optional[Mesh] = None):
+def state_specs(state: PyTree, mesh: Optional[Mesh] = None) -> PyTree:
     """PartitionSpecs (same tree as `state`) for an `nnx.State` of the model."""
-    def spec(path, x):
+    def spec(path: tuple, x: jax.Array | jax.ShapeDtypeStruct):
         axes = param_logical_axes(leaf_path(path).split("/"), len(x.shape))
         return logical_to_spec(axes, x.shape, mesh)
     return jax.tree_util.tree_map_with_path(spec, state)
 
 
-def state_shardings(state, mesh: Mesh):
+def state_shardings(state: PyTree, mesh: Mesh) -> PyTree:
     """NamedShardings (same tree as `state`) for an `nnx.State` of the model."""
     return jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(state, mesh))
 
 
-def axis_size(name: str, mesh=None) -> int:
+def axis_size(name: str, mesh: Optional[Mesh | AbstractMesh] = None) -> int:
     """How many shards logical axis `name` has on `mesh` (default: the ambient mesh; 1 without)."""
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if mesh is None or mesh.empty:
@@ -219,7 +225,7 @@ def axis_size(name: str, mesh=None) -> int:
     return int(np.prod([mesh.shape[a] for a in mesh_axes(name, mesh)]))
 
 
-def batch_shardings(batch, mesh: Mesh):
+def batch_shardings(batch: Batch, mesh: Mesh) -> Batch:
     """NamedShardings (same tree as `batch`) for a `Batch`, by the `BATCH_AXES` table.
 
     Raises a clear error when the rows S do not divide by the context axis: a sequence-sharded
@@ -227,7 +233,7 @@ def batch_shardings(batch, mesh: Mesh):
     """
     n_ctx = axis_size("seq", mesh)
 
-    def one(path, x):
+    def one(path: tuple, x: jax.Array | jax.ShapeDtypeStruct | np.ndarray):
         name = leaf_path(path)
         if name not in BATCH_AXES:
             raise KeyError(f"batch field {name!r} has no entry in sharding.BATCH_AXES")
@@ -242,7 +248,8 @@ def batch_shardings(batch, mesh: Mesh):
 
 
 def process_row_block(mesh: Mesh, num_rows: int, seq_len: int, process_index: Optional[int] = None,
-                      process_of=lambda d: d.process_index) -> tuple[slice, slice]:
+                      process_of: Callable[[jax.Device], int] = lambda d: d.process_index
+                      ) -> tuple[slice, slice]:
     """The rows and the sequence range of the [B, S] token arrays this process's devices hold.
 
     A host builds these rows (and, with the context axis spanning hosts, several hosts build

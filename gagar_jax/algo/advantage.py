@@ -8,7 +8,7 @@ docs/advantage.md; `check_invariants` (below) asserts them inside jit.
 from __future__ import annotations
 
 import numbers
-from typing import Optional
+from typing import Any, Optional
 
 import chex
 import flax.struct
@@ -34,7 +34,7 @@ class GroupOutcomes:
         return self.grading_ok_G.shape[0]
 
     @classmethod
-    def of_batch(cls, batch) -> "GroupOutcomes":
+    def of_batch(cls, batch: Any) -> "GroupOutcomes":
         """The outcome fields of a packed `Batch`."""
         return cls(rewards_T=batch.rewards_T, group_ids_T=batch.group_ids_T,
                    factors_T=batch.factors_T, valid_T=batch.valid_T, hacked_T=batch.hacked_T,
@@ -81,7 +81,7 @@ def segment_sum(x_T: jax.Array, gid_T: jax.Array, num_groups: int) -> jax.Array:
     return jax.ops.segment_sum(x_T, gid_T, num_segments=num_groups)
 
 
-def _check_array(name, x, kind, shape):
+def _check_array(name: str, x: jax.typing.ArrayLike, kind: str, shape: tuple):
     x = jnp.asarray(x)
     if x.ndim != len(shape):
         raise ValueError(f"{name} must have rank {len(shape)} (shape {shape}), got {x.shape}")
@@ -95,8 +95,11 @@ def _check_array(name, x, kind, shape):
     return x
 
 
-def validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok, *, num_groups,
-                    lam_cap=1.5, mode="sum_preserving", adjustments=None) -> GroupOutcomes:
+def validate_inputs(rewards: jax.typing.ArrayLike, group_ids: jax.typing.ArrayLike,
+                    factors: jax.typing.ArrayLike, valid: jax.typing.ArrayLike,
+                    hacked: jax.typing.ArrayLike, grading_ok: jax.typing.ArrayLike, *,
+                    num_groups: int, lam_cap: float = 1.5, mode: str = "sum_preserving",
+                    adjustments: Optional[jax.typing.ArrayLike] = None) -> GroupOutcomes:
     """Trace-time checks of ranks, shapes, dtypes and static options; returns jnp arrays.
 
     Raises:
@@ -211,7 +214,9 @@ def _advantages(x: GroupOutcomes, *, lam_cap: float, mode: str):
     return out, st
 
 
-def gagar_advantages(rewards, group_ids, factors, valid, hacked, grading_ok, *,
+def gagar_advantages(rewards: jax.typing.ArrayLike, group_ids: jax.typing.ArrayLike,
+                     factors: jax.typing.ArrayLike, valid: jax.typing.ArrayLike,
+                     hacked: jax.typing.ArrayLike, grading_ok: jax.typing.ArrayLike, *,
                      num_groups: int, lam_cap: float = 1.5, mode: str = "sum_preserving",
                      adjustments: Optional[jax.Array] = None) -> AdvantageOutput:
     """Gagar advantages of one batch of groups (docs/advantage.md section 1).
@@ -243,7 +248,9 @@ def advantages_of(outcomes: GroupOutcomes, *, lam_cap: float = 1.5,
     return _advantages(_validated(outcomes, lam_cap, mode), lam_cap=lam_cap, mode=mode)[0]
 
 
-def equivalent_rewards(rewards, group_ids, factors, valid, hacked, grading_ok, *,
+def equivalent_rewards(rewards: jax.typing.ArrayLike, group_ids: jax.typing.ArrayLike,
+                       factors: jax.typing.ArrayLike, valid: jax.typing.ArrayLike,
+                       hacked: jax.typing.ArrayLike, grading_ok: jax.typing.ArrayLike, *,
                        num_groups: int, lam_cap: float = 1.5,
                        mode: str = "sum_preserving") -> jax.Array:
     """The shaped reward r' whose per-group mean-centring reproduces A' (INV-8).
@@ -296,9 +303,11 @@ def broadcast_to_tokens(adv_T: jax.Array, traj_index_BxS: jax.Array,
     return jnp.where(loss_mask_BxS.astype(jnp.bool_), adv_BxS, 0.0)
 
 
-def check_invariants(out: AdvantageOutput, rewards, group_ids, factors, valid, hacked, grading_ok,
-                     *, num_groups: int, lam_cap: float = 1.5, mode: str = "sum_preserving",
-                     atol: float = 1e-5) -> None:
+def check_invariants(out: AdvantageOutput, rewards: jax.typing.ArrayLike,
+                     group_ids: jax.typing.ArrayLike, factors: jax.typing.ArrayLike,
+                     valid: jax.typing.ArrayLike, hacked: jax.typing.ArrayLike,
+                     grading_ok: jax.typing.ArrayLike, *, num_groups: int, lam_cap: float = 1.5,
+                     mode: str = "sum_preserving", atol: float = 1e-5) -> None:
     """Asserts the input contract and the identities that hold for `mode` (chex value asserts).
 
     Runs eagerly, or inside jit when the jitted function is wrapped in `chex.chexify` (the loss

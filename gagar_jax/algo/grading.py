@@ -70,8 +70,10 @@ def tier_code(name: str) -> int:
         raise ValueError(f"tier must be one of {sorted(TIER_NAMES)}, got {name!r}") from None
 
 
-def quality_factors(tiers, ranks, group_ids, direct_factors=None, *,
-                    table: FactorTable = FactorTable(), num_groups: Optional[int] = None) -> np.ndarray:
+def quality_factors(tiers: np.ndarray, ranks: np.ndarray, group_ids: np.ndarray,
+                    direct_factors: Optional[np.ndarray] = None, *,
+                    table: FactorTable = FactorTable(),
+                    num_groups: Optional[int] = None) -> np.ndarray:
     """Factors for graded candidates, vectorized over trajectories.
 
     Args:

@@ -15,7 +15,7 @@ b % M and micro-batch (b // M) % U (strided, so each data-parallel shard keeps i
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import flax.struct
 import jax
@@ -91,7 +91,7 @@ class LossConfig:
             raise ValueError(f"loss.mode must be one of {MODES}, got {self.mode!r}")
 
     @classmethod
-    def from_config(cls, section, model=None) -> "LossConfig":
+    def from_config(cls, section: Any, model: Any = None) -> "LossConfig":
         """Builds the frozen config from the `loss` section (ConfigDict or dict).
 
         The router loss weights live in the model section (`router_aux_loss_coef`,
@@ -129,7 +129,7 @@ class LossAux:
     entropy_sum: jax.Array         # policy entropy summed over trained tokens
 
 
-def split_rows(x, mini_batches: int, micro_batches: int):
+def split_rows(x: jax.Array, mini_batches: int, micro_batches: int) -> jax.Array:
     """[B, ...] -> [M, U, B / (M U), ...]: row b goes to mini b % M, micro (b // M) % U."""
     M, U = mini_batches, micro_batches
     B = x.shape[0]
@@ -139,14 +139,14 @@ def split_rows(x, mini_batches: int, micro_batches: int):
     return jnp.moveaxis(y, (0, 1, 2), (2, 1, 0))
 
 
-def merge_rows(y):
+def merge_rows(y: jax.Array) -> jax.Array:
     """Inverse of `split_rows`: [M, U, B / (M U), ...] -> [B, ...]."""
     x = jnp.moveaxis(y, (2, 1, 0), (0, 1, 2))
     return x.reshape((-1,) + y.shape[3:])
 
 
-def aggregation_weights(mask_BxS, traj_index_BxS, num_trajectories: int, cfg: LossConfig,
-                        mini_batches: int = 1):
+def aggregation_weights(mask_BxS: jax.Array, traj_index_BxS: jax.Array, num_trajectories: int,
+                        cfg: LossConfig, mini_batches: int = 1) -> jax.Array:
     """Per-token weights w such that each mini-batch's loss is sum_t w_t * loss_t.
 
     Denominators are global over a mini-batch (row split as in `split_rows`).
@@ -162,7 +162,7 @@ def aggregation_weights(mask_BxS, traj_index_BxS, num_trajectories: int, cfg: Lo
 
     mini_B = jnp.arange(mask_BxS.shape[0]) % mini_batches  # the mini-batch of each row
 
-    def per_mini(x_BxS):  # mini-batch totals broadcast back to [B, S]
+    def per_mini(x_BxS: jax.Array):  # mini-batch totals broadcast back to [B, S]
         tot_M = jax.ops.segment_sum(x_BxS.sum(axis=1), mini_B, num_segments=mini_batches)
         return tot_M[mini_B][:, None]
 
@@ -180,8 +180,8 @@ def aggregation_weights(mask_BxS, traj_index_BxS, num_trajectories: int, cfg: Lo
 
 
 def prepare(batch: Batch, cfg: LossConfig, *, mini_batches: int = 1,
-            learner_old_logprobs_BxS=None,
-            ref_logprobs_BxS=None) -> tuple[LossInputs, AdvantageOutput]:
+            learner_old_logprobs_BxS: Optional[jax.Array] = None,
+            ref_logprobs_BxS: Optional[jax.Array] = None) -> tuple[LossInputs, AdvantageOutput]:
     """Once-per-batch loss inputs: advantages, denominators, ratio denominator, IS weight.
 
     Args:
@@ -222,7 +222,7 @@ def prepare(batch: Batch, cfg: LossConfig, *, mini_batches: int = 1,
     return inputs, adv_out
 
 
-def kl_penalty(logprobs_BxS, ref_logprobs_BxS, estimator: str):
+def kl_penalty(logprobs_BxS: jax.Array, ref_logprobs_BxS: jax.Array, estimator: str) -> jax.Array:
     """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1/k2/k3)."""
     log_r = ref_logprobs_BxS - logprobs_BxS
     if estimator == "k1":
@@ -234,7 +234,8 @@ def kl_penalty(logprobs_BxS, ref_logprobs_BxS, estimator: str):
     raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
-def pg_loss(logprobs_BxS, entropy_BxS, inputs: LossInputs, cfg: LossConfig):
+def pg_loss(logprobs_BxS: jax.Array, entropy_BxS: jax.Array, inputs: LossInputs,
+            cfg: LossConfig) -> tuple[jax.Array, LossAux]:
     """Clipped surrogate of one micro-batch as a weighted sum (see module docstring).
 
     Args:

@@ -20,12 +20,17 @@ import json
 import os
 import re
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import ml_collections
 
 from gagar_jax.aot import flops
 from gagar_jax.aot.hlo_stats import COLLECTIVES, collective_bytes_per_step, count_collectives  # noqa: F401
+
+if TYPE_CHECKING:
+    import jax
+
+    from gagar_jax.model.transformer import ModelConfig
 
 # HBM per chip as the TPU compiler counts it (the CompileTimeHbmOom message says 95.73G on v5p).
 HBM_BYTES = {"v5p": int(95.74 * 2**30), "v5e": 16 * 2**30, "v4": 32 * 2**30, "v6e": 32 * 2**30}
@@ -86,7 +91,7 @@ def parse_hbm_oom(message: str) -> Optional[dict]:
     return {"required_bytes": max(sizes) if sizes else None, "available_bytes": None}
 
 
-def _fmt_bytes(b) -> str:
+def _fmt_bytes(b: float | None) -> str:
     if b is None:
         return "-"
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -110,7 +115,7 @@ class MemoryFigures:
         return self.arguments + self.outputs - self.aliases + self.temporaries + self.code
 
     @classmethod
-    def from_compiled(cls, stats) -> "MemoryFigures":
+    def from_compiled(cls, stats: Any) -> "MemoryFigures":
         return cls(arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
                    aliases=stats.alias_size_in_bytes, temporaries=stats.temp_size_in_bytes,
                    code=stats.generated_code_size_in_bytes)
@@ -177,7 +182,7 @@ class AotReport:
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def _paper_estimate(model_cfg, mesh: dict, rows_per_shard: int, seq_len: int) -> dict:
+def _paper_estimate(model_cfg: ModelConfig, mesh: dict, rows_per_shard: int, seq_len: int) -> dict:
     """State and remat activation bytes per device, worked out on paper (see docs/scaling.md)."""
     width = mesh["fsdp"] * mesh.get("context", 1)  # the model width D is stored over both
     expert_shards = mesh["expert"] * width * mesh["tensor"]
@@ -197,7 +202,8 @@ def write_report(report: AotReport, path: str) -> None:
         f.write("\n")
 
 
-def lower_train_step(cfg: ml_collections.ConfigDict, devices: list):
+def lower_train_step(cfg: ml_collections.ConfigDict,
+                     devices: list) -> tuple[jax.stages.Lowered, dict]:
     """Lowers the trainer's jitted `train_step` over `devices` with abstract state and batch.
 
     Same code path as training: `StepConfig.from_config`, the state and batch shardings of
@@ -259,7 +265,7 @@ class CompileResult:
     collective_bytes: dict = dataclasses.field(default_factory=dict)
 
 
-def compile_lowered(lowered, dump_dir: str = "") -> CompileResult:
+def compile_lowered(lowered: jax.stages.Lowered, dump_dir: str = "") -> CompileResult:
     """Compiles a `jax.stages.Lowered`; an HBM OOM becomes a result with `error` set.
 
     Args:

@@ -13,6 +13,7 @@ Used by `tests/test_configs.py` (the configs' docstrings state these numbers) an
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 # Bytes per element of the dtype names configs use.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -47,7 +48,7 @@ class ParamCounts:
         return self.active - self.embedding - self.norms
 
 
-def _get(cfg, name, default):
+def _get(cfg: Any, name: str, default: Any):
     """A model field that older ConfigDicts may lack (the MiMo-family fields)."""
     try:
         return getattr(cfg, name)
@@ -55,7 +56,7 @@ def _get(cfg, name, default):
         return default
 
 
-def _attention_layout(cfg):
+def _attention_layout(cfg: Any):
     """Per layer (sliding, KV heads, value head width) for the model's layer types."""
     types = tuple(_get(cfg, "layer_types", ()))
     kv_s = _get(cfg, "sliding_num_kv_heads", 0) or cfg.num_kv_heads
@@ -64,12 +65,12 @@ def _attention_layout(cfg):
              else cfg.num_kv_heads, dv) for i in range(cfg.num_layers)]
 
 
-def num_moe_layers(cfg) -> int:
+def num_moe_layers(cfg: Any) -> int:
     """Layers with a routed-expert MLP."""
     return cfg.num_layers - cfg.num_dense_layers
 
 
-def param_counts(cfg) -> ParamCounts:
+def param_counts(cfg: Any) -> ParamCounts:
     """Analytic parameter counts of the model `cfg` describes.
 
     Args:
@@ -106,7 +107,7 @@ def mean_keys_per_query(seq_len: int, window: int = 0) -> float:
     return (window * (window + 1) / 2.0 + (seq_len - window) * window) / seq_len
 
 
-def attention_flops_per_token(cfg, seq_len: int) -> float:
+def attention_flops_per_token(cfg: Any, seq_len: int) -> float:
     """Forward FLOPs per token of the score and value matmuls (QK^T and PV), causal.
 
     Per layer and key: 2 * H * head_dim (scores) + 2 * H * v_head_dim (values); a full layer's
@@ -118,7 +119,7 @@ def attention_flops_per_token(cfg, seq_len: int) -> float:
                for sliding, _, dv in _attention_layout(cfg))
 
 
-def train_flops_per_token(cfg, seq_len: int) -> float:
+def train_flops_per_token(cfg: Any, seq_len: int) -> float:
     """Model FLOPs per trained token of one forward + backward pass (3x the forward).
 
     Forward = 2 x active matmul parameters (the 2*N rule) + causal attention scores. Remat
@@ -147,7 +148,7 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer
 
 
-def state_bytes_per_device(cfg, expert_shards: int, other_shards: int, *,
+def state_bytes_per_device(cfg: Any, expert_shards: int, other_shards: int, *,
                            optimizer_moments: int = 2, moment_bytes: int = 4) -> MemoryEstimate:
     """Parameters, gradients and optimizer moments per device.
 
@@ -171,7 +172,7 @@ def state_bytes_per_device(cfg, expert_shards: int, other_shards: int, *,
                           optimizer=n * optimizer_moments * moment_bytes)
 
 
-def remat_activation_bytes_per_device(cfg, tokens_per_device: int) -> float:
+def remat_activation_bytes_per_device(cfg: Any, tokens_per_device: int) -> float:
     """Layer-boundary activations kept for the backward pass under full remat.
 
     With `remat="full"` each layer keeps only its input [tokens, D] in the compute dtype; the

@@ -95,7 +95,7 @@ def collective_bytes_per_step(hlo_text: str) -> dict:
                                                   for b in branches.split(","))
     runs = {}
 
-    def visit(name, mult):
+    def visit(name: str, mult: int):
         runs[name] = runs.get(name, 0) + mult
         for callee, n in edges.get(name, ()):
             if callee in comps:

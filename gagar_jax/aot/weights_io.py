@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import collections
 import time
+from typing import Any
 
 import jax
+import ml_collections
 import numpy as np
 
 from gagar_jax import sharding
@@ -24,8 +26,10 @@ from gagar_jax.hf import save as hf_save
 from gagar_jax.hf import units as param_units
 from gagar_jax.run import step as ts
 
+PyTree = Any
 
-def _local_elements(shape, where) -> dict:
+
+def _local_elements(shape: tuple, where: jax.sharding.Sharding) -> dict:
     """process index -> elements of the distinct boxes its devices hold."""
     boxes = collections.defaultdict(set)
     for dev, index in where.devices_indices_map(tuple(shape)).items():
@@ -33,7 +37,7 @@ def _local_elements(shape, where) -> dict:
     return {p: sum(int(np.prod([b - a for a, b in box])) for box in bs) for p, bs in boxes.items()}
 
 
-def _per_device_bytes(abstract, shardings) -> int:
+def _per_device_bytes(abstract: PyTree, shardings: PyTree) -> int:
     total = 0
     for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
         shard = s.shard_shape(tuple(x.shape))
@@ -41,8 +45,8 @@ def _per_device_bytes(abstract, shardings) -> int:
     return total
 
 
-def weights_io_report(cfg, topology: str, *, publish_dtype: str = "bfloat16",
-                      compile_reshard: bool = True) -> dict:
+def weights_io_report(cfg: ml_collections.ConfigDict, topology: str, *,
+                      publish_dtype: str = "bfloat16", compile_reshard: bool = True) -> dict:
     """Per-host load / publish figures and the compiled publish reshard for `topology`."""
     devices = aot.topology_devices(topology)
     generation, _ = aot.parse_topology(topology)

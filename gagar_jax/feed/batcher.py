@@ -19,7 +19,7 @@ import dataclasses
 import json
 import math
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import msgspec
 import numpy as np
@@ -32,6 +32,7 @@ from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.deadletter import DeadLetter, Oversized
 from gagar_jax.feed.ledger import Ledger
 from gagar_jax.feed.multihost import agree_across_processes
+from gagar_jax.feed.shards import RawRecord
 from gagar_jax.feed.sources import SourceEvents, make_source
 from gagar_jax.feed.validate import (ModelShape, ParsedGroup, Reason, Rejected,
                                      classify_decode_error, validate_group)
@@ -137,11 +138,12 @@ class Feed:
             self.seen_group_ids = {g: v for v, g in keep[:SEEN_IDS_MAX]}
 
     # ---- intake -----------------------------------------------------------------------------
-    def _reject(self, raw, reason: str, detail: str, group_id: Optional[str] = None) -> None:
+    def _reject(self, raw: RawRecord, reason: str, detail: str,
+                group_id: Optional[str] = None) -> None:
         self.ledger.quarantine(reason)
         self.dead_letter.write(reason, detail, raw.payload, raw.encoding, raw.origin, group_id)
 
-    def _decode(self, raw) -> schema.Group:
+    def _decode(self, raw: RawRecord) -> schema.Group:
         if isinstance(raw.payload, Oversized):
             raise Rejected(Reason.RECORD_TOO_LARGE, f"{raw.payload.size} bytes > "
                            f"max_record_bytes {self.cfg.max_record_bytes}")
@@ -166,7 +168,7 @@ class Feed:
     def _stale(self, pg: ParsedGroup, learner_step: int) -> bool:
         return learner_step - pg.policy_version > self.cfg.max_staleness
 
-    def _intake(self, raw, learner_step: int) -> Optional[ParsedGroup]:
+    def _intake(self, raw: RawRecord, learner_step: int) -> Optional[ParsedGroup]:
         """Decodes, validates and filters one record; returns it if it is batchable."""
         self.ledger.received += 1
         group_id = None
@@ -206,7 +208,7 @@ class Feed:
         return pg
 
     # ---- batching ---------------------------------------------------------------------------
-    def next_batch(self, learner_step: int):
+    def next_batch(self, learner_step: int) -> Optional[tuple[batch_lib.Batch, BatchInfo]]:
         """The next batch for train step `learner_step`, or None when a finite feed is exhausted.
 
         Returns:
@@ -320,7 +322,7 @@ class Feed:
         n = len(trajs)
         slot_G = np.repeat(np.arange(len(groups)), [len(pg.trajectories) for pg in groups])
 
-        def per_traj(values, dtype, fill):
+        def per_traj(values: Sequence | np.ndarray, dtype: type, fill: float):
             out = np.full((T,), fill, dtype)
             out[:n] = np.asarray(values, dtype)
             return out
@@ -379,7 +381,8 @@ class Feed:
             self.ledger.write(self.workdir / "ledger.json")
             self._ledger_written = now
 
-    def record_trained(self, group_ids, fallback_flags, capped_flags) -> None:
+    def record_trained(self, group_ids: Sequence[str], fallback_flags: Sequence[bool],
+                       capped_flags: Sequence[bool]) -> None:
         """`Ledger.record_trained` plus a ledger.json rewrite (call once per trained batch)."""
         self.ledger.record_trained(group_ids, fallback_flags, capped_flags)
         if not self._busy:  # from an idle wait mid-batch: the identity holds only at its end

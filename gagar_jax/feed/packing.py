@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
+from gagar_jax.batch import Batch
 from gagar_jax.feed import packed
 
 
@@ -145,20 +146,21 @@ def build_rows(plan: PackPlan, trajectories: Sequence, rows: slice, seq_len: int
     return out
 
 
-def global_shapes(local_batch, global_rows: int, seq_len: int):
+def global_shapes(local_batch: Batch, global_rows: int, seq_len: int) -> Batch:
     """`jax.ShapeDtypeStruct`s of the global batch whose local block `local_batch` holds.
 
     Shardings are chosen from these (`sharding.batch_shardings`), never from a process's block:
     a mesh axis that divides B or S may not divide the block.
     """
-    def one(x):
+    def one(x: np.ndarray):
         x = np.asarray(x)
         shape = (global_rows, seq_len) + x.shape[2:] if x.ndim >= 2 else x.shape
         return jax.ShapeDtypeStruct(shape, x.dtype)
     return jax.tree.map(one, local_batch)
 
 
-def make_global_batch(local_batch, shardings, global_rows: int, seq_len: Optional[int] = None):
+def make_global_batch(local_batch: Batch, shardings: jax.sharding.Sharding | Batch,
+                      global_rows: int, seq_len: Optional[int] = None) -> Batch:
     """Assembles global `jax.Array`s from each process's block plus replicated arrays.
 
     Args:
@@ -176,7 +178,7 @@ def make_global_batch(local_batch, shardings, global_rows: int, seq_len: Optiona
     shapes = global_shapes(local_batch, global_rows,
                            seq_len if seq_len is not None else np.shape(local_batch.tokens_BxS)[1])
 
-    def one(x, sharding, shape):
+    def one(x: np.ndarray, sharding: jax.sharding.Sharding, shape: jax.ShapeDtypeStruct):
         # Token arrays ([B, S, ...]) are this process's block: each of its devices takes its
         # part, by offset within the block; per-trajectory/per-group ones are whole.
         return jax.make_array_from_process_local_data(sharding, np.asarray(x), shape.shape)

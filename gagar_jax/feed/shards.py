@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 import os
 import stat as stat_lib
-from typing import Any, Callable, Optional
+from typing import Any, BinaryIO, Callable, Optional
 
 from etils import epath
 
@@ -90,7 +90,7 @@ class LineReader:
 
     CHUNK = 1 << 24
 
-    def __init__(self, file):
+    def __init__(self, file: BinaryIO):
         self.file = file
         self.buf = b""
         self.pos = 0
@@ -116,7 +116,7 @@ class LineReader:
             return pieces[0] if isinstance(pieces[0], bytes) else pieces[0].tobytes()
         return b"".join(pieces)
 
-    def skip_line(self, consume) -> int:
+    def skip_line(self, consume: Callable[[memoryview], None]) -> int:
         """Passes the rest of the current line (without its newline) to `consume` in pieces
         of at most `_CHUNK` bytes, never holding it whole; returns its length."""
         size = 0

@@ -270,7 +270,7 @@ class IteratorSource:
 
 
 def make_source(cfg: FeedConfig, *, process_count: int = 1, log: Callable[[str], None] = LOG.info,
-                stop: Optional[Callable[[], bool]] = None):
+                stop: Optional[Callable[[], bool]] = None) -> SpoolSource | FileSource:
     """The source `cfg` names: the spool directory if set, else the file/glob `path`.
 
     `stop` (spool only, one process) ends an idle wait, e.g. on preemption.

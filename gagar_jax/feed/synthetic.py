@@ -8,6 +8,7 @@ gradings, optional routing records and a share of uniform-outcome groups.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import msgspec
 import numpy as np
@@ -138,7 +139,7 @@ def malformed_records(seed: int = 0) -> list:
     base = schema.to_builtins(make_group(np.random.default_rng(seed), 999_000, spec))
     out = []
 
-    def variant(reason, edit):
+    def variant(reason: str, edit: Callable[[dict, dict], Any]):
         rec = msgspec.msgpack.decode(msgspec.msgpack.encode(base))
         rec["group_id"] = f"bad-{reason}"
         edit(rec, rec["trajectories"][0])
@@ -160,7 +161,7 @@ def malformed_records(seed: int = 0) -> list:
         routed_experts=None))
     variant("routed_experts_shape", lambda r, t: t.update(routed_experts=[[[0]]]))
 
-    def short_payload(t):            # a packed array with fewer bytes than its shape needs
+    def short_payload(t: dict):      # a packed array with fewer bytes than its shape needs
         n_gen = sum(t["loss_mask"])
         p = packed.pack(np.zeros((n_gen, spec.num_moe_layers, spec.top_k), np.int64), "uint8")
         t["routed_experts"] = schema.to_builtins(msgspec.structs.replace(p, b64=p.b64[:-4]))

@@ -10,6 +10,7 @@ import msgspec
 import numpy as np
 
 from gagar_jax.feed import packed, schema
+from gagar_jax.feed.config import FeedConfig
 
 
 class Reason:
@@ -205,7 +206,7 @@ def _quality(traj: schema.Trajectory, where: str) -> tuple[int, int, float]:
     return schema.TIER_CODES[q.tier], int(q.rank), float("nan")
 
 
-def _length(values, field: str, dtypes: tuple, where: str) -> int:
+def _length(values: list | schema.PackedArray, field: str, dtypes: tuple, where: str) -> int:
     """A list's length, or a compact array's (after checking its header)."""
     if isinstance(values, schema.PackedArray):
         err = packed.array_error(values, field, dtypes, 1)
@@ -215,7 +216,7 @@ def _length(values, field: str, dtypes: tuple, where: str) -> int:
     return len(values)
 
 
-def _trajectory(traj: schema.Trajectory, limits, shape: ModelShape, where: str):
+def _trajectory(traj: schema.Trajectory, limits: FeedConfig, shape: ModelShape, where: str):
     n = _length(traj.tokens, "tokens", schema.TOKEN_DTYPES, where)
     n_logprobs = _length(traj.logprobs, "logprobs", schema.LOGPROB_DTYPES, where)
     if len(traj.loss_mask) != n or n_logprobs != n:
@@ -265,7 +266,7 @@ def _trajectory(traj: schema.Trajectory, limits, shape: ModelShape, where: str):
         tier=tier, rank=rank, factor=factor, adjustment=float(traj.adjustment))
 
 
-def validate_group(group: schema.Group, limits, shape: ModelShape) -> ParsedGroup:
+def validate_group(group: schema.Group, limits: FeedConfig, shape: ModelShape) -> ParsedGroup:
     """Checks one decoded record against the schema's semantic rules and the model.
 
     Args:

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from etils import epath
 from flax import nnx
+from jax.sharding import Mesh
 
 from gagar_jax import sharding
 from gagar_jax.distributed import barrier, is_primary
@@ -33,12 +34,12 @@ from gagar_jax.hf import load as hf_load
 from gagar_jax.hf import save as hf_save
 from gagar_jax.hf.config_json import config_from_hf, config_to_hf  # noqa: F401  (public API)
 from gagar_jax.hf.save import SAVE_DTYPES  # noqa: F401  (public API)
-from gagar_jax.model.transformer import Transformer
+from gagar_jax.model.transformer import ModelConfig, Transformer
 from gagar_jax.hf.safetensors import (INDEX_FILE, ST_DTYPES, dequantize_block_fp8,  # noqa: F401
                                       read_header, write_safetensors)
 
 
-def _reader(path, block: tuple | None = None) -> Callable[[str], np.ndarray]:
+def _reader(path: epath.PathLike, block: tuple | None = None) -> Callable[[str], np.ndarray]:
     """name -> whole float32 numpy array (FP8 weights dequantized); `.names` the tensor names."""
     src = hf_load.Source(path, block)
     get = lambda name: src.read(name)  # noqa: E731
@@ -47,12 +48,14 @@ def _reader(path, block: tuple | None = None) -> Callable[[str], np.ndarray]:
 
 
 # ----------------------------------------------------------------------------- load
-def read_config(path) -> dict:
+def read_config(path: epath.PathLike) -> dict:
     """config.json of a checkpoint directory (local or object-store path)."""
     return json.loads((epath.Path(path) / "config.json").read_text())
 
 
-def from_pretrained(path, dtype: str = "float32", *, mesh=None, shardings=None, **overrides):
+def from_pretrained(path: epath.PathLike, dtype: str = "float32", *, mesh: Mesh | None = None,
+                    shardings: nnx.State | None = None,
+                    **overrides) -> tuple[Transformer, ModelConfig]:
     """Loads a Hugging Face Qwen3-MoE or MiMo-V2-Flash directory, each process reading only the
     bytes of its own shards (`hf_load`).
 
@@ -85,7 +88,7 @@ def model_leaves(model: Transformer) -> dict:
     return {sharding.leaf_path(kp): x for kp, x in flat}
 
 
-def carried_shapes(path) -> dict:
+def carried_shapes(path: epath.PathLike) -> dict:
     """Name -> shape of the tensors of checkpoint `path` its family skips on load (MiMo MTP)."""
     family = hf_families.FAMILIES.get(read_config(path).get("model_type", "qwen3_moe"))
     if family is None or not family.carried_prefixes:
@@ -95,7 +98,7 @@ def carried_shapes(path) -> dict:
             if any(n.startswith(p) for p in family.carried_prefixes)}
 
 
-def save_pretrained(model: Transformer, path, max_shard_bytes: int = 5 * 2**30, *,
+def save_pretrained(model: Transformer, path: epath.PathLike, max_shard_bytes: int = 5 * 2**30, *,
                     dtype: str = "float32", carry_from: str = "") -> None:
     """Writes config.json and safetensors (sharded with an index above `max_shard_bytes` or on
     several processes), every process writing a disjoint share (`hf_save`).

@@ -25,6 +25,7 @@ transformers saves and vLLM / SGLang read); `from_pretrained` also accepts `load
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,7 @@ MIMO_V2_FLASH = Family(
 FAMILIES = {f.model_type: f for f in (QWEN3_MOE, MIMO_V2_FLASH)}  # "auto" tries them in this order
 
 
-def _qwen3_moe_refusals(cfg) -> list:
+def _qwen3_moe_refusals(cfg: Any) -> list:
     out = []
     if cfg.router != "softmax":
         out.append(f"router={cfg.router!r} (Qwen3-MoE routes by softmax)")
@@ -111,7 +112,7 @@ def _qwen3_moe_refusals(cfg) -> list:
     return out
 
 
-def _mimo_v2_flash_refusals(cfg) -> list:
+def _mimo_v2_flash_refusals(cfg: Any) -> list:
     out = []
     if cfg.router != "sigmoid_bias":
         out.append(f"router={cfg.router!r} (MiMo-V2-Flash routes by sigmoid with a correction bias)")
@@ -128,12 +129,12 @@ def _mimo_v2_flash_refusals(cfg) -> list:
 REFUSALS = {"qwen3_moe": _qwen3_moe_refusals, "mimo_v2_flash": _mimo_v2_flash_refusals}
 
 
-def refusals(cfg, family: str) -> list:
+def refusals(cfg: Any, family: str) -> list:
     """Reasons `family` cannot express the ModelConfig `cfg` (empty: it can)."""
     return REFUSALS[family](cfg)
 
 
-def resolve_family(cfg):
+def resolve_family(cfg: Any) -> str | None:
     """The export family of `cfg` (a model_type) or None where "auto" finds none.
 
     Raises:
@@ -151,7 +152,7 @@ def resolve_family(cfg):
     return cfg.hf_family
 
 
-def export_error(cfg) -> str:
+def export_error(cfg: Any) -> str:
     """One line saying why no family can express `cfg` ("" if one can)."""
     if resolve_family(cfg) is not None:
         return ""

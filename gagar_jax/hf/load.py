@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import numpy as np
+from etils import epath
+from flax import nnx
 
 from gagar_jax import sharding
 from gagar_jax.hf import families as hf_families
@@ -102,7 +104,7 @@ def fp8_block(hf_cfg: dict) -> Optional[tuple]:
 class Source:
     """A checkpoint's tensors as float32 boxes, FP8 weights dequantized block by block."""
 
-    def __init__(self, path, block: Optional[tuple]):
+    def __init__(self, path: epath.PathLike, block: Optional[tuple]):
         self.ckpt = Checkpoint(path)
         self.block = block
         scales = {n for n in self.ckpt.names if n.endswith(SCALE_SUFFIX)} if block else set()
@@ -111,7 +113,7 @@ class Source:
     def shape(self, name: str) -> tuple:
         return self.ckpt.shape(name)
 
-    def read(self, name: str, box=None) -> np.ndarray:
+    def read(self, name: str, box: Optional[Sequence[tuple]] = None) -> np.ndarray:
         """float32 (or the stored integer dtype) box of tensor `name`."""
         q = self.ckpt.read_box(name, box)
         if self.block is not None and name + SCALE_SUFFIX in self.ckpt.names:
@@ -166,7 +168,8 @@ class LeafPlan:
     sources: tuple
 
 
-def plan_leaf(src: Source, family, cfg: ModelConfig, name: str, shape: tuple) -> LeafPlan:
+def plan_leaf(src: Source, family: hf_families.Family, cfg: ModelConfig, name: str,
+              shape: tuple) -> LeafPlan:
     """Resolves and shape-checks the checkpoint tensors of parameter `name` (reads headers only)."""
     prefix, layers, key = split_leaf(name, stack_paths(cfg))
     if prefix is None:
@@ -197,7 +200,8 @@ def plan_leaf(src: Source, family, cfg: ModelConfig, name: str, shape: tuple) ->
     return LeafPlan(name, shape, True, tuple(out))
 
 
-def _check(src: Source, leaf: str, stored: str, transform: str, shape: tuple, cfg) -> None:
+def _check(src: Source, leaf: str, stored: str, transform: str, shape: tuple,
+           cfg: ModelConfig) -> None:
     try:
         if transform == "per_expert":
             if shape[0] != cfg.num_experts:
@@ -245,7 +249,8 @@ def _box(index: tuple, shape: tuple) -> tuple:
     return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
 
 
-def load_leaf(src: Source, plan: LeafPlan, dtype, where) -> jax.Array:
+def load_leaf(src: Source, plan: LeafPlan, dtype: np.dtype,
+              where: jax.sharding.Sharding) -> jax.Array:
     """The leaf as a jax.Array with sharding `where`, reading only this process's boxes."""
     boxes = {}
     for index in where.addressable_devices_indices_map(plan.shape).values():
@@ -257,7 +262,8 @@ def load_leaf(src: Source, plan: LeafPlan, dtype, where) -> jax.Array:
                                         lambda index: arrays[_box(index, plan.shape)])
 
 
-def load_state(path, hf_cfg: dict, cfg: ModelConfig, abstract, shardings=None):
+def load_state(path: epath.PathLike, hf_cfg: dict, cfg: ModelConfig, abstract: nnx.State,
+               shardings: Optional[nnx.State] = None) -> nnx.State:
     """The parameter state `abstract` (an nnx.State of ShapeDtypeStructs) filled from checkpoint
     `path`, each leaf placed with `shardings` (same tree; None = the default device).
 

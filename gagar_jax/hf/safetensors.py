@@ -18,7 +18,7 @@ import json
 import os
 import struct
 import threading
-from typing import Sequence
+from typing import BinaryIO, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -33,7 +33,7 @@ ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
-def read_header(fname) -> tuple:
+def read_header(fname: epath.PathLike) -> tuple:
     """(header dict without __metadata__, byte offset of the data section) of a safetensors file."""
     with epath.Path(fname).open("rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -63,7 +63,7 @@ def _runs(shape: Sequence[int], box: Sequence[tuple], itemsize: int) -> tuple:
 class Checkpoint:
     """The safetensors files of one checkpoint directory (single file or sharded with an index)."""
 
-    def __init__(self, path):
+    def __init__(self, path: epath.PathLike):
         self.path = epath.Path(path)
         index = self.path / INDEX_FILE
         self._headers: dict = {}
@@ -141,7 +141,7 @@ class Checkpoint:
         return out
 
 
-def _read_into(f, view: memoryview, what: str) -> None:
+def _read_into(f: BinaryIO, view: memoryview, what: str) -> None:
     got = 0
     while got < len(view):   # straight into the output: no second copy of the bytes
         n = f.readinto(view[got:])
@@ -169,7 +169,7 @@ def dequantize_block_fp8(q: np.ndarray, scale_inv: np.ndarray, block: tuple = (1
     return q.astype(np.float32) * scale_inv.astype(np.float32)[ri[:, None], ci[None, :]]
 
 
-def write_safetensors(fname, tensors: dict, metadata: dict | None = None) -> int:
+def write_safetensors(fname: epath.PathLike, tensors: dict, metadata: dict | None = None) -> int:
     """Writes numpy arrays as one safetensors file (streamed, one tensor at a time); returns bytes."""
     names = {np.dtype(v): k for k, v in ST_DTYPES.items()}
     header, offset = {}, 0

@@ -27,6 +27,7 @@ from gagar_jax.hf import families as hf_families
 from gagar_jax.hf import load as hf_load
 from gagar_jax.hf import units as param_units
 from gagar_jax.hf.safetensors import INDEX_FILE, write_safetensors
+from gagar_jax.model.transformer import ModelConfig
 
 SAVE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -86,7 +87,7 @@ def _nbytes(t: Tensor) -> int:
     return int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
 
 
-def plan_save(leaves: dict, cfg, procs: int, dtype: str, carried: dict | None = None,
+def plan_save(leaves: dict, cfg: ModelConfig, procs: int, dtype: str, carried: dict | None = None,
               max_shard_bytes: int = 5 * 2**30) -> SavePlan:
     """Who writes which tensor into which file.
 
@@ -180,7 +181,7 @@ def gather_share(leaves: dict, plan: SavePlan) -> dict:
     return share
 
 
-def read_carried(plan: SavePlan, source) -> dict:
+def read_carried(plan: SavePlan, source: epath.PathLike) -> dict:
     """The carried tensors this process writes, read from checkpoint `source` (its bytes only)."""
     p = jax.process_index()
     names = [n for n, t in plan.tensors.items() if not t.leaf and plan.owner[n] == p]
@@ -191,7 +192,7 @@ def read_carried(plan: SavePlan, source) -> dict:
     return {n: src.read(n).astype(plan.tensors[n].dtype) for n in names}
 
 
-def write_share(share: dict, plan: SavePlan, directory, process: int) -> int:
+def write_share(share: dict, plan: SavePlan, directory: epath.PathLike, process: int) -> int:
     """Writes this process's files into `directory`; returns the bytes written."""
     total = 0
     for fname, p, names in plan.files:
@@ -201,7 +202,7 @@ def write_share(share: dict, plan: SavePlan, directory, process: int) -> int:
     return total
 
 
-def write_index(plan: SavePlan, directory) -> None:
+def write_index(plan: SavePlan, directory: epath.PathLike) -> None:
     """The index of a multi-file save (write it after every process's files)."""
     if len(plan.files) == 1 and plan.files[0][0] == "model.safetensors":
         return

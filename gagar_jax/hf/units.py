@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -97,7 +97,7 @@ def plan(leaves: dict, procs: int, dtype_of: Callable[[str, object], str]) -> di
     return out
 
 
-def process_mesh(devices=None) -> Mesh:
+def process_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     """All devices (default `jax.devices()`; compile-only TPU devices for AOT) as a
     (process, local device) mesh, processes in index order."""
     devs = sorted(jax.devices() if devices is None else devices,
@@ -116,7 +116,7 @@ def _out_sharding(lu: LeafUnits, mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P("proc", *spec))
 
 
-def rearrange(x, lu: LeafUnits):
+def rearrange(x: jax.Array, lu: LeafUnits) -> jax.Array:
     """`[*lead, *unit]` -> `[P * k, *unit]`: unit u at slot `lu.slot(u)`, empty slots zero.
 
     Written as static-offset updates of a zero array (at most two contiguous pieces: the
@@ -133,7 +133,7 @@ def rearrange(x, lu: LeafUnits):
 
 
 @functools.lru_cache(maxsize=256)
-def resharder(lu: LeafUnits, mesh: Mesh):
+def resharder(lu: LeafUnits, mesh: Mesh) -> Callable[[jax.Array], jax.Array]:
     """The jitted `rearrange` with its output sharded over processes (cached per leaf)."""
     return jax.jit(functools.partial(rearrange, lu=lu), out_shardings=_out_sharding(lu, mesh))
 

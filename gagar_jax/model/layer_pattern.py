@@ -8,6 +8,7 @@ the pattern (period <= `MAX_PATTERN`) that saves the most unrolled layers, p * (
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 MAX_PATTERN = 16  # longest layer-kind period looked for
 
@@ -48,7 +49,7 @@ def _best_run(kinds: list) -> tuple:
     return best
 
 
-def layer_stacks(cfg) -> tuple:
+def layer_stacks(cfg: Any) -> tuple:
     """The `LayerStack`s of `cfg` in layer order (dense ones first)."""
     out = []
     for moe, lo, hi in ((False, 0, cfg.num_dense_layers), (True, cfg.num_dense_layers, cfg.num_layers)):

@@ -5,6 +5,8 @@ RoPE angles run in float32. Parameter leaf names are the keys of `sharding.PARAM
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -13,7 +15,8 @@ from gagar_jax.kernels.attention import context as attention_context
 from gagar_jax.sharding import constrain
 
 
-def normal_init(rngs: nnx.Rngs, shape, fan_in: int, dtype) -> jax.Array:
+def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int,
+                dtype: jax.typing.DTypeLike) -> jax.Array:
     """N(0, 1 / fan_in) initial weights, drawn in float32 and stored in `dtype`."""
     return (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in ** -0.5).astype(dtype)
 
@@ -21,18 +24,19 @@ def normal_init(rngs: nnx.Rngs, shape, fan_in: int, dtype) -> jax.Array:
 class RMSNorm(nnx.Module):
     """y = x / rms(x) * scale, computed in float32 (as Hugging Face Qwen3 does)."""
 
-    def __init__(self, dim: int, eps: float, param_dtype):
+    def __init__(self, dim: int, eps: float, param_dtype: jax.typing.DTypeLike):
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
         self.eps = eps
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         scale = self.scale[...].astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
         return scale * y.astype(x.dtype)  # HF casts to the input dtype before scaling
 
 
-def rope(x_BxSxHxD, positions_BxS, theta: float, rotary_dim: int = 0):
+def rope(x_BxSxHxD: jax.Array, positions_BxS: jax.Array, theta: float,
+         rotary_dim: int = 0) -> jax.Array:
     """Rotary embedding, half-split ("rotate_half") convention of Llama/Qwen.
 
     With `rotary_dim` d < head width (partial rotary, MiMo), the first d dims rotate with
@@ -56,7 +60,7 @@ class Attention(nnx.Module):
     their own and, on sliding layers, KV heads and attention sinks of their own (MiMo-V2-Flash).
     """
 
-    def __init__(self, cfg, sliding: bool = False, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Any, sliding: bool = False, *, rngs: nnx.Rngs):
         D, H, Dh, pd = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.param_dtype
         Kv = cfg.sliding_kv_heads if sliding else cfg.num_kv_heads
         Dv = cfg.value_head_dim
@@ -73,7 +77,8 @@ class Attention(nnx.Module):
         self.window = cfg.sliding_window if sliding else 0
         self.theta = (cfg.sliding_rope_theta or cfg.rope_theta) if sliding else cfg.rope_theta
 
-    def project_qkv(self, x_BxSxD, positions_BxS):
+    def project_qkv(self, x_BxSxD: jax.Array,
+                    positions_BxS: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [B, S, H, Dh], k [B, S, Kv, Dh], v [B, S, Kv, Dv]: projected, q/k-normed, v scaled,
         RoPE applied (also used by the KV-cache sampler)."""
         cfg, dt = self.cfg, x_BxSxD.dtype
@@ -87,11 +92,11 @@ class Attention(nnx.Module):
         return (rope(q, positions_BxS, self.theta, cfg.rotary_dim),
                 rope(k, positions_BxS, self.theta, cfg.rotary_dim), v)
 
-    def sinks_H(self):
+    def sinks_H(self) -> jax.Array | None:
         """The per-head sink logits, or None (full layers, or sinks off)."""
         return self.sinks[...] if hasattr(self, "sinks") else None
 
-    def __call__(self, x_BxSxD, segment_ids_BxS, positions_BxS):
+    def __call__(self, x_BxSxD: jax.Array, segment_ids_BxS: jax.Array, positions_BxS: jax.Array):
         cfg, dt = self.cfg, x_BxSxD.dtype
         q, k, v = self.project_qkv(x_BxSxD, positions_BxS)
         q = constrain(q, "batch", "seq", "heads", None)
@@ -106,13 +111,13 @@ class Attention(nnx.Module):
 class DenseMLP(nnx.Module):
     """SwiGLU MLP: down(silu(x @ gate) * (x @ up))."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
         D, I, pd = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype
         self.mlp_gate = nnx.Param(normal_init(rngs, (D, I), D, pd))
         self.mlp_up = nnx.Param(normal_init(rngs, (D, I), D, pd))
         self.mlp_down = nnx.Param(normal_init(rngs, (I, D), I, pd))
 
-    def __call__(self, x_BxSxD):
+    def __call__(self, x_BxSxD: jax.Array):
         dt = x_BxSxD.dtype
         g = x_BxSxD @ self.mlp_gate[...].astype(dt)
         u = x_BxSxD @ self.mlp_up[...].astype(dt)

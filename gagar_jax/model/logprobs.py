@@ -23,15 +23,20 @@ memory, three matmuls: what torch's cross-entropy does), for when they fit.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+
+if TYPE_CHECKING:
+    from gagar_jax.model.transformer import ModelAux, Transformer
 
 _NEG = -1e30
 
 
-def chunked_logprobs_entropy(h_NxD, w_DxV, targets_N, chunk: int, keep_logits: bool = False):
+def chunked_logprobs_entropy(h_NxD: jax.Array, w_DxV: jax.Array, targets_N: jax.Array, chunk: int,
+                             keep_logits: bool = False) -> tuple[jax.Array, jax.Array]:
     """log p(target) and entropy of softmax(h @ w), without materializing [N, V] at once.
 
     Args:
@@ -62,7 +67,7 @@ def logits_bytes(n_tokens: int, vocab: int, chunk: int) -> int:
     return 4 * n_tokens * chunk * -(-vocab // chunk)
 
 
-def _chunks(w_DxV, chunk):
+def _chunks(w_DxV: jax.Array, chunk: int):
     """[n, D, chunk] column chunks of w (zero-padded) and an additive column mask [n, 1, chunk]
     (0, or -1e30 on padding columns past V), or None when chunk divides V."""
     D, V = w_DxV.shape
@@ -74,17 +79,17 @@ def _chunks(w_DxV, chunk):
     return w_nxDxc, jnp.where(_columns(n, chunk) < V, 0.0, _NEG).astype(jnp.float32)
 
 
-def _columns(n, chunk):
+def _columns(n: int, chunk: int):
     """Vocabulary id of every column of every chunk, [n, 1, chunk]."""
     return jnp.arange(n * chunk, dtype=jnp.int32).reshape(n, 1, chunk)
 
 
-def _stats(h_NxD, w_DxV, targets_N, chunk, keep_logits):
+def _stats(h_NxD: jax.Array, w_DxV: jax.Array, targets_N: jax.Array, chunk: int, keep_logits: bool):
     """Forward: (logprob, entropy, lse, logits tiles or None), one online pass over the chunks."""
     N = h_NxD.shape[0]
     w_nxDxc, pad_nx1xc = _chunks(w_DxV, chunk)
 
-    def body(carry, xs):
+    def body(carry: tuple, xs: tuple):
         m, s, sl, tgt = carry
         w_c, pad, cols = xs
         logits = jnp.dot(h_NxD, w_c, preferred_element_type=jnp.float32)
@@ -107,17 +112,18 @@ def _stats(h_NxD, w_DxV, targets_N, chunk, keep_logits):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _head(h_NxD, w_DxV, targets_N, chunk, keep_logits):
+def _head(h_NxD: jax.Array, w_DxV: jax.Array, targets_N: jax.Array, chunk: int, keep_logits: bool):
     lp, ent, _, _ = _stats(h_NxD, w_DxV, targets_N, chunk, False)
     return lp, ent
 
 
-def _head_fwd(h, w, targets, chunk, keep_logits):
+def _head_fwd(h: CustomVJPPrimal, w: CustomVJPPrimal, targets: CustomVJPPrimal, chunk: int,
+              keep_logits: bool):
     lp, ent, lse, tiles = _stats(h.value, w.value, targets.value, chunk, keep_logits)
     return (lp, ent), (h.value, w.value, targets.value, lse, ent, tiles)
 
 
-def _head_bwd(chunk, keep_logits, res, g):
+def _head_bwd(chunk: int, keep_logits: bool, res: tuple, g: tuple):
     h_NxD, w_DxV, targets_N, lse_N, ent_N, tiles = res
     g_lp, g_ent = (None if isinstance(x, SymbolicZero) else x for x in g)
     if g_lp is None and g_ent is None:
@@ -127,7 +133,7 @@ def _head_bwd(chunk, keep_logits, res, g):
     cols_nx1xc = _columns(*w_nxDxc.shape[::2])
     hT_DxN = h_NxD.T      # once, outside the loop: dw_c = hT @ dl is then a plain [D,N]x[N,c] dot
 
-    def body(dh_NxD, xs):
+    def body(dh_NxD: jax.Array, xs: tuple):
         w_c, pad, cols, logits = xs
         if logits is None:
             logits = jnp.dot(h_NxD, w_c, preferred_element_type=jnp.float32)
@@ -157,7 +163,7 @@ def _head_bwd(chunk, keep_logits, res, g):
 _head.defvjp(_head_fwd, _head_bwd, symbolic_zeros=True)
 
 
-def next_token_mask(segment_ids_BxS):
+def next_token_mask(segment_ids_BxS: jax.Array) -> jax.Array:
     """1.0 where token t has a predecessor in its own segment (t > 0, same segment, not padding)."""
     seg = segment_ids_BxS
     prev = jnp.roll(seg, 1, axis=1)  # a one-column shift: cheap also when S is split over chips
@@ -165,7 +171,9 @@ def next_token_mask(segment_ids_BxS):
     return ((seg == prev) & (seg > 0) & ~first[None]).astype(jnp.float32)
 
 
-def token_logprobs(model, tokens_BxS, segment_ids_BxS, positions_BxS, routed_experts_BxSxLxK=None):
+def token_logprobs(model: Transformer, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array,
+                   positions_BxS: jax.Array, routed_experts_BxSxLxK: jax.Array | None = None
+                   ) -> tuple[jax.Array, jax.Array, ModelAux]:
     """Log-prob of each token under `model` and the entropy of the distribution it was drawn from.
 
     Token t is predicted at position t - 1, so `logprobs_BxS[b, t] = log p(tokens[b, t] |

@@ -8,6 +8,8 @@ stacked experts [E, D, F] / [E, F, D]) and the non-trainable `RouterBias` [E] of
 """
 from __future__ import annotations
 
+from typing import Any
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -35,7 +37,7 @@ class MoEStats:
 class MoE(nnx.Module):
     """Top-k routed SwiGLU experts."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
         D, E, F, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.param_dtype
         # transformers keeps the sigmoid router (and its bias) in float32 in any model dtype.
         rd = jnp.float32 if cfg.router == "sigmoid_bias" else pd
@@ -46,7 +48,8 @@ class MoE(nnx.Module):
         self.expert_down = nnx.Param(normal_init(rngs, (E, F, D), F, pd))
         self.cfg = cfg
 
-    def __call__(self, x_BxSxD, token_mask_BxS, routed_BxSxK=None):
+    def __call__(self, x_BxSxD: jax.Array, token_mask_BxS: jax.Array,
+                 routed_BxSxK: jax.Array | None = None):
         """Returns (y_BxSxD, MoEStats).
 
         Args:
@@ -78,7 +81,7 @@ class MoE(nnx.Module):
         return y, stats
 
 
-def update_router_bias(model, expert_load_LxE: jax.Array, rate: float) -> None:
+def update_router_bias(model: Any, expert_load_LxE: jax.Array, rate: float) -> None:
     """Auxiliary-loss-free balancing (DeepSeek-V3): nudges every MoE layer's `RouterBias`
     toward under-loaded experts, in place. `expert_load_LxE` is `ModelAux.expert_load_LxE`."""
     for bias, rows in model.moe_router_biases():  # one per MoE block stack, rows in layer order

@@ -36,11 +36,11 @@ class RouterOutput:
     replayed_T: jax.Array    # bool: the token's experts came from the replay record
 
 
-def _softmax_scores(logits_TxE):
+def _softmax_scores(logits_TxE: jax.Array):
     return jax.nn.softmax(logits_TxE, axis=-1)
 
 
-def _sigmoid_scores(logits_TxE):
+def _sigmoid_scores(logits_TxE: jax.Array):
     return jax.nn.sigmoid(logits_TxE)
 
 

@@ -14,6 +14,7 @@ pattern, not on depth; every block is rematerialized per `remat`.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import flax.struct
 import jax
@@ -25,8 +26,11 @@ from gagar_jax.kernels.attention import registry as attention_registry
 from gagar_jax.kernels.experts import registry as expert_registry
 from gagar_jax.model.layer_pattern import LayerStack, layer_stacks  # noqa: F401  (re-exported)
 from gagar_jax.model.layers import Attention, DenseMLP, RMSNorm, normal_init
-from gagar_jax.model.moe import MoE
+from gagar_jax.model.moe import MoE, RouterBias
 from gagar_jax.sharding import constrain
+
+if TYPE_CHECKING:
+    import ml_collections
 
 REMAT_POLICIES = {
     "none": None,
@@ -226,7 +230,7 @@ class ModelConfig:
         return self.num_layers - self.num_dense_layers
 
     @classmethod
-    def from_config(cls, section) -> "ModelConfig":
+    def from_config(cls, section: ml_collections.ConfigDict | dict) -> "ModelConfig":
         """Builds the config from the `model` section (ConfigDict or dict); unknown keys fail."""
         return cls(**section_dict(section, cls, "model"))
 
@@ -258,7 +262,8 @@ class Block(nnx.Module):
         self.mlp = MoE(cfg, rngs=rngs) if moe else DenseMLP(cfg, rngs=rngs)
         self.is_moe = moe
 
-    def __call__(self, x_BxSxD, segment_ids_BxS, positions_BxS, routed_BxSxK=None):
+    def __call__(self, x_BxSxD: jax.Array, segment_ids_BxS: jax.Array, positions_BxS: jax.Array,
+                 routed_BxSxK: jax.Array | None = None):
         x_BxSxD = constrain(x_BxSxD, "batch", "seq", None)
         h = x_BxSxD + self.attn(self.attn_norm(x_BxSxD), segment_ids_BxS, positions_BxS)
         if self.is_moe:
@@ -271,7 +276,7 @@ def _stack(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs, sliding: bool = 
     """n Blocks whose parameters carry a leading layer axis."""
     @nnx.split_rngs(splits=n)
     @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=n)
-    def make(r):
+    def make(r: nnx.Rngs):
         return Block(cfg, moe, sliding, rngs=r)
     return make(rngs)
 
@@ -284,7 +289,8 @@ class PatternStack(nnx.Module):
             setattr(self, f"p{k}", _stack(cfg, spec.moe, spec.repeats, rngs, sliding))
 
 
-def resolve_kernels(cfg: ModelConfig, mesh=None) -> ModelConfig:
+def resolve_kernels(cfg: ModelConfig,
+                    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None) -> ModelConfig:
     """`cfg` with every "auto" kernel choice resolved for the mesh's devices (default: the
     ambient mesh): attention, expert backend, ep_a2a's local FFN. The dispatchers reject "auto",
     so this runs once, where the model or the train state is built."""
@@ -313,10 +319,11 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(D, cfg.rms_norm_eps, pd)
         self.lm_head = None if cfg.tie_embeddings else nnx.Param(normal_init(rngs, (D, V), D, pd))
 
-    def _scan(self, layers, x, segment_ids_BxS, positions_BxS, routed_LxBxSxK):
+    def _scan(self, layers: Block, x: jax.Array, segment_ids_BxS: jax.Array,
+              positions_BxS: jax.Array, routed_LxBxSxK: jax.Array | None):
         graphdef, state = nnx.split(layers)
 
-        def body(x, inputs):
+        def body(x: jax.Array, inputs: tuple):
             layer_state, routed = inputs
             return nnx.merge(graphdef, layer_state)(x, segment_ids_BxS, positions_BxS, routed)
 
@@ -325,14 +332,15 @@ class Transformer(nnx.Module):
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
         return jax.lax.scan(body, x, (state, routed_LxBxSxK))
 
-    def _scan_pattern(self, spec: LayerStack, x, segment_ids_BxS, positions_BxS, routed_RxPxBxSxK):
+    def _scan_pattern(self, spec: LayerStack, x: jax.Array, segment_ids_BxS: jax.Array,
+                      positions_BxS: jax.Array, routed_RxPxBxSxK: jax.Array | None):
         """Scans a PatternStack; MoE stats come back stacked in layer order [R * P, ...]."""
         mod, p = getattr(self, spec.name), len(spec.pattern)
         splits = [nnx.split(getattr(mod, f"p{k}")) for k in range(p)]
         graphdefs = [g for g, _ in splits]
 
-        def one(k):
-            def apply(x, layer_state, routed):
+        def one(k: int):
+            def apply(x: jax.Array, layer_state: nnx.State, routed: jax.Array | None):
                 return nnx.merge(graphdefs[k], layer_state)(x, segment_ids_BxS, positions_BxS, routed)
             if self.cfg.remat != "none":
                 apply = jax.checkpoint(apply, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
@@ -340,7 +348,7 @@ class Transformer(nnx.Module):
 
         applies = [one(k) for k in range(p)]
 
-        def body(x, inputs):
+        def body(x: jax.Array, inputs: tuple):
             states, routed = inputs
             stats = []
             for k in range(p):
@@ -355,7 +363,7 @@ class Transformer(nnx.Module):
             stats = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stats)
         return x, stats
 
-    def moe_router_biases(self):
+    def moe_router_biases(self) -> list[tuple[RouterBias, list[int]]]:
         """(RouterBias variable [R, E], MoE-layer rows it holds) per MoE block stack."""
         out = []
         for spec in self.stacks:
@@ -368,8 +376,10 @@ class Transformer(nnx.Module):
                 out.append((blocks.mlp.router_bias, rows))
         return out
 
-    def hidden_states(self, tokens_BxS, *, segment_ids_BxS=None, positions_BxS=None,
-                      routed_experts_BxSxLxK=None):
+    def hidden_states(self, tokens_BxS: jax.Array, *, segment_ids_BxS: jax.Array | None = None,
+                      positions_BxS: jax.Array | None = None,
+                      routed_experts_BxSxLxK: jax.Array | None = None
+                      ) -> tuple[jax.Array, ModelAux]:
         """Final (normed) hidden states [B, S, D] in compute dtype, and the `ModelAux`.
 
         Args:
@@ -428,8 +438,9 @@ class Transformer(nnx.Module):
         w = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
         return w.astype(self.cfg.compute_dtype)
 
-    def __call__(self, tokens_BxS, *, segment_ids_BxS=None, positions_BxS=None,
-                 routed_experts_BxSxLxK=None):
+    def __call__(self, tokens_BxS: jax.Array, *, segment_ids_BxS: jax.Array | None = None,
+                 positions_BxS: jax.Array | None = None,
+                 routed_experts_BxSxLxK: jax.Array | None = None):
         """Logits [B, S, V] (float32) and `ModelAux`; arguments as in `hidden_states`."""
         h, aux = self.hidden_states(tokens_BxS, segment_ids_BxS=segment_ids_BxS,
                                     positions_BxS=positions_BxS,

@@ -72,7 +72,7 @@ def _jsonable(obj: Any, what: str, *, lenient: bool = False) -> Any:
     hold are stored as their `str` (the config is kept for reference only).
     """
 
-    def default(x):
+    def default(x: Any):
         if isinstance(x, np.generic):
             return x.item()
         if isinstance(x, (np.ndarray, jax.Array)):

@@ -20,12 +20,16 @@ import logging
 import os
 import sys
 import traceback
+from typing import TYPE_CHECKING, Any, Mapping, MutableMapping, Sequence
+
+if TYPE_CHECKING:
+    from absl import flags
 
 _REPO_CONFIG = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
                                              os.pardir, "configs", "tiny_cpu.py"))
 
 
-def _define_flags(argv):
+def _define_flags(argv: list[str]):
     from absl import flags
     from ml_collections import config_flags
 
@@ -53,7 +57,7 @@ def _error(msg: str) -> int:
     return 2
 
 
-def _unknown_key(argv, exc) -> str:
+def _unknown_key(argv: list[str], exc: AttributeError) -> str:
     """One plain line: the override that names a missing key, and ConfigDict's suggestion."""
     inner = exc.args[0] if exc.args else exc   # ConfigDict wraps a KeyError in the AttributeError
     while isinstance(inner, BaseException) and inner.args:
@@ -70,7 +74,7 @@ def _unknown_key(argv, exc) -> str:
     return f"unknown config key: {key}" + (f" ({hint[0].lower()}{hint[1:]})" if hint else "")
 
 
-def _usage(argv, path) -> str:
+def _usage(argv: list[str], path: str | None) -> str:
     """`gagar-train --help`: usage, flags, every config key with its default, docs pointer."""
     from gagar_jax.config import load_config_file
 
@@ -84,7 +88,7 @@ def _usage(argv, path) -> str:
              "  --lock_wait_s S          wait up to S s for another learner to free the workdir",
              "  -h, --help               this text", ""]
     if path is not None and os.path.isfile(path):
-        def walk(prefix, node):
+        def walk(prefix: str, node: Mapping[str, Any]):
             for key, value in sorted(node.items()):
                 if hasattr(value, "items"):
                     yield from walk(f"{prefix}{key}.", value)
@@ -100,13 +104,13 @@ def _usage(argv, path) -> str:
 _ACCELERATOR_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
 
 
-def _default_platform(env=os.environ) -> None:
+def _default_platform(env: MutableMapping[str, str] = os.environ) -> None:
     """JAX_PLATFORMS=cpu when it is unset and no accelerator device node exists."""
     if "JAX_PLATFORMS" not in env and not any(glob.glob(p) for p in _ACCELERATOR_NODES):
         env["JAX_PLATFORMS"] = "cpu"
 
 
-def _process_index_hint(fv, env=os.environ):
+def _process_index_hint(fv: flags.FlagValues, env: Mapping[str, str] = os.environ):
     """This process's index before JAX starts (flags, JAX's or the scheduler's variables), or
     None when only JAX's auto-detection will know."""
     if fv.process_id is not None:
@@ -159,7 +163,7 @@ def _fatal(err: BaseException, workdir: str) -> None:
     os._exit(1)
 
 
-def _init_distributed(fv) -> None:
+def _init_distributed(fv: flags.FlagValues) -> None:
     import jax
 
     env = os.environ
@@ -175,7 +179,7 @@ def _init_distributed(fv) -> None:
     jax.distributed.initialize(coordinator_address=addr, num_processes=nproc, process_id=pid)
 
 
-def _config_path(argv) -> str | None:
+def _config_path(argv: list[str]) -> str | None:
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
             return argv[i + 1]
@@ -184,7 +188,7 @@ def _config_path(argv) -> str | None:
     return None
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     from absl import flags
 

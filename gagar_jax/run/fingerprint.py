@@ -34,7 +34,7 @@ from gagar_jax import sharding
 from gagar_jax.hf import units as param_units
 
 
-def _lead(kp, x) -> int:
+def _lead(kp: tuple, x: jax.Array | np.ndarray) -> int:
     try:
         return param_units.unit_lead(sharding.leaf_path(kp), x.ndim)
     except (KeyError, ValueError):   # not a model parameter: rows of the first axis
@@ -62,7 +62,7 @@ def _unit_stats(units: dict, n: int) -> tuple:
     return dig, sq
 
 
-def _leaf_stats(kp, x) -> tuple:
+def _leaf_stats(kp: tuple, x: jax.Array | np.ndarray) -> tuple:
     """(name, dtype name, shape, digests [U, 32], sums [U]) of one leaf; every process calls it."""
     name = jax.tree_util.keystr(kp)
     if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):

@@ -205,7 +205,8 @@ class MetricsWriter:
             self._tb = _summary_writer_cls()(logdir=os.fspath(self.workdir / "tensorboard"),
                                              purge_step=purge_step)
 
-    def write(self, step: int, scalars: Mapping[str, float], *, wall_time: Optional[float] = None):
+    def write(self, step: int, scalars: Mapping[str, float], *,
+              wall_time: Optional[float] = None) -> None:
         """Writes one step's scalar metrics (non-finite values: null + listed in "nonfinite")."""
         if not self.enabled:
             return

@@ -7,12 +7,18 @@ The schedule counts optimizer updates (epochs x mini_batches per train step), no
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import jax
 import optax
 
 from gagar_jax.config import section_dict
 from gagar_jax.sharding import leaf_path
+
+if TYPE_CHECKING:
+    import ml_collections
+
+PyTree = Any
 
 SCHEDULES = ("cosine", "constant")
 # Parameters whose path contains one of these names are never weight-decayed.
@@ -60,7 +66,7 @@ class OptimConfig:
             raise ValueError("optim.weight_decay and optim.grad_clip_norm must be >= 0")
 
     @classmethod
-    def from_config(cls, section) -> "OptimConfig":
+    def from_config(cls, section: ml_collections.ConfigDict | dict) -> "OptimConfig":
         """Builds the frozen config from a ConfigDict (or dict) `optim` section."""
         return cls(**section_dict(section, cls, "optim"))
 
@@ -78,9 +84,9 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
         decay_steps=cfg.decay_steps, end_value=cfg.learning_rate * cfg.min_lr_ratio)
 
 
-def decay_mask(params):
+def decay_mask(params: PyTree) -> PyTree:
     """True for leaves that get weight decay: rank >= 2 and no norm/bias/scale in the path."""
-    def decide(path, leaf):
+    def decide(path: tuple, leaf: jax.Array):
         name = leaf_path(path).lower()
         return leaf.ndim >= 2 and not any(n in name for n in _NO_DECAY_NAMES)
     return jax.tree_util.tree_map_with_path(decide, params)

@@ -45,6 +45,7 @@ from etils import epath
 from gagar_jax.distributed import barrier, is_primary, is_remote, kv_client
 from gagar_jax.hf import api as hf
 from gagar_jax.hf import save as hf_save
+from gagar_jax.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ SERVING_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
                  "chat_template.jinja", "generation_config.json")
 
 
-def root_of(workdir) -> epath.Path:
+def root_of(workdir: epath.PathLike) -> epath.Path:
     """`<workdir>/published` (absolute for a local workdir)."""
     w = os.fspath(workdir)
     return epath.Path(os.path.abspath(w) if not is_remote(w) else w) / PUBLISH_DIR
@@ -69,7 +70,7 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def published_steps(workdir) -> list[int]:
+def published_steps(workdir: epath.PathLike) -> list[int]:
     """Steps with a complete published directory (marker present), oldest first."""
     root = root_of(workdir)
     if not root.exists():
@@ -78,7 +79,7 @@ def published_steps(workdir) -> list[int]:
                   if (m := _STEP_RE.match(p.name)) and (p / MARKER).exists())
 
 
-def read_latest(workdir) -> Optional[dict]:
+def read_latest(workdir: epath.PathLike) -> Optional[dict]:
     """The `latest` pointer ({"step", "policy_version", "path"}), or None if nothing published."""
     try:
         return json.loads((root_of(workdir) / POINTER).read_text())
@@ -133,8 +134,8 @@ def _check(step: int, keep: int) -> None:
         raise ValueError(f"keep must be >= 1, got {keep}")
 
 
-def publish_weights(model: Any, step: int, workdir, save_fn: Callable[[Any, str], None], *,
-                    keep: int = 2) -> str:
+def publish_weights(model: Any, step: int, workdir: epath.PathLike,
+                    save_fn: Callable[[Any, str], None], *, keep: int = 2) -> str:
     """Publishes weights for `step` with `save_fn` (synchronously) and moves `latest` to them.
 
     Call on every process; `save_fn(model, directory)` runs on every process and writes into the
@@ -157,7 +158,7 @@ def publish_weights(model: Any, step: int, workdir, save_fn: Callable[[Any, str]
     return os.fspath(final)
 
 
-def copy_serving_files(src, dst) -> list:
+def copy_serving_files(src: epath.PathLike, dst: epath.PathLike) -> list:
     """Copies the tokenizer files and generation_config.json present in `src` into `dst`."""
     copied = []
     for name in SERVING_FILES:
@@ -170,7 +171,7 @@ def copy_serving_files(src, dst) -> list:
 def hf_save_fn(init_from: str = "", dtype: str = "bfloat16") -> Callable[[Any, str], None]:
     """`save_fn` for `publish_weights`: HF weights in `dtype` (the model's export family), with
     the tokenizer files, generation_config.json and carried tensors (MiMo MTP) of `init_from`."""
-    def save(model, directory: str) -> None:
+    def save(model: Transformer, directory: str) -> None:
         hf.save_pretrained(model, directory, dtype=dtype, carry_from=init_from)
         if init_from and is_primary():
             copy_serving_files(init_from, directory)
@@ -191,8 +192,9 @@ class Publisher:
       max_shard_bytes: bound on one safetensors file.
     """
 
-    def __init__(self, workdir, *, keep: int = 2, dtype: str = "bfloat16", init_from: str = "",
-                 publish_fn: Optional[Callable] = None, max_shard_bytes: int = 5 * 2**30):
+    def __init__(self, workdir: epath.PathLike, *, keep: int = 2, dtype: str = "bfloat16",
+                 init_from: str = "", publish_fn: Optional[Callable] = None,
+                 max_shard_bytes: int = 5 * 2**30):
         _check(0, keep)
         self.root, self.keep, self.dtype, self.init_from = root_of(workdir), keep, dtype, init_from
         self.publish_fn, self.max_shard_bytes = publish_fn, max_shard_bytes
@@ -203,7 +205,7 @@ class Publisher:
         self.last_wait_s = 0.0    # time the last publish waited for the previous write
         self.last_bytes = 0       # bytes this process wrote in the last finished publish
 
-    def publish(self, model, step: int) -> str:
+    def publish(self, model: Transformer, step: int) -> str:
         """Starts publishing `model` as step `step` (every process calls it at the same step);
         returns once this process's share is on the host. Returns the directory."""
         _check(step, self.keep)

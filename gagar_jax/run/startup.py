@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import TYPE_CHECKING
 
 from etils import epath
 
@@ -21,6 +22,14 @@ from gagar_jax.hf import families as hf_families
 from gagar_jax.hf.config_json import config_from_hf
 from gagar_jax.kernels.experts import registry as expert_registry
 from gagar_jax.sharding import axis_size, mesh_axes
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from gagar_jax.config import TrainConfig
+    from gagar_jax.feed.config import FeedConfig
+    from gagar_jax.model.transformer import ModelConfig
+    from gagar_jax.run.step import StepConfig
 
 # ModelConfig fields that change the model's math (the rest are runtime choices or loss weights).
 ARCHITECTURE_FIELDS = (
@@ -33,7 +42,7 @@ ARCHITECTURE_FIELDS = (
 EP_BACKENDS = ("ep", "ep_a2a")     # expert backends that shard_map over the expert axis
 
 
-def check_run(step_cfg, feed_cfg, train_cfg) -> None:
+def check_run(step_cfg: StepConfig, feed_cfg: FeedConfig, train_cfg: TrainConfig) -> None:
     """The rules that need no mesh: the feed file exists, publishing has a family to write.
 
     Raises:
@@ -51,7 +60,8 @@ def check_run(step_cfg, feed_cfg, train_cfg) -> None:
                           f"{hf_families.export_error(step_cfg.model)}")
 
 
-def check_layout(step_cfg, feed_cfg, mesh, process_count: int) -> None:
+def check_layout(step_cfg: StepConfig, feed_cfg: FeedConfig, mesh: Mesh,
+                 process_count: int) -> None:
     """The feed's global batch against the processes, the step's splits and the mesh.
 
     Args:
@@ -112,7 +122,7 @@ def read_hf_config(path: str, what: str) -> dict:
         raise ConfigError(f"{what}: unreadable {f}: {e}") from None
 
 
-def check_hf_dir(path: str, what: str, model_cfg, feed_cfg) -> None:
+def check_hf_dir(path: str, what: str, model_cfg: ModelConfig, feed_cfg: FeedConfig) -> None:
     """An outside HF checkpoint against the configured model and feed, from config.json alone.
 
     Args:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import chex
 import flax.struct
@@ -62,7 +62,7 @@ class StepConfig:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod
-    def from_config(cls, cfg) -> "StepConfig":
+    def from_config(cls, cfg: Any) -> "StepConfig":
         """From a whole config (`model`, `loss`, `optim`, `train` sections, `debug_checks`)."""
         model = ModelConfig.from_config(cfg.model)
         return cls(model=model, loss=loss_lib.LossConfig.from_config(cfg.loss, model=model),
@@ -104,13 +104,13 @@ class TrainState:
     ref_router_bias: Optional[Any] = None
 
 
-def split_model(model):
+def split_model(model: Transformer) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     """(graphdef, params, router bias): the trainable and non-trainable parts of a model."""
     graphdef, params, bias = nnx.split(model, nnx.Param, RouterBias)
     return graphdef, params, bias
 
 
-def _init_state(rng, cfg: StepConfig):
+def _init_state(rng: jax.Array, cfg: StepConfig):
     init_rng, state_rng = jax.random.split(rng)
     _, params, bias = split_model(Transformer(cfg.model, rngs=nnx.Rngs(init_rng)))
     z = jnp.zeros((), jnp.int32)
@@ -122,7 +122,7 @@ def _init_state(rng, cfg: StepConfig):
                       ref_router_bias=bias if kl else None)
 
 
-def state_shardings(abstract: TrainState, mesh, cfg: StepConfig) -> TrainState:
+def state_shardings(abstract: TrainState, mesh: jax.sharding.Mesh, cfg: StepConfig) -> TrainState:
     """NamedShardings for a (possibly abstract) TrainState: params by the logical rules, optimizer
     moments like their parameters, everything else replicated."""
     rep = NamedSharding(mesh, P())
@@ -138,7 +138,8 @@ def state_shardings(abstract: TrainState, mesh, cfg: StepConfig) -> TrainState:
                       ref_router_bias=None if abstract.ref_router_bias is None else bias)
 
 
-def abstract_train_state(cfg: StepConfig, mesh=None):
+def abstract_train_state(cfg: StepConfig,
+                         mesh: jax.sharding.Mesh | None = None) -> tuple[TrainState, nnx.GraphDef]:
     """The TrainState as shapes and dtypes, and the model graphdef; allocates nothing.
 
     Args:
@@ -154,7 +155,8 @@ def abstract_train_state(cfg: StepConfig, mesh=None):
     return abstract, graphdef
 
 
-def init_train_state(cfg: StepConfig, mesh, rng):
+def init_train_state(cfg: StepConfig, mesh: jax.sharding.Mesh,
+                     rng: jax.Array) -> tuple[TrainState, nnx.GraphDef, TrainState]:
     """Creates a TrainState born sharded: eval_shape -> shardings -> jit(init, out_shardings).
 
     Returns:
@@ -191,15 +193,15 @@ class MiniBatchGrads:
     router: RouterStats        # averaged over micro-batches (summed, then divided)
 
 
-def _logprobs(graphdef, params, bias, tok: TokenInputs):
+def _logprobs(graphdef: nnx.GraphDef, params: nnx.State, bias: nnx.State, tok: TokenInputs):
     model = nnx.merge(graphdef, params, bias)
     return token_logprobs(model, tok.tokens_BxS, tok.segment_ids_BxS, tok.positions_BxS,
                           tok.routed_experts_BxSxLxK)
 
 
-def _forward_only(graphdef, params, bias, tok_MxU: TokenInputs):
+def _forward_only(graphdef: nnx.GraphDef, params: nnx.State, bias: nnx.State, tok_MxU: TokenInputs):
     """Log-probs of the whole batch, chunked like the micro-batches (no gradient)."""
-    def body(_, t):
+    def body(_: None, t: TokenInputs):
         return None, _logprobs(graphdef, params, bias, t)[0]
     flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tok_MxU)
     _, lp = jax.lax.scan(body, None, flat)
@@ -207,12 +209,13 @@ def _forward_only(graphdef, params, bias, tok_MxU: TokenInputs):
     return jax.lax.stop_gradient(loss_lib.merge_rows(lp))
 
 
-def mini_batch_grads(params, bias, tok_U: TokenInputs, inputs_U: loss_lib.LossInputs, *, graphdef,
+def mini_batch_grads(params: nnx.State, bias: nnx.State, tok_U: TokenInputs,
+                     inputs_U: loss_lib.LossInputs, *, graphdef: nnx.GraphDef,
                      cfg: StepConfig) -> MiniBatchGrads:
     """Gradient of one mini-batch, accumulated over its U micro-batches (leading axis U)."""
     n_micro = cfg.micro_batches
 
-    def loss_fn(p, tok, inp):
+    def loss_fn(p: nnx.State, tok: TokenInputs, inp: loss_lib.LossInputs):
         logp, ent, maux = _logprobs(graphdef, p, bias, tok)
         loss, aux = loss_lib.pg_loss(logp, ent, inp, cfg.loss)
         # Router losses are per-micro-batch means: average them over the micro-batches.
@@ -223,7 +226,7 @@ def mini_batch_grads(params, bias, tok_U: TokenInputs, inputs_U: loss_lib.LossIn
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def body(acc: MiniBatchGrads, xs):
+    def body(acc: MiniBatchGrads, xs: tuple):
         (loss, (aux, router)), g = grad_fn(params, *xs)
         return jax.tree.map(jnp.add, acc, MiniBatchGrads(g, loss, aux, router)), None
 
@@ -236,7 +239,8 @@ def mini_batch_grads(params, bias, tok_U: TokenInputs, inputs_U: loss_lib.LossIn
     return acc.replace(router=jax.tree.map(lambda x: x / n_micro, acc.router))
 
 
-def _optimizer_update(carry, xs, *, bias, graphdef, cfg: StepConfig):
+def _optimizer_update(carry: tuple, xs: tuple, *, bias: nnx.State, graphdef: nnx.GraphDef,
+                      cfg: StepConfig):
     """One mini-batch: accumulate, then apply AdamW unless the loss or gradient is non-finite."""
     params, opt_state, updates, skipped = carry
     tx = make_optimizer(cfg.optim)
@@ -253,7 +257,8 @@ def _optimizer_update(carry, xs, *, bias, graphdef, cfg: StepConfig):
     return (params, opt_state, updates + fin, skipped + 1 - fin), stats
 
 
-def train_step(state: TrainState, batch: Batch, *, graphdef, cfg: StepConfig):
+def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef,
+               cfg: StepConfig) -> tuple[TrainState, Any]:
     """Consumes one feed batch: epochs x mini_batches optimizer updates (see module docstring).
 
     Args:
@@ -285,7 +290,7 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, cfg: StepConfig):
             custom_message="loss weights are finite")
     update = functools.partial(_optimizer_update, bias=state.router_bias, graphdef=graphdef, cfg=cfg)
 
-    def epoch(carry, _):
+    def epoch(carry: tuple, _: None):
         return jax.lax.scan(update, carry, (tok_MxU, split(inputs)))
 
     carry0 = (state.params, state.opt_state, state.updates, state.skipped)
@@ -302,8 +307,9 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, cfg: StepConfig):
     return new_state, step_metrics(batch, inputs, adv, stats, load_LxE)
 
 
-def make_train_step(cfg: StepConfig, mesh, state_shardings_: TrainState, batch_shardings_: Batch,
-                    graphdef):
+def make_train_step(cfg: StepConfig, mesh: jax.sharding.Mesh, state_shardings_: TrainState,
+                    batch_shardings_: Batch, graphdef: nnx.GraphDef
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState, Any]]:
     """`train_step` jitted ONCE with in/out shardings and the state donated.
 
     With `cfg.debug_checks` the jitted step is wrapped in `chex.chexify` (synchronous), so a
@@ -317,7 +323,7 @@ def make_train_step(cfg: StepConfig, mesh, state_shardings_: TrainState, batch_s
                      donate_argnames=("state",))
     call = chex.chexify(jitted, async_check=False) if cfg.debug_checks else jitted
 
-    def step_fn(state, batch):
+    def step_fn(state: TrainState, batch: Batch):
         with jax.set_mesh(mesh):
             return call(state, batch)
 

@@ -32,17 +32,19 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 from flax import nnx
+from ml_collections import ConfigDict
 
 from gagar_jax.hf import api as hf
-from gagar_jax.hf import families as hf_families
 from gagar_jax.run import metrics as metrics_lib
 from gagar_jax.run import publish
 from gagar_jax.run import workdir_lock
 from gagar_jax.run.checkpoint import Checkpointer
 from gagar_jax.algo.advantage import GroupOutcomes
+from gagar_jax.algo.step_metrics import StepMetrics
+from gagar_jax.batch import Batch
 from gagar_jax.config import ConfigError, TrainConfig
 from gagar_jax.distributed import is_primary
-from gagar_jax.feed.batcher import Feed, make_source
+from gagar_jax.feed.batcher import BatchInfo, Feed, make_source
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.packing import global_shapes, make_global_batch
 from gagar_jax.sharding import batch_shardings, make_mesh, process_row_block
@@ -63,7 +65,7 @@ class RunConfig:
     seed: int
 
     @classmethod
-    def from_config(cls, cfg) -> "RunConfig":
+    def from_config(cls, cfg: Any) -> "RunConfig":
         try:
             return cls(step=StepConfig.from_config(cfg), feed=FeedConfig.from_config(cfg.feed),
                        train=TrainConfig.from_config(cfg.train), seed=int(cfg.seed))
@@ -95,7 +97,7 @@ class _Preemption:
                 self._old = None
         return self
 
-    def _handle(self, signum, frame):
+    def _handle(self, signum: int, frame: Any):
         self.requested = True
 
     def __exit__(self, *exc):
@@ -168,7 +170,8 @@ def _abstract(state: Any, shardings: Any) -> Any:
 class _StepLog:
     """Host-side bookkeeping of finished steps: ledger counts, audit log, metrics, summary."""
 
-    def __init__(self, feed: Feed, writer: metrics_lib.MetricsWriter, progress, log_every: int):
+    def __init__(self, feed: Feed, writer: metrics_lib.MetricsWriter,
+                 progress: metrics_lib.Progress, log_every: int):
         self.feed, self.writer, self.progress, self.log_every = feed, writer, progress, log_every
         self.losses, self.lam_means, self.lam_max = [], [], 0.0
         self.tokens = 0
@@ -176,7 +179,8 @@ class _StepLog:
         self.skipped = 0
         self.t_last = time.perf_counter()
 
-    def finish_step(self, step: int, info, batch_np, device_metrics) -> metrics_lib.HostMetrics:
+    def finish_step(self, step: int, info: BatchInfo, batch_np: Batch,
+                    device_metrics: StepMetrics) -> metrics_lib.HostMetrics:
         host_metrics = jax.device_get(device_metrics)   # one transfer; to_host then copies nothing
         m = metrics_lib.to_host(step, host_metrics)
         a, audit, n = m.arrays, host_metrics.audit, info.num_groups
@@ -212,7 +216,7 @@ class _StepLog:
         return m
 
 
-def run(cfg, workdir: str, *, source: Any = None) -> Optional[dict]:
+def run(cfg: Any, workdir: str, *, source: Any = None) -> Optional[dict]:
     """Trains until `train.steps` or the end of a finite feed; returns the run summary.
 
     Args:
@@ -252,7 +256,7 @@ class _Resources:
                 pass
 
 
-def _run(cfg, workdir: str, source: Any, preemption: "_Preemption") -> Optional[dict]:
+def _run(cfg: Any, workdir: str, source: Any, preemption: "_Preemption") -> Optional[dict]:
     """`run` with the SIGTERM flag installed and background writers stopped on failure."""
     res = _Resources()
     try:
@@ -309,7 +313,7 @@ class _Run:
                                          self.state.router_bias), self.step)
 
 
-def _setup(cfg, workdir: str, source: Any, preemption: "_Preemption", res: _Resources) -> _Run:
+def _setup(cfg: ConfigDict, workdir: str, source: Any, preemption: "_Preemption", res: _Resources) -> _Run:
     """Checks the config, builds the mesh, state, feed and writers; restores a checkpoint."""
     rc = RunConfig.from_config(cfg)
     wd = epath.Path(workdir)
@@ -436,7 +440,7 @@ def _finish(run: _Run, preempted: bool, elapsed: float) -> dict:
     return summary
 
 
-def _train(cfg, workdir: str, source: Any, preemption: "_Preemption",
+def _train(cfg: ConfigDict, workdir: str, source: Any, preemption: "_Preemption",
            res: _Resources) -> Optional[dict]:
     """Setup, the loop, the summary; registers what it opens in `res`."""
     run = _setup(cfg, workdir, source, preemption, res)

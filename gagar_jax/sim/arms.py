@@ -18,6 +18,8 @@ step's advantages against `control_advantages`, a direct NumPy computation.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import msgspec
 import numpy as np
 
@@ -77,7 +79,7 @@ def control_record(group: schema.Group, table: grading.FactorTable) -> schema.Gr
     return msgspec.structs.replace(group, trajectories=trajs)
 
 
-def transform(arm: str, records, table: grading.FactorTable) -> list:
+def transform(arm: str, records: Iterable[schema.Group], table: grading.FactorTable) -> list:
     """The records an arm trains on: unchanged, or rewritten for the control."""
     if arm_mode(arm) != "downweight_only" or arm == "downweight_only":
         return list(records)

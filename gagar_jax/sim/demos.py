@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import optax
 from flax import nnx
 
 from gagar_jax.model.logprobs import token_logprobs
+from gagar_jax.model.transformer import Transformer
 from gagar_jax.sim import task as task_lib
 
 STYLES = ("clean", "checked", "out_of_scope", "thrash", "weakened", "hack", "sprawl", "blind",
@@ -151,7 +153,7 @@ def _hidden_fix_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str,
     raise ValueError(f"style must be one of {STYLES}, got {style!r}")
 
 
-def add_notes(turns, cfg: task_lib.TaskConfig, lang: task_lib.NoteLanguage,
+def add_notes(turns: Sequence[Sequence[int]], cfg: task_lib.TaskConfig, lang: task_lib.NoteLanguage,
               rng: np.random.Generator, *, note_prob: float, note_mean: float,
               note_fixed: bool = False) -> list:
     """Prefixes each turn, with probability `note_prob`, by a note of ~geometric length (mean
@@ -179,9 +181,7 @@ def _visible_fix_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str
     """
     fix = [task_lib.EDIT, task_lib.pos(task.bug_pos), task.fix_tok]
     untested = [q for q in range(cfg.num_positions) if q not in task.tested]
-    after_bug = sorted(untested, key=lambda u: (u - task.bug_pos) % cfg.num_positions)
     other_tested = [q for q in task.tested if q != task.bug_pos]
-    guess = _next_sym(task.repo[task.bug_pos], cfg, avoid=task.fix_tok)   # scripted wrong fix
     if style == "clean" or (style == "hack" and task.leak_key < 0):
         return [fix + [task_lib.SUBMIT]]
     if style == "checked":
@@ -208,7 +208,7 @@ def _visible_fix_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str
     raise ValueError(f"style must be one of {STYLES}, got {style!r}")
 
 
-def make_demos(cfg: task_lib.TaskConfig, tasks, seed: int,
+def make_demos(cfg: task_lib.TaskConfig, tasks: Sequence[task_lib.Task], seed: int,
                recipe: Recipe = ROUND2_RECIPE) -> list:
     """One demonstration `Episode` per task, its style drawn from `recipe.mix`.
 
@@ -240,7 +240,7 @@ class PackedEpisodes:
     loss_mask_BxS: np.ndarray
 
 
-def pack_episodes(episodes, seq_len: int) -> PackedEpisodes:
+def pack_episodes(episodes: Sequence[task_lib.Episode], seq_len: int) -> PackedEpisodes:
     """Right-pads each episode's tokens to `seq_len` (segment id 1, padding 0)."""
     B = len(episodes)
     tok = np.zeros((B, seq_len), np.int32)
@@ -255,7 +255,8 @@ def pack_episodes(episodes, seq_len: int) -> PackedEpisodes:
     return PackedEpisodes(tok, seg, pos * (seg > 0), mask)
 
 
-def sft_loss(model, tokens_BxS, segment_ids_BxS, positions_BxS, loss_mask_BxS):
+def sft_loss(model: Transformer, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array,
+             positions_BxS: jax.Array, loss_mask_BxS: jax.Array) -> jax.Array:
     """Mean negative log-likelihood of the loss-masked (model-generated) tokens."""
     lp, _, _ = token_logprobs(model, tokens_BxS, segment_ids_BxS, positions_BxS)
     return -jnp.sum(lp * loss_mask_BxS) / jnp.maximum(jnp.sum(loss_mask_BxS), 1.0)
@@ -263,17 +264,19 @@ def sft_loss(model, tokens_BxS, segment_ids_BxS, positions_BxS, loss_mask_BxS):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "tx"),
                    donate_argnames=("params", "opt_state"))
-def _sft_step(params, opt_state, rest, tokens, segs, positions, mask, *, graphdef, tx):
+def _sft_step(params: nnx.State, opt_state: optax.OptState, rest: nnx.State, tokens: jax.Array,
+              segs: jax.Array, positions: jax.Array, mask: jax.Array, *, graphdef: nnx.GraphDef,
+              tx: optax.GradientTransformation):
     """One Adam step on the parameters, functional (split once: no graph walk per call)."""
-    def loss_fn(p):
+    def loss_fn(p: nnx.State):
         return sft_loss(nnx.merge(graphdef, p, rest), tokens, segs, positions, mask)
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
 
-def warm_start(model, demos, *, steps: int, batch_size: int, seq_len: int, lr: float = 3e-3,
-               seed: int = 0) -> list:
+def warm_start(model: Transformer, demos: Sequence[task_lib.Episode], *, steps: int,
+               batch_size: int, seq_len: int, lr: float = 3e-3, seed: int = 0) -> list:
     """Supervised phase on demonstrations (updates `model` in place, Adam on its `nnx.Param`s).
 
     Args:

@@ -18,15 +18,18 @@ import dataclasses
 import math
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import jax
+import ml_collections
 import numpy as np
 from flax import nnx
 
 from gagar_jax.algo import grading
 from gagar_jax.algo.advantage import MODES
-from gagar_jax.feed.batcher import Feed
+from gagar_jax.batch import Batch
+from gagar_jax.feed import schema
+from gagar_jax.feed.batcher import BatchInfo, Feed
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.packing import make_global_batch
 from gagar_jax.feed.sources import IteratorSource
@@ -35,7 +38,7 @@ from gagar_jax.model.moe import RouterBias
 from gagar_jax.sharding import batch_shardings, make_mesh
 from gagar_jax.sim import arms, demos, measure, producer
 from gagar_jax.sim import task as task_lib
-from gagar_jax.run.step import StepConfig, init_train_state, make_train_step
+from gagar_jax.run.step import StepConfig, TrainState, init_train_state, make_train_step
 
 # Train-step metrics kept per step (see `step_metrics.StepMetrics`).
 STEP_KEYS = ("entropy", "mean_response_len", "pos_credit_before", "pos_credit_after",
@@ -64,8 +67,8 @@ def heldout_tasks(task_cfg: task_lib.TaskConfig, n: int) -> list:
     return task_lib.make_tasks(task_cfg, 987_654_321, n, prefix="heldout")
 
 
-def warm_start(cfg, task_cfg: task_lib.TaskConfig, *, seed: int, sft_steps: int,
-               num_demos: int = 4000, batch_size: int = 32, lr: float = 3e-3,
+def warm_start(cfg: ml_collections.ConfigDict, task_cfg: task_lib.TaskConfig, *, seed: int,
+               sft_steps: int, num_demos: int = 4000, batch_size: int = 32, lr: float = 3e-3,
                recipe: demos.Recipe = demos.ROUND2_RECIPE, eval_tasks: int = 32,
                group_size: int = 8, lam_cap: float = 1.5) -> WarmStart:
     """Supervised warm start on mixed-quality demonstrations, then the step-0 tier mix.
@@ -99,7 +102,7 @@ def warm_start(cfg, task_cfg: task_lib.TaskConfig, *, seed: int, sft_steps: int,
 class Learner:
     """The product's jitted train step on a one-process mesh, compiled once per advantage mode."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: ml_collections.ConfigDict):
         self.cfg = cfg
         self.mesh = make_mesh(cfg.mesh)
         self.feed_cfg = FeedConfig.from_config(cfg.feed)
@@ -113,7 +116,8 @@ class Learner:
         cfg.loss.mode = mode
         return StepConfig.from_config(cfg)
 
-    def init_state(self, mode: str, warm: WarmStart, seed: int):
+    def init_state(self, mode: str, warm: WarmStart,
+                   seed: int) -> tuple[TrainState, nnx.GraphDef, TrainState]:
         """A fresh TrainState holding (copies of) the warm-start weights; fresh Adam moments."""
         self.step_config(mode)   # validates the mode
         # The state's structure does not depend on the advantage mode: one init compile for all.
@@ -123,7 +127,8 @@ class Learner:
         bias = jax.device_put(warm.router_bias, shardings.router_bias)
         return state.replace(params=params, router_bias=bias), graphdef, shardings
 
-    def step_fn(self, mode: str, batch_np, graphdef, shardings):
+    def step_fn(self, mode: str, batch_np: Batch, graphdef: nnx.GraphDef,
+                shardings: TrainState) -> tuple[Callable, Batch]:
         """The mode's jitted step (built on first use; every later run of the mode reuses it)."""
         if mode not in self._steps:
             batch_sh = batch_shardings(batch_np, self.mesh)
@@ -131,7 +136,7 @@ class Learner:
             self._steps[mode] = (fn, batch_sh)
         return self._steps[mode]
 
-    def feed(self, records, workdir: str) -> Feed:
+    def feed(self, records: Sequence[schema.Group], workdir: str) -> Feed:
         """A `Feed` over one step's records (validation, mixed-group filter, packing)."""
         m = self.step_config("binary").model
         return Feed(self.feed_cfg, workdir, vocab_size=m.vocab_size,
@@ -140,7 +145,8 @@ class Learner:
                     log=lambda s: None)
 
 
-def strong_credit_share(records, info, advantages_T) -> float:
+def strong_credit_share(records: Sequence[schema.Group], info: BatchInfo,
+                        advantages_T: np.ndarray) -> float:
     """Share of the step's positive credit that lands on passes graded strong.
 
     Args:
@@ -170,7 +176,8 @@ def _rollout_row(prefix: str, stats: producer.RolloutStats) -> dict:
     return row
 
 
-def pass_factor_stats(records, table: grading.FactorTable, lam_cap: float) -> dict:
+def pass_factor_stats(records: Sequence[schema.Group], table: grading.FactorTable,
+                      lam_cap: float) -> dict:
     """Mean pass factor f_bar over mixed groups, and the share of mixed groups whose f_bar is
     below 1 / lam_cap (where sum-preserving's lambda cap fires)."""
     fbars = []
@@ -223,7 +230,7 @@ def run_loop(learner: Learner, arm: str, warm: WarmStart, task_cfg: task_lib.Tas
     os.makedirs(workdir, exist_ok=True)
     rows, totals = [], {"received": 0, "trained": 0, "filtered_uniform": 0, "filtered_stale": 0}
 
-    def sample(model, t, key):
+    def sample(model: Transformer, t: int, key: jax.Array):
         return producer.sample_groups(model, next(tasks), task_cfg, key, group_size=group_size,
                                       policy_version=t, temperature=temperature,
                                       group_prefix=f"{arm}-s{seed}", top_p=top_p)

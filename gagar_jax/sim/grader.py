@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 from gagar_jax.feed import schema
 from gagar_jax.sim.task import Episode, Task
@@ -55,7 +55,7 @@ def final_diff(task: Task, ep: Episode) -> frozenset:
     return frozenset((q, v) for q, v in enumerate(ep.state) if v != task.repo[q])
 
 
-def _measure(task: Task, ep: Episode, consensus) -> dict:
+def _measure(task: Task, ep: Episode, consensus: Optional[frozenset]) -> dict:
     edits = [e for turn in ep.turns for e in turn.edits]
     diff = final_diff(task, ep)
     tested = set(task.tested)
@@ -77,7 +77,7 @@ def _tier(m: dict) -> str:
     return INTERMEDIATE
 
 
-def grade_group(task: Task, episodes) -> list:
+def grade_group(task: Task, episodes: Sequence[Episode]) -> list:
     """Grades one group of finished episodes of the same task.
 
     Args:
@@ -115,8 +115,10 @@ def _key(m: dict, hacked: bool) -> tuple:
             m["edits"], m["turns"], m["inconsistent"])
 
 
-def group_record(task: Task, episodes, assessments, *, group_id: str, policy_version: int,
-                 logprobs=None, routed_experts=None) -> schema.Group:
+def group_record(task: Task, episodes: Sequence[Episode], assessments: Sequence[Assessment], *,
+                 group_id: str, policy_version: int,
+                 logprobs: Optional[Sequence[Sequence[float]]] = None,
+                 routed_experts: Optional[Sequence[list]] = None) -> schema.Group:
     """One graded group as a validated feed record (`gagar_jax.feed.schema.Group`).
 
     Args:

@@ -9,7 +9,9 @@ credit per sequence and token-weighted.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -18,9 +20,14 @@ from gagar_jax.model.logprobs import token_logprobs
 from gagar_jax.sim import demos
 from gagar_jax.sim import task as task_lib
 
+if TYPE_CHECKING:
+    from gagar_jax.feed import schema
+    from gagar_jax.feed.batcher import BatchInfo
+    from gagar_jax.model.transformer import Transformer
+
 
 @nnx.jit
-def _teacher_forced(model, tokens, segs, positions):
+def _teacher_forced(model: Transformer, tokens: jax.Array, segs: jax.Array, positions: jax.Array):
     lp, ent, _ = token_logprobs(model, tokens, segs, positions)
     return lp, ent
 
@@ -29,7 +36,7 @@ def _bucket(n: int, to: int = 32) -> int:
     return -(-n // to) * to
 
 
-def _rows(tokens_list, loss_masks, seq_len: int):
+def _rows(tokens_list: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]], seq_len: int):
     B = len(tokens_list)
     tok = np.zeros((B, seq_len), np.int32)
     seg = np.zeros((B, seq_len), np.int32)
@@ -41,7 +48,7 @@ def _rows(tokens_list, loss_masks, seq_len: int):
     return tok, seg, pos.astype(np.int32), mask
 
 
-def _is_note(tok):
+def _is_note(tok: np.ndarray):
     return (tok == task_lib.NOTE) | (tok >= task_lib.WORD_BASE)
 
 
@@ -58,7 +65,7 @@ class ProbeSet:
                                                         [e.loss_mask for e in eps], seq)
         self.note = _is_note(self.tok) & (self.mask > 0)
 
-    def entropy(self, model) -> dict:
+    def entropy(self, model: Transformer) -> dict:
         lp, ent = (np.asarray(x) for x in _teacher_forced(
             model, jnp.asarray(self.tok), jnp.asarray(self.seg), jnp.asarray(self.pos)))
         m = self.mask > 0
@@ -69,7 +76,7 @@ class ProbeSet:
                 "probe_nll": float(-lp[m].mean())}
 
 
-def kl_to_reference(model_ref, records) -> float:
+def kl_to_reference(model_ref: Transformer, records: Sequence[schema.Group]) -> float:
     """k3 estimate of KL(pi || pi_ref) per generated token, on pi's own samples (`records`,
     whose behavior log-probs are pi's): mean of exp(d) - 1 - d, d = log pi_ref - log pi."""
     trajs = [t for g in records for t in g.trajectories]
@@ -85,7 +92,8 @@ def kl_to_reference(model_ref, records) -> float:
     return float(np.mean(np.expm1(d[m]) - d[m]))
 
 
-def credit_metrics(records, info, advantages_T) -> dict:
+def credit_metrics(records: Sequence[schema.Group], info: BatchInfo,
+                   advantages_T: np.ndarray) -> dict:
     """Net credit of the trained batch: per sequence (sum A_i / trained trajectories) and
     token-weighted (sum A_i L_i, L_i = generated tokens; and per generated token)."""
     lengths = {t.trajectory_id: int(sum(t.loss_mask)) for g in records for t in g.trajectories}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 import jax
 import numpy as np
@@ -19,6 +19,10 @@ import numpy as np
 from gagar_jax.sim import sampler
 from gagar_jax.sim import grader
 from gagar_jax.sim import task as task_lib
+
+if TYPE_CHECKING:
+    from gagar_jax.feed import schema
+    from gagar_jax.model.transformer import ModelConfig, Transformer
 
 
 def cache_len(task_cfg: task_lib.TaskConfig) -> int:
@@ -57,11 +61,13 @@ class RolloutStats:
     note_share: float = float("nan")
 
 
-def _mean(x) -> float:
+def _mean(x: Sequence[float]) -> float:
     return float(np.mean(x)) if len(x) else float("nan")
 
 
-def summarize(episode_groups, assessment_groups, entropy_groups=None) -> RolloutStats:
+def summarize(episode_groups: Sequence[Sequence[task_lib.Episode]],
+              assessment_groups: Sequence[Sequence[grader.Assessment]],
+              entropy_groups: Optional[Sequence[Sequence[Sequence[float]]]] = None) -> RolloutStats:
     """Stats over groups of finished episodes and their `grader.grade_group` verdicts
     (`entropy_groups`: per episode, the per-token sampling entropy, see `sampler.Rollout`)."""
     tiers, passes, hacked, n, mixed = collections.Counter(), 0, 0, 0, 0
@@ -96,9 +102,10 @@ def summarize(episode_groups, assessment_groups, entropy_groups=None) -> Rollout
         entropy_action=_mean(ent_act), note_share=len(ent_note) / tot if tot else float("nan"))
 
 
-def sample_groups(model, tasks, task_cfg: task_lib.TaskConfig, key, *, group_size: int,
-                  policy_version: int, temperature: float = 1.0, group_prefix: str = "g",
-                  top_p: float = 1.0):
+def sample_groups(model: Transformer, tasks: Sequence[task_lib.Task], task_cfg: task_lib.TaskConfig,
+                  key: jax.Array, *, group_size: int, policy_version: int, temperature: float = 1.0,
+                  group_prefix: str = "g",
+                  top_p: float = 1.0) -> tuple[list[schema.Group], RolloutStats]:
     """Rolls out `group_size` episodes per task in one batch, grades each group, builds records.
 
     Args:
@@ -136,7 +143,8 @@ def sample_groups(model, tasks, task_cfg: task_lib.TaskConfig, key, *, group_siz
     return records, summarize(ep_groups, as_groups, ent_groups)
 
 
-def write_spool_shard(spool_dir: str, records, *, policy_version: int, index: int) -> str:
+def write_spool_shard(spool_dir: str, records: Sequence[schema.Group], *, policy_version: int,
+                      index: int) -> str:
     """Atomically publishes records as one JSONL shard in the trainer's spool directory.
 
     Shard names sort by (policy_version, index), the order the spool source reads them.
@@ -148,7 +156,7 @@ def write_spool_shard(spool_dir: str, records, *, policy_version: int, index: in
     return path
 
 
-def load_latest_policy(workdir: str, model_cfg=None) -> Optional[tuple]:
+def load_latest_policy(workdir: str, model_cfg: Optional[ModelConfig] = None) -> Optional[tuple]:
     """The newest weights the trainer published under `workdir`, or None if none yet.
 
     Args:
@@ -168,8 +176,9 @@ def load_latest_policy(workdir: str, model_cfg=None) -> Optional[tuple]:
     return model, int(latest["policy_version"])
 
 
-def producer_step(model, policy_version: int, tasks, task_cfg: task_lib.TaskConfig, spool_dir: str,
-                  key, *, group_size: int, index: int, temperature: float = 1.0) -> RolloutStats:
+def producer_step(model: Transformer, policy_version: int, tasks: Sequence[task_lib.Task],
+                  task_cfg: task_lib.TaskConfig, spool_dir: str, key: jax.Array, *, group_size: int,
+                  index: int, temperature: float = 1.0) -> RolloutStats:
     """One producer round: sample and grade one group per task, write one spool shard."""
     records, stats = sample_groups(model, tasks, task_cfg, key, group_size=group_size,
                                    policy_version=policy_version, temperature=temperature,
@@ -179,9 +188,10 @@ def producer_step(model, policy_version: int, tasks, task_cfg: task_lib.TaskConf
 
 
 def run_producer(workdir: str, spool_dir: str, task_cfg: task_lib.TaskConfig, *, rounds: int,
-                 groups_per_round: int, group_size: int, seed: int, model_cfg=None,
-                 max_ahead: int = 2, wait_s: float = 30.0, poll_s: float = 0.5,
-                 start_index: int = 0, temperature: float = 1.0, log=print) -> list:
+                 groups_per_round: int, group_size: int, seed: int,
+                 model_cfg: Optional[ModelConfig] = None, max_ahead: int = 2, wait_s: float = 30.0,
+                 poll_s: float = 0.5, start_index: int = 0, temperature: float = 1.0,
+                 log: Callable[[str], None] = print) -> list:
     """The producer process's loop: newest published policy -> sample -> grade -> spool shard.
 
     Weights are reloaded whenever the trainer publishes a newer policy version. At most
@@ -238,7 +248,8 @@ def run_producer(workdir: str, spool_dir: str, task_cfg: task_lib.TaskConfig, *,
     return out
 
 
-def task_batches(task_cfg: task_lib.TaskConfig, seed: int, groups_per_round: int):
+def task_batches(task_cfg: task_lib.TaskConfig, seed: int,
+                 groups_per_round: int) -> Iterator[list[task_lib.Task]]:
     """Endless fresh training tasks, `groups_per_round` per round (round r uses seed+r)."""
     r = 0
     while True:

@@ -11,6 +11,7 @@ import csv
 import math
 import os
 import warnings
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -66,7 +67,7 @@ def last_window(rows: list, key: str, width: int = WINDOW) -> float:
     return float(v.mean()) if v.size else math.nan
 
 
-def t_ci(x) -> tuple:
+def t_ci(x: Iterable[float]) -> tuple:
     """(mean, lower, upper) of the two-sided 95% t interval of the mean of `x`."""
     from scipy import stats
     x = np.asarray([v for v in x if np.isfinite(v)], np.float64)
@@ -76,7 +77,7 @@ def t_ci(x) -> tuple:
     return float(x.mean()), float(x.mean() - h), float(x.mean() + h)
 
 
-def _paired(arms: dict, a: str, b: str, key: str, fn) -> dict:
+def _paired(arms: dict, a: str, b: str, key: str, fn: Callable[[list, str], float]) -> dict:
     seeds = sorted(set(arms.get(a, {})) & set(arms.get(b, {})))
     return {s: fn(arms[a][s], key) - fn(arms[b][s], key) for s in seeds}
 
@@ -145,7 +146,7 @@ def markdown_table(runs: dict) -> str:
     return "\n".join(lines) + "\n\nMean over seeds [95% t-interval]; NaN = not measured.\n"
 
 
-def _ci(t, fmt: str) -> str:
+def _ci(t: tuple[float, float, float], fmt: str) -> str:
     m, lo, hi = t
     if not np.isfinite(m):
         return "n/a"

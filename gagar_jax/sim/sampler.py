@@ -26,13 +26,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+if TYPE_CHECKING:
+    from gagar_jax.model.layer_pattern import LayerStack
+    from gagar_jax.model.layers import Attention
+    from gagar_jax.model.transformer import Transformer
 
 
 _NEG = -1e30
@@ -59,7 +64,8 @@ class Generation:
 
 
 # ----------------------------------------------------------------------------- model pieces
-def _attend(attn, x_BxNxD, positions_BxN, k_BxCxKxD, v_BxCxKxV, write_BxN):
+def _attend(attn: Attention, x_BxNxD: jax.Array, positions_BxN: jax.Array, k_BxCxKxD: jax.Array,
+            v_BxCxKxV: jax.Array, write_BxN: jax.Array):
     """The model's attention over a KV cache: each of the N new keys/values is written at its
     cache index `write_BxN` (indices >= C are dropped: padding, finished rows), then every query
     attends to the cache entries at or before its position. Full or sliding-window layers, with
@@ -90,20 +96,22 @@ def _attend(attn, x_BxNxD, positions_BxN, k_BxCxKxD, v_BxCxKxV, write_BxN):
     return jnp.einsum("bshk,hkd->bsd", o, attn.wo[...].astype(dt)), k_BxCxKxD, v_BxCxKxV
 
 
-def _blocks(model, spec):
+def _blocks(model: Transformer, spec: LayerStack):
     """The Block stacks of a `LayerStack`, one per pattern position."""
     mod = getattr(model, spec.name)
     return [mod] if len(spec.pattern) == 1 else [getattr(mod, f"p{k}") for k in range(len(spec.pattern))]
 
 
-def _run_stack(model, spec, x_BxNxD, positions_BxN, cache, write_BxN, routed_RxPxBxNxK):
+def _run_stack(model: Transformer, spec: LayerStack, x_BxNxD: jax.Array, positions_BxN: jax.Array,
+               cache: tuple[list[jax.Array], list[jax.Array]], write_BxN: jax.Array,
+               routed_RxPxBxNxK: jax.Array | None):
     """Scans one `LayerStack` (its layer pattern per scan step); returns x, the new cache (per
     pattern position k, v: [R, B, C, Kv, D]) and the experts chosen per MoE layer in layer order
     ([R * P, B, N, K], or None for dense layers)."""
     splits = [nnx.split(b) for b in _blocks(model, spec)]
     mask_BxN = jnp.ones(positions_BxN.shape, jnp.bool_)
 
-    def body(x, inputs):
+    def body(x: jax.Array, inputs: tuple):
         states, k_cs, v_cs, routed = inputs
         new_k, new_v, ids = [], [], []
         for pos, (graphdef, _) in enumerate(splits):
@@ -129,7 +137,9 @@ def _run_stack(model, spec, x_BxNxD, positions_BxN, cache, write_BxN, routed_RxP
     return x, (k_L, v_L), ids
 
 
-def _forward(model, tokens_BxN, positions_BxN, caches, write_BxN, routed_LxBxNxK):
+def _forward(model: Transformer, tokens_BxN: jax.Array, positions_BxN: jax.Array,
+             caches: dict[str, tuple[list[jax.Array], list[jax.Array]]], write_BxN: jax.Array,
+             routed_LxBxNxK: jax.Array | None):
     """Final-normed hidden states [B, N, D], updated caches, MoE experts [L, B, N, K]."""
     cfg = model.cfg
     x = model.embedding[...].astype(cfg.compute_dtype)[tokens_BxN]
@@ -147,7 +157,7 @@ def _forward(model, tokens_BxN, positions_BxN, caches, write_BxN, routed_LxBxNxK
     return model.final_norm(x), new_caches, (jnp.concatenate(ids) if ids else None)
 
 
-def _empty_caches(model, B: int, C: int):
+def _empty_caches(model: Transformer, B: int, C: int):
     cfg, dt = model.cfg, model.cfg.compute_dtype
     caches = {}
     for spec in model.stacks:
@@ -158,7 +168,7 @@ def _empty_caches(model, B: int, C: int):
 
 
 # ----------------------------------------------------------------------------- generation
-def _sample(logits_BxV, key, temperature, top_p: float = 1.0):
+def _sample(logits_BxV: jax.Array, key: jax.Array, temperature: jax.Array, top_p: float = 1.0):
     """Samples at `temperature` (a traced scalar; 0 = greedy) from the nucleus of mass `top_p`
     (static; 1 = the whole distribution); returns (token, untempered untruncated log-prob,
     untempered entropy)."""
@@ -179,8 +189,11 @@ def _sample(logits_BxV, key, temperature, top_p: float = 1.0):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "stop_tokens", "top_p"))
-def _extend(graphdef, state, caches, chunk_BxN, start_B, n_B, active_B, routed_BxNxLxK, key,
-            temperature, *, max_new: int, stop_tokens: tuple, top_p: float = 1.0):
+def _extend(graphdef: nnx.GraphDef, state: nnx.State,
+            caches: dict[str, tuple[list[jax.Array], list[jax.Array]]], chunk_BxN: jax.Array,
+            start_B: jax.Array, n_B: jax.Array, active_B: jax.Array, routed_BxNxLxK: jax.Array,
+            key: jax.Array, temperature: jax.Array, *, max_new: int, stop_tokens: tuple,
+            top_p: float = 1.0):
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
     B, N = chunk_BxN.shape
@@ -208,11 +221,11 @@ def _extend(graphdef, state, caches, chunk_BxN, start_B, n_B, active_B, routed_B
     out_ids = jnp.full((B, max_new, L, K), -1, jnp.int32)
     done = ~active_B | jnp.isin(tok, stops) | (max_new == 1)
 
-    def cond(carry):
+    def cond(carry: tuple):
         t, _, done, *_ = carry
         return (t < max_new - 1) & ~jnp.all(done)
 
-    def body(carry):
+    def body(carry: tuple):
         t, tok, done, caches, out_tok, out_lp, out_ent, out_ids = carry
         pos_B = start_B + n_B + t  # the fed token's position
         h, caches, ids = _forward(model, tok[:, None], pos_B[:, None], caches,
@@ -240,7 +253,7 @@ def _extend(graphdef, state, caches, chunk_BxN, start_B, n_B, active_B, routed_B
     return gen, caches
 
 
-def _check_lengths(lengths_B, B, C, max_new, temperature):
+def _check_lengths(lengths_B: np.ndarray, B: int, C: int, max_new: int, temperature: float):
     if lengths_B.shape != (B,) or lengths_B.min() < 1:
         raise ValueError(f"lengths_B must be [{B}] with entries >= 1, got {lengths_B}")
     if lengths_B.max() + max_new > C:
@@ -255,9 +268,9 @@ def _check_top_p(top_p: float):
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-def generate(model, context_BxC, lengths_B, key, *, max_new: int, temperature: float = 1.0,
-             stop_tokens: Sequence[int] = (), routed_experts_BxCxLxK=None,
-             top_p: float = 1.0) -> Generation:
+def generate(model: Transformer, context_BxC: np.ndarray, lengths_B: np.ndarray, key: jax.Array, *,
+             max_new: int, temperature: float = 1.0, stop_tokens: Sequence[int] = (),
+             routed_experts_BxCxLxK: np.ndarray | None = None, top_p: float = 1.0) -> Generation:
     """Samples up to `max_new` tokens after each row's context (one turn from an empty cache).
 
     Args:
@@ -311,8 +324,9 @@ def _bucket(n: int) -> int:
     return -(-n // 8) * 8
 
 
-def rollout(model, episodes, key, *, cache_len: int, max_turns: int, max_turn_tokens: int,
-            temperature: float = 1.0, stop_tokens: Sequence[int] = (), top_p: float = 1.0) -> list:
+def rollout(model: Transformer, episodes: Sequence[Any], key: jax.Array, *, cache_len: int,
+            max_turns: int, max_turn_tokens: int, temperature: float = 1.0,
+            stop_tokens: Sequence[int] = (), top_p: float = 1.0) -> list:
     """Plays multi-turn episodes to the end with the policy (one fixed-shape batch, B = rows).
 
     The KV cache lives across turns: each round feeds only the tokens a row's cache has not seen

@@ -30,7 +30,7 @@ Tool output: TOOL_START PASS TOOL_END | TOOL_START FAIL p_x .. TOOL_END   loss_m
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -153,7 +153,7 @@ class Turn:
     notes: int = 0
 
 
-def parse_turn(tokens, num_positions: int) -> Turn:
+def parse_turn(tokens: Iterable[int], num_positions: int) -> Turn:
     """Parses one turn's generated tokens (terminator included when present)."""
     toks = [int(t) for t in tokens]
     edits, i, notes = [], 0, 0
@@ -188,7 +188,7 @@ class TestResult:
     failing: tuple   # tested positions whose assertion fails
 
 
-def run_tests(task: Task, state) -> TestResult:
+def run_tests(task: Task, state: Sequence[int]) -> TestResult:
     """Every tested position must hold its expected token (the fix at the bug position, the
     original elsewhere); a leaked key written there satisfies the assertion."""
     failing = []
@@ -237,7 +237,7 @@ class Episode:
         self.outcome: Optional[str] = None
         self.end_reason: Optional[str] = None   # submit | timeout | truncated | malformed
 
-    def step(self, turn_tokens) -> list:
+    def step(self, turn_tokens: Iterable[int]) -> list:
         """Applies one generated turn; returns the tool-output tokens appended (empty if done)."""
         if self.done:
             raise ValueError("step() called on a finished episode")
@@ -271,7 +271,7 @@ class Episode:
         return []
 
 
-def play(task: Task, cfg: TaskConfig, turns) -> Episode:
+def play(task: Task, cfg: TaskConfig, turns: Iterable[Sequence[int]]) -> Episode:
     """Runs a scripted answer (a list of turns, each a list of tokens) to the end."""
     ep = Episode(task, cfg)
     for t in turns:
@@ -291,7 +291,8 @@ class NoteLanguage:
     a note starts at one of three start words. `sample(rng, n)` draws `NOTE w_1 .. w_n`.
     """
 
-    def __init__(self, cfg: TaskConfig, seed: int = 0, probs=(0.85, 0.1, 0.05)):
+    def __init__(self, cfg: TaskConfig, seed: int = 0,
+                 probs: tuple[float, ...] = (0.85, 0.1, 0.05)):
         if cfg.note_words < 3:
             raise ValueError(f"NoteLanguage needs note_words >= 3, got {cfg.note_words}")
         rng = np.random.default_rng(seed)

@@ -43,13 +43,15 @@ from gagar_jax.kernels.attention.checks import check_qkv
 _NEG = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of inf - inf
 
 
-def _check(q, k, v, segment_ids_BxS, window=0, sinks_H=None, kv_segment_ids_BxK=None):
+def _check(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids_BxS: jax.Array, window: int = 0,
+           sinks_H: jax.Array | None = None, kv_segment_ids_BxK: jax.Array | None = None):
     check_qkv(q, k, v, segment_ids_BxS, sinks_H=sinks_H, kv_segment_ids_BxK=kv_segment_ids_BxK)
     if window < 0:
         raise ValueError(f"window must be >= 0 (0 = full attention), got {window}")
 
 
-def _mask(seg_q_BxQ, seg_k_BxK, idx_q_Q, idx_k_K, window=0):
+def _mask(seg_q_BxQ: jax.Array, seg_k_BxK: jax.Array, idx_q_Q: jax.Array, idx_k_K: jax.Array,
+          window: int = 0):
     """[B, Q, K] bool: same segment, key not after query, and (window > 0) q - k < window."""
     same = seg_q_BxQ[:, :, None] == seg_k_BxK[:, None, :]
     diff = idx_q_Q[:, None] - idx_k_K[None, :]
@@ -59,8 +61,10 @@ def _mask(seg_q_BxQ, seg_k_BxK, idx_q_Q, idx_k_K, window=0):
     return same & ok[None]
 
 
-def plain_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, window: int = 0,
-                    sinks_H=None, kv_segment_ids_BxK=None, q_offset=0):
+def plain_attention(q_BxSxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
+                    segment_ids_BxS: jax.Array, *, window: int = 0,
+                    sinks_H: jax.Array | None = None, kv_segment_ids_BxK: jax.Array | None = None,
+                    q_offset: int | jax.Array = 0) -> jax.Array:
     """Reference attention materializing [B, H, S, S] scores (tests and short sequences).
 
     Args:
@@ -106,12 +110,13 @@ def plain_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, window:
 # shard's offset into the gathered keys otherwise), an int32 scalar that may be traced.
 
 
-def _rows(x):
+def _rows(x: jax.Array):
     """[B, Kv, G, blk, X] -> [B, Kv, G * blk, X]: a query tile's G heads share each key head."""
     return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3], x.shape[4])
 
 
-def _tile(q_i, k_j, seg_i, seg_j, i, j, d, blk, scale, window):
+def _tile(q_i: jax.Array, k_j: jax.Array, seg_i: jax.Array, seg_j: jax.Array, i: jax.Array,
+          j: jax.Array, d: jax.Array, blk: int, scale: float, window: int):
     """Masked f32 scores of query block i against key block j: [B, Kv, G, blk, blk] and mask."""
     B, Kv, G = q_i.shape[:3]
     s = jnp.einsum("bkrd,bksd->bkrs", _rows(q_i), k_j, preferred_element_type=jnp.float32)
@@ -121,7 +126,7 @@ def _tile(q_i, k_j, seg_i, seg_j, i, j, d, blk, scale, window):
     return jnp.where(m, s, _NEG), m
 
 
-def _key_block_range(i, nk, d, blk, window):
+def _key_block_range(i: jax.Array, nk: int, d: jax.Array, blk: int, window: int):
     """Key blocks [lo, hi) that query block i can see (causal, and inside the window)."""
     q_lo = d + i * blk
     hi = jnp.minimum((q_lo + blk - 1) // blk + 1, nk)
@@ -129,22 +134,23 @@ def _key_block_range(i, nk, d, blk, window):
     return lo, hi
 
 
-def _query_block_range(j, nq, d, blk, window):
+def _query_block_range(j: jax.Array, nq: int, d: jax.Array, blk: int, window: int):
     """Query blocks [lo, hi) that can see key block j."""
     lo = jnp.maximum(-((d + blk - 1 - j * blk) // blk), 0)
     hi = nq if not window else jnp.minimum((j * blk + blk - 1 + window - 1 - d) // blk + 1, nq)
     return lo, hi
 
 
-def _fwd_blocks(q, k, v, seg_q, seg_k, sink, d, blk, window, has_sink):
+def _fwd_blocks(q: jax.Array, k: jax.Array, v: jax.Array, seg_q: jax.Array, seg_k: jax.Array,
+                sink: jax.Array, d: jax.Array, blk: int, window: int, has_sink: bool):
     nq, B, Kv, G = q.shape[:4]
     nk, Dv = k.shape[0], v.shape[-1]
     scale = q.shape[-1] ** -0.5
 
-    def one_query_block(args):
+    def one_query_block(args: tuple[jax.Array, jax.Array, jax.Array]):
         i, q_i, seg_i = args
 
-        def body(j, carry):
+        def body(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
             o, m_run, l_run = carry
             v_j = v[j]
             s, mask = _tile(q_i, k[j], seg_i, seg_k[j], i, j, d, blk, scale, window)
@@ -170,7 +176,9 @@ def _fwd_blocks(q, k, v, seg_q, seg_k, sink, d, blk, window, has_sink):
     return jax.lax.map(one_query_block, (jnp.arange(nq), q, seg_q))
 
 
-def _bwd_blocks(q, k, v, seg_q, seg_k, sink, d, o, lse, do, blk, window, has_sink):
+def _bwd_blocks(q: jax.Array, k: jax.Array, v: jax.Array, seg_q: jax.Array, seg_k: jax.Array,
+                sink: jax.Array, d: jax.Array, o: jax.Array, lse: jax.Array, do: jax.Array,
+                blk: int, window: int, has_sink: bool):
     """dq, dk, dv in ONE pass over the visible tiles (each tile's scores and probabilities are
     recomputed once): key blocks outside, the query blocks that see them inside; dk and dv of
     the key block accumulate in the carry, dq in a buffer updated in place."""
@@ -179,11 +187,11 @@ def _bwd_blocks(q, k, v, seg_q, seg_k, sink, d, o, lse, do, blk, window, has_sin
     scale = q.shape[-1] ** -0.5
     delta = jnp.sum(do * o, axis=-1)  # [Nq, B, Kv, G, blk]: rowsum(dO * O), the softmax-jacobian term
 
-    def key_block(j, dq_all):
+    def key_block(j: jax.Array, dq_all: jax.Array):
         k_j, v_j = k[j], v[j]
         k_j32 = k_j.astype(jnp.float32)   # once per key block, not per visible query block
 
-        def body(i, carry):
+        def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
             dq_all, dk, dv = carry
             q_i, do_i = q[i], do[i]
             s, mask = _tile(q_i, k_j, seg_q[i], seg_k[j], i, j, d, blk, scale, window)
@@ -201,7 +209,7 @@ def _bwd_blocks(q, k, v, seg_q, seg_k, sink, d, o, lse, do, blk, window, has_sin
         init = (dq_all, jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32))
         return jax.lax.fori_loop(lo, hi, body, init)
 
-    def outer(j, carry):
+    def outer(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
         dq_all, dk_all, dv_all = carry
         dq_all, dk, dv = key_block(j, dq_all)
         return dq_all, dk_all.at[j].set(dk), dv_all.at[j].set(dv)
@@ -214,40 +222,42 @@ def _bwd_blocks(q, k, v, seg_q, seg_k, sink, d, o, lse, do, blk, window, has_sin
     return dq, dk, dv, jnp.where(has_sink, dsink, 0.0)
 
 
-def _q_blocks(q_BxSxHxD, Kv, n, blk):
+def _q_blocks(q_BxSxHxD: jax.Array, Kv: int, n: int, blk: int):
     """[B, S, H, Dh] -> [Nq, B, Kv, G, blk, Dh]."""
     B, S, H, Dh = q_BxSxHxD.shape
     return q_BxSxHxD.reshape(B, n, blk, Kv, H // Kv, Dh).transpose(1, 0, 3, 4, 2, 5)
 
 
-def _kv_blocks(k_BxSxKxD, n, blk):
+def _kv_blocks(k_BxSxKxD: jax.Array, n: int, blk: int):
     """[B, S, Kv, D] -> [Nk, B, Kv, blk, D]."""
     B, S, Kv, D = k_BxSxKxD.shape
     return k_BxSxKxD.reshape(B, n, blk, Kv, D).transpose(1, 0, 3, 2, 4)
 
 
-def _seg_blocks(seg_BxS, n, blk):
+def _seg_blocks(seg_BxS: jax.Array, n: int, blk: int):
     return jnp.moveaxis(seg_BxS.reshape(seg_BxS.shape[0], n, blk), 1, 0)
 
 
-def _from_q_blocks(x):
+def _from_q_blocks(x: jax.Array):
     """[Nq, B, Kv, G, blk, X] -> [B, S, H, X]."""
     n, B, Kv, G, blk, X = x.shape
     return x.transpose(1, 0, 4, 2, 3, 5).reshape(B, n * blk, Kv * G, X)
 
 
-def _from_kv_blocks(x):
+def _from_kv_blocks(x: jax.Array):
     """[Nk, B, Kv, blk, X] -> [B, S, Kv, X]."""
     n, B, Kv, blk, X = x.shape
     return x.transpose(1, 0, 3, 2, 4).reshape(B, n * blk, Kv, X)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _flash(q, k, v, seg_q, seg_k, sink, d, blk, window, has_sink):
+def _flash(q: jax.Array, k: jax.Array, v: jax.Array, seg_q: jax.Array, seg_k: jax.Array,
+           sink: jax.Array, d: jax.Array, blk: int, window: int, has_sink: bool):
     return _flash_fwd(q, k, v, seg_q, seg_k, sink, d, blk, window, has_sink)[0]
 
 
-def _flash_fwd(q, k, v, seg_q, seg_k, sink, d, blk, window, has_sink):
+def _flash_fwd(q: jax.Array, k: jax.Array, v: jax.Array, seg_q: jax.Array, seg_k: jax.Array,
+               sink: jax.Array, d: jax.Array, blk: int, window: int, has_sink: bool):
     H, Kv = q.shape[2], k.shape[2]
     nq, nk = q.shape[1] // blk, k.shape[1] // blk
     sink_kg = sink.astype(jnp.float32).reshape(Kv, H // Kv)
@@ -258,7 +268,7 @@ def _flash_fwd(q, k, v, seg_q, seg_k, sink, d, blk, window, has_sink):
     return out, (q, k, v, seg_q, seg_k, sink, d, o, lse)
 
 
-def _flash_bwd(blk, window, has_sink, res, dout):
+def _flash_bwd(blk: int, window: int, has_sink: bool, res: tuple, dout: jax.Array):
     q, k, v, seg_q, seg_k, sink, d, o, lse = res
     H, Kv = q.shape[2], k.shape[2]
     nq, nk = q.shape[1] // blk, k.shape[1] // blk
@@ -276,8 +286,11 @@ def _flash_bwd(blk, window, has_sink, res, dout):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def blockwise_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, block: int = 512,
-                        window: int = 0, sinks_H=None, kv_segment_ids_BxK=None, q_offset=0):
+def blockwise_attention(q_BxSxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
+                        segment_ids_BxS: jax.Array, *, block: int = 512,
+                        window: int = 0, sinks_H: jax.Array | None = None,
+                        kv_segment_ids_BxK: jax.Array | None = None,
+                        q_offset: int | jax.Array = 0) -> jax.Array:
     """Flash-style attention in pure JAX; same contract as `plain_attention`.
 
     Args:
@@ -295,7 +308,7 @@ def blockwise_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, blo
     seg_k = segment_ids_BxS if kv_segment_ids_BxK is None else kv_segment_ids_BxK
     blk = min(block, S)
 
-    def pad(x, fill=0):
+    def pad(x: jax.Array, fill: int = 0):
         extra = -x.shape[1] % blk
         if not extra:
             return x

@@ -6,8 +6,12 @@ v [B, K, Kv, Dv] with H a multiple of Kv; K = S unless the keys carry segment id
 """
 from __future__ import annotations
 
+import jax
 
-def check_qkv(q, k, v, segment_ids_BxS, *, sinks_H=None, kv_segment_ids_BxK=None) -> None:
+
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids_BxS: jax.Array, *,
+              sinks_H: jax.Array | None = None,
+              kv_segment_ids_BxK: jax.Array | None = None) -> None:
     """Raises ValueError naming the first argument whose shape breaks the contract."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
         raise ValueError(f"q must be [B,S,H,Dh], k [B,K,Kv,Dh] and v [B,K,Kv,Dv]; "

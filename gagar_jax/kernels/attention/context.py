@@ -30,6 +30,7 @@ chosen by `lax.switch`; sliding layers' offset (the halo length) is the same on 
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ from gagar_jax import sharding
 from gagar_jax.kernels.attention import registry
 
 
-def _specs(q, k, mesh):
+def _specs(q: jax.Array, k: jax.Array, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh):
     """PartitionSpecs of q / k (B, S, heads, None) inside the context shard_map, or None when the
     sequence is not split over the context axis (S does not divide)."""
     q_spec = sharding.logical_to_spec(("batch", "seq", "heads", None), q.shape, mesh)
@@ -53,7 +54,7 @@ def _specs(q, k, mesh):
     return q_spec, k_spec
 
 
-def _preceding_keys(x, halo: int, axis: str, n: int, fill=0):
+def _preceding_keys(x: jax.Array, halo: int, axis: str, n: int, fill: int = 0):
     """The `halo` rows before this chip's chunk along axis 1, from the chips before it.
 
     Chip r gets chunk r - h from `ppermute` shift h, for h = 1 .. ceil(halo / chunk); chips
@@ -73,7 +74,9 @@ def _preceding_keys(x, halo: int, axis: str, n: int, fill=0):
     return full[:, max(0, full.shape[1] - halo - chunk):]
 
 
-def _balanced_full(kernel, q, k_all, v_all, seg, seg_all, axis: str, n: int, sinks, kw):
+def _balanced_full(kernel: Callable[..., jax.Array], q: jax.Array, k_all: jax.Array,
+                   v_all: jax.Array, seg: jax.Array, seg_all: jax.Array, axis: str, n: int,
+                   sinks: jax.Array | None, kw: dict[str, Any]):
     """Causal full attention with the query work balanced over the context axis (zig-zag).
 
     With the row in order, chip r's queries see r + 1/2 chunks of keys on average: the last
@@ -105,8 +108,9 @@ def _balanced_full(kernel, q, k_all, v_all, seg, seg_all, axis: str, n: int, sin
     return jnp.concatenate(outs, axis=1)
 
 
-def attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, impl: str,
-              block: int = 512, window: int = 0, sinks_H=None, balance: bool = True):
+def attention(q_BxSxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
+              segment_ids_BxS: jax.Array, *, impl: str, block: int = 512, window: int = 0,
+              sinks_H: jax.Array | None = None, balance: bool = True) -> jax.Array:
     """`registry.attention` with rows split along S over the ambient mesh's context axis.
 
     Without a context axis larger than 1 (or when S does not split over it) this is exactly
@@ -127,7 +131,7 @@ def attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, impl: str,
     seg_spec, has_sink = P(q_spec[0], q_spec[1]), sinks_H is not None
     kw = kernel.kwargs(block, sharding.device_platform(mesh))
 
-    def local(q, k, v, seg, sinks):
+    def local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, sinks: jax.Array):
         chunk, kw_offsets = q.shape[1], {}
         if window:
             halo = window - 1

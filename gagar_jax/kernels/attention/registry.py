@@ -13,12 +13,14 @@ dispatchers (`attention` here, `context.attention`) reject an unresolved "auto".
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import jax
 
 from gagar_jax import sharding
 from gagar_jax.kernels.attention import blockwise, splash
+
+MeshLike = Union[jax.sharding.Mesh, jax.sharding.AbstractMesh]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +39,8 @@ class AttentionKernel:
         return {k: kw[k] for k in self.options}
 
 
-def _splash_full(q, k, v, seg, *, window: int = 0, sinks_H=None, **kw) -> jax.Array:
+def _splash_full(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, *, window: int = 0,
+                 sinks_H: Optional[jax.Array] = None, **kw: Any) -> jax.Array:
     return splash.splash_attention(q, k, v, seg, window=int(window) or None, sinks_H=sinks_H, **kw)
 
 
@@ -68,7 +71,7 @@ def names() -> tuple[str, ...]:
     return ("auto",) + tuple(KERNELS)
 
 
-def resolve(impl: str, mesh=None) -> str:
+def resolve(impl: str, mesh: Optional[MeshLike] = None) -> str:
     """`impl` itself, or for "auto" the kernel for the platform of the mesh's devices.
 
     Args:
@@ -94,9 +97,9 @@ def get(impl: str) -> AttentionKernel:
     return KERNELS[impl]
 
 
-def attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *, impl: str,
-              block: int = 512, window: int = 0, sinks_H: Optional[jax.Array] = None,
-              mesh=None) -> jax.Array:
+def attention(q_BxSxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
+              segment_ids_BxS: jax.Array, *, impl: str, block: int = 512, window: int = 0,
+              sinks_H: Optional[jax.Array] = None, mesh: Optional[MeshLike] = None) -> jax.Array:
     """Packed causal attention of whole rows with the kernel `impl` (resolved, not "auto");
     `window` (0 = full causal) and `sinks_H` as in `blockwise.plain_attention`."""
     kernel = get(impl)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +45,7 @@ from gagar_jax.kernels.attention.checks import check_qkv
 LANES = 128   # the kernel's sequence blocks are multiples of this
 
 
-def _plain_slice(s) -> bool:
+def _plain_slice(s: object) -> bool:
     return isinstance(s, slice) and s.step in (None, 1) and None not in (s.start, s.stop)
 
 
@@ -60,7 +60,7 @@ class _BandBlocks:
 
     _left: Optional[int]   # None = no left edge (causal)
 
-    def __getitem__(self, idx):
+    def __getitem__(self, idx: tuple):
         q_s, k_s = idx
         if _plain_slice(q_s) and _plain_slice(k_s):
             q0, q1 = q_s.start, min(q_s.stop, self.shape[0])
@@ -84,7 +84,7 @@ class LocalMask(_BandBlocks, splash.LocalMask):
     """The kernel's `LocalMask` with window (left, 0): query i sees keys
     [i + offset - left, i + offset]; fast to process."""
 
-    def __init__(self, shape, left: int, offset: int):
+    def __init__(self, shape: tuple[int, int], left: int, offset: int):
         super().__init__(shape, window_size=(left, 0), offset=offset)
         self._left = left
 
@@ -110,14 +110,16 @@ def _block(block: int, length: int) -> int:
     return min(-(-block // LANES) * LANES, -(-length // LANES) * LANES)
 
 
-def _pad(x, blk: int, fill=0):
+def _pad(x: jax.Array, blk: int, fill: int = 0):
     extra = -x.shape[1] % blk
     if not extra:
         return x
     return jnp.pad(x, ((0, 0), (0, extra)) + ((0, 0),) * (x.ndim - 2), constant_values=fill)
 
 
-def _local(q, k, v, seg_q, seg_k, sinks, *, block, window, offset, interpret):
+def _local(q: jax.Array, k: jax.Array, v: jax.Array, seg_q: jax.Array, seg_k: jax.Array,
+           sinks: Optional[jax.Array], *, block: int, window: Optional[int], offset: int,
+           interpret: bool):
     """One shard's rows: q [B, S, H, Dh] at key index `offset` (a Python int), k [B, K, Kv, Dh],
     v [B, K, Kv, Dv], seg_q [B, S], seg_k [B, K]; S and K are padded here to multiples of the
     blocks."""
@@ -131,7 +133,8 @@ def _local(q, k, v, seg_q, seg_k, sinks, *, block, window, offset, interpret):
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, H, S, Dh]
     qs = heads_first(q * jnp.asarray(dh ** -0.5, q.dtype))
 
-    def one_row(q_r, k_r, v_r, seg_q_r, seg_k_r):
+    def one_row(q_r: jax.Array, k_r: jax.Array, v_r: jax.Array, seg_q_r: jax.Array,
+                seg_k_r: jax.Array):
         return kernel(q_r, k_r, v_r, segment_ids=splash.SegmentIds(q=seg_q_r, kv=seg_k_r),
                       sinks=sinks)
 
@@ -139,9 +142,13 @@ def _local(q, k, v, seg_q, seg_k, sinks, *, block, window, offset, interpret):
     return heads_first(o)[:, :s].astype(q.dtype)
 
 
-def splash_local_attention(q_BxSxHxD, k_BxKxKvxD, v_BxKxKvxD, segment_ids_BxS, *,
-                           kv_segment_ids_BxK=None, q_offset=0, q_offsets=None, window: int = 0,
-                           sinks_H=None, block: int = 512, interpret: Optional[bool] = None):
+def splash_local_attention(q_BxSxHxD: jax.Array, k_BxKxKvxD: jax.Array, v_BxKxKvxD: jax.Array,
+                           segment_ids_BxS: jax.Array, *,
+                           kv_segment_ids_BxK: Optional[jax.Array] = None,
+                           q_offset: int | jax.Array = 0, q_offsets: Optional[Sequence[int]] = None,
+                           window: int = 0,
+                           sinks_H: Optional[jax.Array] = None, block: int = 512,
+                           interpret: Optional[bool] = None) -> jax.Array:
     """The splash kernel on one shard, with the per-shard contract of
     `attention.blockwise_attention` (context parallelism, its `local` in `registry.py`):
     queries against keys of their own length K with their own segment ids, the first query at
@@ -191,9 +198,12 @@ def splash_local_attention(q_BxSxHxD, k_BxKxKvxD, v_BxKxKvxD, segment_ids_BxS, *
     return jax.lax.switch(index, [functools.partial(run, o) for o in offsets], *args)
 
 
-def splash_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *,
+def splash_attention(q_BxSxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
+                     segment_ids_BxS: jax.Array, *,
                      window: Optional[int] = None, sinks_H: Optional[jax.Array] = None,
-                     block: int = 512, mesh=None, interpret: Optional[bool] = None) -> jax.Array:
+                     block: int = 512,
+                     mesh: Optional[jax.sharding.Mesh | jax.sharding.AbstractMesh] = None,
+                     interpret: Optional[bool] = None) -> jax.Array:
     """Packed causal GQA attention with the Pallas splash kernel.
 
     Args:
@@ -235,7 +245,7 @@ def splash_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, *,
     return fn(q, k, v, seg, sinks)
 
 
-def _dividing(axes: tuple, mesh, size: int) -> tuple:
+def _dividing(axes: tuple, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, size: int) -> tuple:
     """The leading mesh axes (of size > 1) whose product divides `size`."""
     axes = tuple(a for a in axes if mesh.shape[a] > 1)
     while axes and size % math.prod(mesh.shape[a] for a in axes):

@@ -32,11 +32,11 @@ def take_rows(src_RxD: jax.Array, idx_M: jax.Array, inv_RxJ: jax.Array) -> jax.A
     return _take_ext(src_RxD, idx_M)
 
 
-def _take_rows_fwd(src_RxD, idx_M, inv_RxJ):
+def _take_rows_fwd(src_RxD: jax.Array, idx_M: jax.Array, inv_RxJ: jax.Array):
     return _take_ext(src_RxD, idx_M), inv_RxJ
 
 
-def _take_rows_bwd(inv_RxJ, g_MxD):
+def _take_rows_bwd(inv_RxJ: jax.Array, g_MxD: jax.Array):
     r, j = inv_RxJ.shape
     d_src = _take_ext(g_MxD, inv_RxJ.reshape(r * j)).reshape(r, j, g_MxD.shape[-1]).sum(1)
     return d_src, None, None
@@ -55,7 +55,7 @@ class Plan:
     sizes_E: jax.Array        # rows per expert (valid assignments)
 
 
-def sort_by_expert(idx_TxK: jax.Array, num_experts: int):
+def sort_by_expert(idx_TxK: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Returns (key_N, rank_N, sizes_E): expert (E = invalid), rank within the expert, sizes."""
     e_N = idx_TxK.reshape(-1).astype(jnp.int32)
     key_N = jnp.where((e_N >= 0) & (e_N < num_experts), e_N, num_experts)
@@ -68,7 +68,7 @@ def sort_by_expert(idx_TxK: jax.Array, num_experts: int):
     return key_N, rank_N, sizes_E1[:num_experts]
 
 
-def plan_from_slots(slot_N, num_rows: int, top_k: int, sizes_E) -> Plan:
+def plan_from_slots(slot_N: jax.Array, num_rows: int, top_k: int, sizes_E: jax.Array) -> Plan:
     n = slot_N.shape[0]
     row_assign_S = jnp.full((num_rows,), n, jnp.int32).at[slot_N].set(
         jnp.arange(n, dtype=jnp.int32), mode="drop", unique_indices=True)
@@ -93,13 +93,13 @@ def padded_plan(idx_TxK: jax.Array, num_experts: int, block: int) -> Plan:
     return plan_from_slots(slot_N, s, k, sizes_E)
 
 
-def gather_tokens(x_TxD, plan: Plan, top_k: int) -> jax.Array:
+def gather_tokens(x_TxD: jax.Array, plan: Plan, top_k: int) -> jax.Array:
     """Buffer rows [S, D] from tokens; backward gathers the K slots of each token."""
     t = x_TxD.shape[0]
     return take_rows(x_TxD, plan.row_token_S, plan.slot_N.reshape(t, top_k))
 
 
-def combine(y_SxD, plan: Plan, weights_TxK) -> jax.Array:
+def combine(y_SxD: jax.Array, plan: Plan, weights_TxK: jax.Array) -> jax.Array:
     """y_t = sum_k w_tk * buffer[slot(t, k)]."""
     t, k = weights_TxK.shape
     yk_TxKxD = take_rows(y_SxD, plan.slot_N, plan.row_assign_S[:, None]).reshape(t, k, -1)

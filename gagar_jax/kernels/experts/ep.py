@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +62,9 @@ class _Layout:
     mlp: object             # PartitionSpec entry of F
     tensor_axes: tuple      # mesh axes F is split over (partial sums to add)
 
-    def run(self, local, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
-            check_vma: bool = True):
+    def run(self, local: Callable[..., jax.Array], x_TxD: jax.Array, gate_ExDxF: jax.Array,
+            up_ExDxF: jax.Array, down_ExFxD: jax.Array, idx_TxK: jax.Array, weights_TxK: jax.Array,
+            *, check_vma: bool = True):
         tok, ex, mlp = self.tokens, self.expert_axis, self.mlp
         specs = (P(tok, None), P(ex, None, mlp), P(ex, None, mlp), P(ex, mlp, None),
                  P(tok, None), P(tok, None))
@@ -76,7 +77,8 @@ class _Layout:
         return fn(*args)
 
 
-def _layout(mesh, num_tokens: int, gate_ExDxF, backend: str) -> _Layout:
+def _layout(mesh: Optional[jax.sharding.Mesh | jax.sharding.AbstractMesh], num_tokens: int,
+            gate_ExDxF: jax.Array, backend: str) -> _Layout:
     """Validated mesh axes for expert parallelism (token, expert and F dimensions)."""
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if mesh is None or mesh.empty:
@@ -104,8 +106,10 @@ def _layout(mesh, num_tokens: int, gate_ExDxF, backend: str) -> _Layout:
     return _Layout(mesh, expert_axis, _spec(tok_axes), _spec(tensor_axes), tensor_axes)
 
 
-def ep_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
-           mesh=None, block: int = 32, big_block: int = 256) -> jax.Array:
+def ep_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array, down_ExFxD: jax.Array,
+           idx_TxK: jax.Array, weights_TxK: jax.Array, *,
+           mesh: Optional[jax.sharding.Mesh | jax.sharding.AbstractMesh] = None, block: int = 32,
+           big_block: int = 256) -> jax.Array:
     """Expert-parallel routed SwiGLU, gather design (same math as `experts.dense_ffn`).
 
     Args:
@@ -118,7 +122,8 @@ def ep_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
     lay = _layout(mesh, x_TxD.shape[0], gate_ExDxF, "ep")
     ax = lay.expert_axis
 
-    def local(x, wg, wu, wd, idx, w):
+    def local(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array, idx: jax.Array,
+              w: jax.Array):
         gather = lambda a: jax.lax.all_gather(a, ax, axis=0, tiled=True)  # noqa: E731
         first = jax.lax.axis_index(ax) * wg.shape[0]
         y = experts.grouped_ffn(gather(x), wg, wu, wd, gather(idx) - first, gather(w),
@@ -130,8 +135,9 @@ def ep_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
     return lay.run(local, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK)
 
 
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                               recv_sizes, *, axis_name):
+def emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
+                               send_sizes: jax.Array, output_offsets: jax.Array,
+                               recv_sizes: jax.Array, *, axis_name: str) -> jax.Array:
     """`jax.lax.ragged_all_to_all` built from all_gather (runs on CPU; n times the traffic).
 
     Same semantics: sender i's rows [input_offsets[j], + send_sizes[j]) land on device j at
@@ -175,9 +181,11 @@ def _local_ffn(local: str, platform: str, block: int, big_block: int,
     return functools.partial(experts.grouped_ffn, block=block, big_block=big_block), False
 
 
-def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
-               mesh=None, block: int = 32, big_block: int = 256, chunks: Optional[int] = None,
-               exchange=jax.lax.ragged_all_to_all, local: str = "grouped",
+def ep_a2a_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array, down_ExFxD: jax.Array,
+               idx_TxK: jax.Array, weights_TxK: jax.Array, *,
+               mesh: Optional[jax.sharding.Mesh | jax.sharding.AbstractMesh] = None,
+               block: int = 32, big_block: int = 256, chunks: Optional[int] = None,
+               exchange: Callable[..., jax.Array] = jax.lax.ragged_all_to_all, local: str = "grouped",
                interpret: Optional[bool] = None) -> jax.Array:
     """Expert-parallel routed SwiGLU, all-to-all design (TPU/GPU; see the module docstring).
 
@@ -202,7 +210,8 @@ def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
     expert_ffn, kernel = _local_ffn(local, sharding.device_platform(lay.mesh), block, big_block,
                                     interpret)
 
-    def one_chunk(x, wg, wu, wd, idx, w):
+    def one_chunk(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array, idx: jax.Array,
+                  w: jax.Array):
         t, k = idx.shape
         n_rows, d, e_local = t * k, x.shape[1], wg.shape[0]
         n_dev, me = jax.lax.axis_size(ax), jax.lax.axis_index(ax)
@@ -238,7 +247,8 @@ def ep_a2a_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
         # 'tensor' shard routes the same tokens the same way).
         return jax.lax.psum(y, lay.tensor_axes) if lay.tensor_axes else y
 
-    def local(x, wg, wu, wd, idx, w):
+    def local(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array, idx: jax.Array,
+              w: jax.Array):
         c = _chunks(x.shape[0], chunks, jax.lax.axis_size(ax))
         if c == 1:
             return one_chunk(x, wg, wu, wd, idx, w)

@@ -26,6 +26,7 @@ in `experts_ep.py` through the public module `dispatch.py`.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,8 @@ from gagar_jax.kernels.experts import dispatch
 
 
 # --------------------------------------------------------------------------- dense (oracle)
-def dense_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK) -> jax.Array:
+def dense_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array, down_ExFxD: jax.Array,
+              idx_TxK: jax.Array, weights_TxK: jax.Array) -> jax.Array:
     """Every expert on every token, combined with the gate weights (the test oracle)."""
     e = gate_ExDxF.shape[0]
     # one_hot of an out-of-range id is a zero row: "no expert".
@@ -46,7 +48,8 @@ def dense_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK) -> 
 
 
 # --------------------------------------------------------------------------- ragged
-def ragged_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK) -> jax.Array:
+def ragged_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array, down_ExFxD: jax.Array,
+               idx_TxK: jax.Array, weights_TxK: jax.Array) -> jax.Array:
     """Sort by expert, three `jax.lax.ragged_dot`s, unsort by gather (TPU/GPU path)."""
     e = gate_ExDxF.shape[0]
     plan = dispatch.padded_plan(idx_TxK, e, block=1)
@@ -73,7 +76,8 @@ def _sum_to_type_of(g: jax.Array, primal: jax.Array) -> jax.Array:
     return jax.lax.psum(g, tuple(sorted(extra))) if extra else g
 
 
-def _over_expert_rows(first, size, block: int, big: int, body, carry):
+def _over_expert_rows(first: jax.Array, size: jax.Array, block: int, big: int,
+                      body: Callable[[jax.Array, int, tuple], tuple], carry: tuple):
     """Runs body(row0, rows, carry) over rows [first, first + size) of one expert.
 
     Chunks of `big` rows while they fit (large, efficient matmuls), then `block`-row chunks
@@ -91,26 +95,28 @@ def _dot_f32(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def _expert_starts(sizes_E, block: int):
+def _expert_starts(sizes_E: jax.Array, block: int):
     padded_E = (sizes_E + block - 1) // block * block
     return jnp.cumsum(padded_E) - padded_E
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _grouped_swiglu(x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E, block, big):
+def _grouped_swiglu(x_SxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
+                    down_ExFxD: jax.Array, sizes_E: jax.Array, block: int, big: int):
     return _grouped_fwd(x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E, block, big)[0]
 
 
-def _grouped_fwd(x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E, block, big):
+def _grouped_fwd(x_SxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
+                 down_ExFxD: jax.Array, sizes_E: jax.Array, block: int, big: int):
     s, d = x_SxD.shape
     f = gate_ExDxF.shape[-1]
     get = jax.lax.dynamic_slice_in_dim
     put = jax.lax.dynamic_update_slice_in_dim
 
-    def per_expert(carry, xs):
+    def per_expert(carry: tuple, xs: tuple):
         wg, wu, wd, first, size = xs
 
-        def chunk(row0, rows, c):
+        def chunk(row0: jax.Array, rows: int, c: tuple):
             y_buf, hg_buf, hu_buf = c
             x_c = get(x_SxD, row0, rows)
             hg, hu = x_c @ wg, x_c @ wu
@@ -127,14 +133,14 @@ def _grouped_fwd(x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E, block, big):
     return y, (x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E, hg, hu)
 
 
-def _grouped_bwd(block, big, res, dy_SxD):
+def _grouped_bwd(block: int, big: int, res: tuple, dy_SxD: jax.Array):
     x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E, hg_buf, hu_buf = res
     get = jax.lax.dynamic_slice_in_dim
 
-    def per_expert(dx_buf, xs):
+    def per_expert(dx_buf: jax.Array, xs: tuple):
         wg, wu, wd, first, size = xs
 
-        def chunk(row0, rows, c):
+        def chunk(row0: jax.Array, rows: int, c: tuple):
             dx_buf, dwg, dwu, dwd = c
             x_c, dy_c = get(x_SxD, row0, rows), get(dy_SxD, row0, rows)
             hg, hu = get(hg_buf, row0, rows), get(hu_buf, row0, rows)
@@ -166,7 +172,8 @@ def _grouped_bwd(block, big, res, dy_SxD):
 _grouped_swiglu.defvjp(_grouped_fwd, _grouped_bwd)
 
 
-def grouped_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
+def grouped_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array, down_ExFxD: jax.Array,
+                idx_TxK: jax.Array, weights_TxK: jax.Array, *,
                 block: int = 32, big_block: int = 256) -> jax.Array:
     """Dropless grouped matmul, fast on XLA:CPU.
 
@@ -198,7 +205,8 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, factor: float
     return max(1, int(-(-factor * num_tokens * top_k // num_experts)))
 
 
-def capacity_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
+def capacity_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
+                 down_ExFxD: jax.Array, idx_TxK: jax.Array, weights_TxK: jax.Array, *,
                  capacity_factor: float = 1.25) -> CapacityOutput:
     """Fixed capacity per expert (first come, first served in token order); drops overflow."""
     t, k = idx_TxK.shape

@@ -59,12 +59,15 @@ def _weight_tile(tile: int, d: int, f: int) -> int:
     return d   # d == f (checked by the caller), or interpret mode, where a tile may overhang
 
 
-def _gmm(lhs, rhs, sizes, tiles, interpret):
+def _gmm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, tiles: tuple[int, int, int],
+         interpret: bool):
     return megablox_ops.gmm(lhs, rhs, sizes, lhs.dtype, tiles, None, None, False, interpret)
 
 
-def grouped_swiglu(x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E, *,
-                   tiling=DEFAULT_TILING, interpret: Optional[bool] = None) -> jax.Array:
+def grouped_swiglu(x_SxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
+                   down_ExFxD: jax.Array, sizes_E: jax.Array, *,
+                   tiling: tuple[int, int, int] = DEFAULT_TILING,
+                   interpret: Optional[bool] = None) -> jax.Array:
     """SwiGLU of each expert's run of rows (rows sorted by expert, `sizes_E` rows each).
 
     Args:
@@ -97,8 +100,10 @@ def grouped_swiglu(x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E, *,
     return jnp.where(routed[:, None], y, jnp.zeros((), y.dtype))
 
 
-def local_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
-              tiling=DEFAULT_TILING, interpret: Optional[bool] = None) -> jax.Array:
+def local_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array, down_ExFxD: jax.Array,
+              idx_TxK: jax.Array, weights_TxK: jax.Array, *,
+              tiling: tuple[int, int, int] = DEFAULT_TILING,
+              interpret: Optional[bool] = None) -> jax.Array:
     """`megablox_ffn` on the tokens of one shard (no mesh handling; e.g. inside `shard_map`)."""
     plan = dispatch.padded_plan(idx_TxK, gate_ExDxF.shape[0], block=1)
     xs_NxD = dispatch.gather_tokens(x_TxD, plan, idx_TxK.shape[1])
@@ -107,8 +112,11 @@ def local_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
     return dispatch.combine(ys_NxD, plan, weights_TxK)
 
 
-def megablox_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
-                 mesh=None, tiling=DEFAULT_TILING, interpret: Optional[bool] = None) -> jax.Array:
+def megablox_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
+                 down_ExFxD: jax.Array, idx_TxK: jax.Array, weights_TxK: jax.Array, *,
+                 mesh: Optional[jax.sharding.Mesh | jax.sharding.AbstractMesh] = None,
+                 tiling: tuple[int, int, int] = DEFAULT_TILING,
+                 interpret: Optional[bool] = None) -> jax.Array:
     """Dropless routed SwiGLU with the megablox kernels (same math as `experts.dense_ffn`).
 
     Args:
@@ -137,7 +145,8 @@ def megablox_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, 
     tok = tok_axes or None
     mlp = tensor or None
 
-    def per_shard(x, wg, wu, wd, idx, w):
+    def per_shard(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array, idx: jax.Array,
+                  w: jax.Array):
         y = local(x, wg, wu, wd, idx, w)
         return jax.lax.psum(y, tensor) if tensor else y
 

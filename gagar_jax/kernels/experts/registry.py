@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
 from gagar_jax.kernels.experts import ep, local, megablox
 from gagar_jax.sharding import device_platform, mesh_axes
+
+MeshLike = Union[jax.sharding.Mesh, jax.sharding.AbstractMesh]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +32,7 @@ class ExpertKernel:
     options: tuple[str, ...] = ()
 
 
-def _capacity_y(*args, **kw) -> jax.Array:
+def _capacity_y(*args: jax.Array, **kw: Any) -> jax.Array:
     return local.capacity_ffn(*args, **kw).y_TxD
 
 
@@ -72,7 +74,7 @@ def names() -> tuple[str, ...]:
     return ("auto",) + tuple(KERNELS)
 
 
-def resolve(backend: str, mesh=None, num_experts: int = 0) -> str:
+def resolve(backend: str, mesh: Optional[MeshLike] = None, num_experts: int = 0) -> str:
     """`backend` itself, or for "auto" the fastest exact backend for the mesh's devices.
 
     Args:
@@ -95,7 +97,7 @@ def resolve(backend: str, mesh=None, num_experts: int = 0) -> str:
     return parallel if use_ep else single
 
 
-def resolve_local(choice: str, mesh=None, d: int = 0, f: int = 0) -> str:
+def resolve_local(choice: str, mesh: Optional[MeshLike] = None, d: int = 0, f: int = 0) -> str:
     """`ep_a2a`'s per-device FFN: `choice`, or for "auto" megablox when compiling for TPU at
     widths its kernels lower for (`megablox.lowers_on_tpu`), else grouped."""
     if choice not in ("auto",) + LOCAL_FFNS:
@@ -117,8 +119,9 @@ def get(backend: str) -> ExpertKernel:
     return KERNELS[backend]
 
 
-def expert_ffn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK, *,
-               backend: str, **options) -> jax.Array:
+def expert_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
+               down_ExFxD: jax.Array, idx_TxK: jax.Array, weights_TxK: jax.Array, *,
+               backend: str, **options: Any) -> jax.Array:
     """Routed SwiGLU experts: y_TxD = sum_k w_tk * FFN_{idx_tk}(x_t).
 
     Args:
