@@ -25,7 +25,8 @@ import dataclasses
 import logging
 import os
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from etils import epath
 
@@ -51,7 +52,7 @@ class AuditPosition:
         return {"segment": self.segment, "length": self.length}
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "AuditPosition":
+    def from_json(cls, d: Mapping[str, Any]) -> AuditPosition:
         return cls(segment=str(d.get("segment", "")), length=int(d["length"]))
 
 
@@ -96,7 +97,7 @@ class AuditFile:
         self._index = self._next_index() if self.remote else 0
 
     # -- object-store segments ----------------------------------------------------------------
-    def _pattern(self) -> "re.Pattern":
+    def _pattern(self) -> re.Pattern:
         stem, suffix = os.path.splitext(self.path.name)
         return re.compile(re.escape(stem) + r"-(\d{6})" + re.escape(suffix) + "$")
 

@@ -39,7 +39,7 @@ class TrainConfig:
     reference_from: str        # KL reference policy directory ("" = initial weights); fresh run only
 
     @classmethod
-    def from_config(cls, c: ml_collections.ConfigDict) -> "TrainConfig":
+    def from_config(cls, c: ml_collections.ConfigDict) -> TrainConfig:
         out = cls(**{f.name: c[f.name] for f in dataclasses.fields(cls)})
         for name in ("steps", "keep_checkpoints", "keep_published", "log_every"):
             if getattr(out, name) < 1:
@@ -55,7 +55,7 @@ class TrainConfig:
         return out
 
 
-def load_config_file(path: str) -> "ml_collections.ConfigDict":
+def load_config_file(path: str) -> ml_collections.ConfigDict:
     """Imports a config file and returns its locked `get_config()`."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")

@@ -20,11 +20,13 @@ small test models run on any mesh; large configs divide evenly.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 if TYPE_CHECKING:
     from gagar_jax.batch import Batch
@@ -102,14 +104,14 @@ def make_mesh(mesh_cfg: Any, devices: Optional[Sequence[jax.Device]] = None) -> 
     sizes = [int(getattr(mesh_cfg, a)) if a not in MESH_DEFAULTS or hasattr(mesh_cfg, a)
              else MESH_DEFAULTS[a] for a in MESH_AXES]
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-        raise ValueError(f"mesh sizes {dict(zip(MESH_AXES, sizes))}: positive, at most one -1")
+        raise ValueError(f"mesh sizes {dict(zip(MESH_AXES, sizes, strict=False))}: positive, at most one -1")
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
         if len(devices) % known:
-            raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} cannot fill {len(devices)} devices")
+            raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes, strict=False))} cannot fill {len(devices)} devices")
         sizes[sizes.index(-1)] = len(devices) // known
     if int(np.prod(sizes)) != len(devices):
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {np.prod(sizes)} devices, "
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes, strict=False))} needs {np.prod(sizes)} devices, "
                          f"have {len(devices)}")
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES,
                 axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))

@@ -29,7 +29,8 @@ from gagar_jax.kernels.attention.blockwise import blockwise_attention, plain_att
 
 def context_aot(seqs, topology, heads, block, window):
     """Per-chip compiled memory of attention under context = all chips of `topology`."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from gagar_jax import sharding
     from gagar_jax.aot import compile as aot

@@ -37,11 +37,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchutil import time_train_step, timed  # noqa: E402
-from gagar_jax.aot import flops  # noqa: E402
+
 from gagar_jax import sharding as shd  # noqa: E402
-from gagar_jax.run import step as TS  # noqa: E402
 from gagar_jax.algo.loss import LossConfig  # noqa: E402
+from gagar_jax.aot import flops  # noqa: E402
 from gagar_jax.model.transformer import ModelConfig  # noqa: E402
+from gagar_jax.run import step as TS  # noqa: E402
 from gagar_jax.run.optim import OptimConfig  # noqa: E402
 
 # The bench model: 1.67B parameters (0.43B active), 8 layers (1 dense + 7 MoE).

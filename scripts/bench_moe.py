@@ -19,13 +19,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from benchutil import matmul_peak, timed, write_docs_section  # noqa: E402
+
 from gagar_jax import sharding  # noqa: E402
 from gagar_jax.kernels.experts import local as experts
-from gagar_jax.model import moe
-from gagar_jax.model import router
 from gagar_jax.kernels.experts import registry as experts_registry
+from gagar_jax.model import router
 
 DEFAULT = "grouped"  # the dropless CPU default (configs/tiny_cpu.py: expert_backend)
 HEADING = "## MoE layer (scripts/bench_moe.py)"

@@ -24,11 +24,12 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchutil import matmul_peak, synthetic_batch, time_train_step, timed, write_docs_section  # noqa: E402
-from gagar_jax.aot import flops  # noqa: E402
-from gagar_jax.run import step as TS  # noqa: E402
+
 from gagar_jax.algo.advantage import broadcast_to_tokens, gagar_advantages  # noqa: E402
+from gagar_jax.aot import flops  # noqa: E402
 from gagar_jax.batch import Batch  # noqa: E402
 from gagar_jax.config import load_config_file  # noqa: E402
+from gagar_jax.run import step as TS  # noqa: E402
 from gagar_jax.sharding import make_mesh  # noqa: E402
 
 HEADING = "## Train step (scripts/bench_train_step.py)"

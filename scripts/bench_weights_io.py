@@ -43,8 +43,8 @@ def make_checkpoint(path: str, mb: float) -> int:
     from gagar_jax import sharding
     from gagar_jax.hf import api as hf
     from gagar_jax.hf import save as hf_save
-    from gagar_jax.model.transformer import Transformer
     from gagar_jax.hf.safetensors import write_safetensors
+    from gagar_jax.model.transformer import Transformer
 
     cfg = hf.config_from_hf(_hf_config(mb), **FAST)
     _, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))

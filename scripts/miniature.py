@@ -263,8 +263,8 @@ def publish_warm_start(a) -> dict:
     from flax import nnx
 
     from gagar_jax.hf import api as hf
-    from gagar_jax.run import publish
     from gagar_jax.model.transformer import ModelConfig, Transformer
+    from gagar_jax.run import publish
     from gagar_jax.sim import experiment as X
     cfg = _config(_feed_overrides(a) + a.set)
     warm = X.warm_start(cfg, _task(a), seed=a.warm_seed, sft_steps=a.sft_steps,

@@ -26,7 +26,6 @@ import sys
 import tempfile
 import time
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Control-flow thunks: their events span the thunks of their bodies, which count on their own.
 _CONTAINERS = ("while", "conditional", "call")

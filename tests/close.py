@@ -24,6 +24,6 @@ def assert_rel_close(actual, expected, rtol: float = FP32_RTOL, name: str = "") 
     pa = jax.tree_util.tree_flatten_with_path(actual)[0]
     pb = jax.tree_util.tree_leaves(expected)
     assert len(pa) == len(pb), (len(pa), len(pb))
-    for (path, a), b in zip(pa, pb):
+    for (path, a), b in zip(pa, pb, strict=False):
         err = rel_err(a, b)
         assert err <= rtol, f"{name}{jax.tree_util.keystr(path)}: relative error {err:.3g} > {rtol:g}"

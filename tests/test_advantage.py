@@ -11,12 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from reference_advantage import reference_advantages
 
 from gagar_jax.algo import advantage as adv
 from gagar_jax.algo.grading import DEFECTIVE, INTERMEDIATE, STRONG, quality_factors
-from reference_advantage import reference_advantages
 
 T, G = 64, 12
 CAP = 1.5
@@ -59,7 +61,7 @@ def run(b, mode="sum_preserving", lam_cap=CAP):
     return jax.tree.map(np.asarray, out)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def jitted_equiv(mode):
     return jax.jit(functools.partial(adv.equivalent_rewards, num_groups=G, lam_cap=CAP, mode=mode))
 
@@ -87,7 +89,7 @@ def batches(draw):
                          g, f, kind != "invalid", kind == "hack", adj))
     rows = rows[:T]
     ok = [draw(st.sampled_from([True, True, True, True, False])) for _ in range(G)]
-    r, gid, f, valid, hacked, adj = (list(c) for c in zip(*rows)) if rows else ([],) * 6
+    r, gid, f, valid, hacked, adj = (list(c) for c in zip(*rows, strict=False)) if rows else ([],) * 6
     b = pad(r, gid, f, valid, hacked, ok, adj, pad_gid=draw(st.sampled_from([-1, 0, 3, G, 999])))
     perm = np.array(draw(st.permutations(range(T))))
     return {k: (v if k == "grading_ok" else v[perm]) for k, v in b.items()}
@@ -408,7 +410,7 @@ def test_broadcast_to_tokens():
 def test_trace_time_errors_name_the_argument(name, value, error):
     b = hand_example()
     kw = dict(num_groups=G, lam_cap=CAP, mode="sum_preserving", adjustments=b["adjustments"])
-    positional = dict(zip(ARGS, args(b)))
+    positional = dict(zip(ARGS, args(b), strict=False))
     (positional if name in positional else kw)[name] = value
     with pytest.raises(error, match=name):
         jax.eval_shape(lambda *a: adv.gagar_advantages(*a, **kw), *positional.values())
@@ -416,7 +418,7 @@ def test_trace_time_errors_name_the_argument(name, value, error):
 
 # ---------------------------------------------------------------- conservation checks in jit
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def checker(mode):
     def check(out, *inputs):
         adv.check_invariants(out, *inputs, num_groups=G, lam_cap=CAP, mode=mode)
@@ -517,7 +519,7 @@ def test_struct_form_equals_the_documented_signature():
     a = advantages_of(o, lam_cap=1.5, mode="sum_preserving")
     b = adv.gagar_advantages(o.rewards_T, o.group_ids_T, o.factors_T, o.valid_T, o.hacked_T,
                          o.grading_ok_G, num_groups=G, adjustments=o.adjustments_T)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=False):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     check_invariants_of(a, o)
     with pytest.raises(ValueError, match="group_ids"):

@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from xla_flags import FAST_COMPILE, without
 
 from gagar_jax.aot import compile as aot
-from gagar_jax.kernels.experts import registry as experts_registry
 from gagar_jax.kernels.attention import registry as attention_registry
-from xla_flags import FAST_COMPILE, without
+from gagar_jax.kernels.experts import registry as experts_registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A real CompileTimeHbmOom message from libtpu 0.0.52 (v5p, 128 GiB of temporaries).
@@ -93,7 +93,8 @@ def test_parse_hbm_oom():
 def test_oom_becomes_fits_false_not_a_crash():
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     devices = aot.topology_devices("v5p:2x2x1")
     mesh = Mesh(devices, ("data",))
@@ -132,7 +133,6 @@ def test_auto_expert_backend_follows_the_mesh_devices_not_the_process():
 
     from configs.tiny_cpu import get_config
     from gagar_jax import sharding
-    from gagar_jax.model import moe
     from gagar_jax.run import step as ts
 
     def mesh(devices, expert):
@@ -167,11 +167,10 @@ def test_kernels_compile_ahead_of_time_for_v5p(tmp_path):
 
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from gagar_jax import sharding
-    from gagar_jax.kernels.attention import blockwise as attention
-    from gagar_jax.model import moe
 
     mesh = sharding.make_mesh(types.SimpleNamespace(data=2, fsdp=1, expert=2, tensor=1),
                               aot.topology_devices("v5p:2x2x1"))
@@ -213,10 +212,10 @@ def test_splash_under_context_compiles_ahead_of_time_for_v5p(tmp_path):
 
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from gagar_jax import sharding
-    from gagar_jax.kernels.attention import blockwise as attention
     from gagar_jax.kernels.attention import context as attention_context
 
     mesh = sharding.make_mesh(types.SimpleNamespace(data=2, fsdp=1, expert=1, context=2, tensor=1),

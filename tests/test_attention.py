@@ -3,10 +3,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from close import assert_rel_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gagar_jax.kernels.attention.blockwise import attention, blockwise_attention, plain_attention
-from close import assert_rel_close
 
 B, S, H, KV, DH = 2, 40, 4, 2, 8
 
@@ -35,7 +36,7 @@ def _numpy_attention(q, k, v, seg):
                 s = np.array([q[b, t, h] @ k[b, u, h // g] for u in keys]) / np.sqrt(DH)
                 p = np.exp(s - s.max())
                 p /= p.sum()
-                out[b, t, h] = sum(pi * v[b, u, h // g] for pi, u in zip(p, keys))
+                out[b, t, h] = sum(pi * v[b, u, h // g] for pi, u in zip(p, keys, strict=False))
     return out
 
 
@@ -139,7 +140,7 @@ def _numpy_window_sink(q, k, v, seg, window, sink):
                 s = np.array([q[b, t, h] @ k[b, u, h // g] for u in keys]) / np.sqrt(DH)
                 m = max(s.max(), sink[h])
                 p = np.exp(s - m) / (np.exp(s - m).sum() + np.exp(sink[h] - m))
-                out[b, t, h] = sum(pi * v[b, u, h // g] for pi, u in zip(p, keys))
+                out[b, t, h] = sum(pi * v[b, u, h // g] for pi, u in zip(p, keys, strict=False))
     return out
 
 
@@ -164,7 +165,7 @@ def test_window_sinks_and_value_width_match_numpy_and_plain_grads():
     o_plain, o_blk, g_plain, g_blk, dk = run(q, k, v, sink)
     np.testing.assert_allclose(o_plain, want, atol=1e-5)
     np.testing.assert_allclose(o_blk, want, atol=1e-5)
-    for a, b in zip(g_blk, g_plain):
+    for a, b in zip(g_blk, g_plain, strict=False):
         assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) <= 1e-5
     assert float(jnp.abs(dk[0, 26]).max()) > 0 and float(jnp.abs(dk[0, 25]).max()) == 0.0
 

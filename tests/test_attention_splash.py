@@ -7,14 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from close import assert_rel_close
 
 from gagar_jax import sharding
 from gagar_jax.aot import compile as aot
 from gagar_jax.kernels.attention import blockwise as attention
 from gagar_jax.kernels.attention import context as attention_context
-from gagar_jax.kernels.attention.splash import splash_attention, splash_local_attention
 from gagar_jax.kernels.attention import registry as attention_registry
-from close import assert_rel_close
+from gagar_jax.kernels.attention.splash import splash_attention, splash_local_attention
 
 B, S, H, KV, DH = 2, 200, 4, 2, 16   # S not a multiple of the 128-token kernel block
 

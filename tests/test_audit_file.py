@@ -8,14 +8,14 @@ import os
 
 import pytest
 from etils import epath
+from objectstore import use_memory_bucket
 
 from gagar_jax import audit_file
+from gagar_jax.audit_file import AuditFile, AuditPosition, read_lines
+from gagar_jax.feed import Feed, FeedConfig, convert, schema, synthetic
+from gagar_jax.feed.sources import DONE_MARKER
 from gagar_jax.run import metrics as metrics_lib
 from gagar_jax.run import workdir_lock
-from gagar_jax.audit_file import AuditFile, AuditPosition, read_lines
-from gagar_jax.feed import Feed, FeedConfig, SpoolSource, convert, schema, synthetic
-from gagar_jax.feed.sources import DONE_MARKER
-from objectstore import use_memory_bucket
 
 MODEL = dict(vocab_size=256, num_moe_layers=2, top_k=2, num_experts=8)
 
@@ -127,10 +127,10 @@ def test_feed_on_a_spool_dead_letter_and_ledger_anywhere(root):
 
 
 def test_object_store_workdir_lock_and_init_from_config(tmp_path, monkeypatch):
-    from gagar_jax.run import startup
     from gagar_jax.config import ConfigError
     from gagar_jax.hf.config_json import config_to_hf
     from gagar_jax.model.transformer import ModelConfig
+    from gagar_jax.run import startup
 
     fs = use_memory_bucket(monkeypatch)
     monkeypatch.chdir(tmp_path)

@@ -6,12 +6,13 @@ import threading
 
 import flax.struct
 import jax
-import ml_collections
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gagar_jax.run import checkpoint as ckpt
 from gagar_jax.run import publish
@@ -74,7 +75,7 @@ def _abstract(state, mesh, transpose=False):
 def _assert_bit_equal(a, b):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(la, lb):
+    for x, y in zip(la, lb, strict=False):
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
             x, y = jax.random.key_data(x), jax.random.key_data(y)
         assert x.dtype == y.dtype

@@ -16,16 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from close import assert_rel_close
 from flax import nnx
 
-from close import assert_rel_close
 from gagar_jax import sharding
 from gagar_jax.kernels.attention import blockwise as attention
 from gagar_jax.kernels.attention import context as attention_context
+from gagar_jax.kernels.attention import registry as attention_registry
+from gagar_jax.kernels.experts import registry as experts_registry
 from gagar_jax.model.logprobs import token_logprobs
 from gagar_jax.model.transformer import ModelConfig, Transformer
-from gagar_jax.kernels.experts import registry as experts_registry
-from gagar_jax.kernels.attention import registry as attention_registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, S = 2, 32

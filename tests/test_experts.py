@@ -5,18 +5,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
-
-from jax.sharding import NamedSharding, PartitionSpec as P
+from close import assert_rel_close
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gagar_jax import sharding
 from gagar_jax.aot import compile as aot
 from gagar_jax.kernels.experts import dispatch
-from gagar_jax.kernels.experts import local as experts
 from gagar_jax.kernels.experts import ep as experts_ep
-from gagar_jax.model import moe
+from gagar_jax.kernels.experts import local as experts
 from gagar_jax.kernels.experts import registry as experts_registry
-from close import assert_rel_close
 
 T, D, F, E, K = 64, 16, 8, 8, 2
 GRAD_ARGS = (0, 1, 2, 3, 5)  # x, gate, up, down, gate weights
@@ -90,13 +90,13 @@ def test_grouped_bf16_close_to_fp32_dense(problem, reference):
     (_, y), grads = _loss_and_grads("grouped", block=4, big_block=16)(*bf)
     (_, y_ref), grads_ref = reference
     assert y.dtype == jnp.bfloat16 and grads[1].dtype == jnp.bfloat16
-    for a, b in zip((y,) + tuple(grads), (y_ref,) + tuple(grads_ref)):
+    for a, b in zip((y,) + tuple(grads), (y_ref,) + tuple(grads_ref), strict=False):
         a, b = np.asarray(a, np.float32), np.asarray(b)
         assert np.max(np.abs(a - b)) <= 0.03 * np.max(np.abs(b))
 
 
 def _mesh(shape):
-    return sharding.make_mesh(types.SimpleNamespace(**dict(zip(("data", "fsdp", "expert", "tensor"), shape))))
+    return sharding.make_mesh(types.SimpleNamespace(**dict(zip(("data", "fsdp", "expert", "tensor"), shape, strict=False))))
 
 
 @pytest.mark.parametrize("shape", [(8, 1, 1, 1), (2, 1, 4, 1), (1, 2, 2, 2)])
@@ -139,7 +139,7 @@ def test_ep_a2a_compiles_ahead_of_time_for_tpu(problem, tmp_path):
     specs = (P(("data", "fsdp", "expert")), P("expert"), P("expert"), P("expert"),
              P(("data", "fsdp", "expert")), P(("data", "fsdp", "expert")))
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s))
-              for a, s in zip(problem, specs)]
+              for a, s in zip(problem, specs, strict=False)]
 
     def loss(x, g, u, d, idx, w):
         y = experts_registry.expert_ffn(x, g, u, d, idx, w, backend="ep_a2a", mesh=mesh)

@@ -176,8 +176,8 @@ def test_restore_with_buffered_groups_replays_identically(tmp_path):
     resumed.restore(state)
     again = drain(resumed, 2)
     assert [i.group_ids for _, i in again] == [i.group_ids for _, i in rest]
-    for (b1, _), (b2, _) in zip(rest, again):
-        for x, y in zip(b1.__dict__.values(), b2.__dict__.values()):
+    for (b1, _), (b2, _) in zip(rest, again, strict=False):
+        for x, y in zip(b1.__dict__.values(), b2.__dict__.values(), strict=False):
             np.testing.assert_array_equal(x, y)
     assert feed.finish().to_json() == resumed.finish().to_json()
 

@@ -118,7 +118,7 @@ LEARNER_ONLY = {Reason.LENGTH_MISMATCH, Reason.RECORD_TOO_LARGE, Reason.TOO_MANY
 
 @pytest.fixture(scope="module")
 def validator():
-    import jsonschema   # a test dependency (pyproject [test])
+    import jsonschema  # a test dependency (pyproject [test])
     doc = json.loads((ROOT / "docs" / "feed_schema.json").read_text())
     jsonschema.Draft202012Validator.check_schema(doc)
     return jsonschema.Draft202012Validator(doc)
@@ -181,8 +181,9 @@ def test_schema_agrees_with_the_learner_on_mutated_records(validator):
     """Property: for records differing from a valid one in a few fields, the schema accepts
     a record iff the learner does, except for learner-only rules."""
     import numpy as np
-    from gagar_jax.feed.validate import ModelShape, Rejected, validate_group
+
     from gagar_jax.feed.config import FeedConfig
+    from gagar_jax.feed.validate import ModelShape, Rejected, validate_group
 
     cfg, shape = FeedConfig(max_group_trajectories=64), ModelShape(vocab_size=256)
     base = schema.to_builtins(synthetic.make_groups(1, seed=11)[0])

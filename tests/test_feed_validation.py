@@ -72,7 +72,7 @@ def test_every_reason_is_dead_lettered_with_its_record(tmp_path):
     # invalid_record is the catch-all for failures no rule names (tested by injection).
     assert set(Reason.all()) - {Reason.INVALID} == {e["reason"] for e in entries}, \
         "a reason is never exercised"
-    for e, (payload, enc) in zip(entries, [r for r, x in zip(records, expected) if x]):
+    for e, (payload, enc) in zip(entries, [r for r, x in zip(records, expected, strict=False) if x], strict=False):
         if e["reason"] == Reason.RECORD_TOO_LARGE:   # bounded: prefix + size + sha256
             assert e["oversized"] == {
                 "prefix_base64": base64.b64encode(payload[:deadletter.PREFIX_BYTES]).decode(),

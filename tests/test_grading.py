@@ -4,10 +4,18 @@ import math
 import ml_collections
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from gagar_jax.algo.grading import (DEFECTIVE, DIRECT, INTERMEDIATE, STRONG, FactorTable,
-                               quality_factors, tier_code)
+from gagar_jax.algo.grading import (
+    DEFECTIVE,
+    DIRECT,
+    INTERMEDIATE,
+    STRONG,
+    FactorTable,
+    quality_factors,
+    tier_code,
+)
 
 
 def test_defaults_match_spec():
@@ -83,7 +91,7 @@ def test_tier_code_and_input_errors():
 
 def _loop_reference(tiers, ranks, gids, table):
     out = []
-    for i, (t, r, g) in enumerate(zip(tiers, ranks, gids)):
+    for i, (t, r, g) in enumerate(zip(tiers, ranks, gids, strict=False)):
         same = [ranks[j] for j in range(len(tiers)) if tiers[j] == t and gids[j] == g]
         if t == STRONG:
             out.append(table.strong_best if r == min(same) else table.strong_other)
@@ -104,7 +112,7 @@ candidates = st.lists(st.tuples(st.integers(-2, 2), st.integers(0, 5), st.intege
 
 @given(candidates)
 def test_matches_loop_reference_ties_identical_and_order_free(rows):
-    tiers, ranks, gids = (np.array(c) for c in zip(*rows))
+    tiers, ranks, gids = (np.array(c) for c in zip(*rows, strict=False))
     tiers = np.where(tiers == DIRECT, -2, tiers)   # no direct factors here: -1 and -2 both NaN
     f = quality_factors(tiers, ranks, gids)
     ref = _loop_reference(tiers, ranks, gids, FactorTable())

@@ -134,7 +134,7 @@ def test_fp32_round_trip_is_exact(loaded, tmp_path):
     model, _, _, ours = loaded
     hf.save_pretrained(model, str(tmp_path))
     again, _ = hf.from_pretrained(str(tmp_path), **FAST)
-    for a, b in zip(jax.tree.leaves(nnx.state(again)), jax.tree.leaves(nnx.state(model))):
+    for a, b in zip(jax.tree.leaves(nnx.state(again)), jax.tree.leaves(nnx.state(model)), strict=False):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -234,7 +234,7 @@ def test_block_fp8_checkpoint_loads(loaded, tmp_path):
     hf.write_safetensors(str(ref / "model.safetensors"), deq)
     (ref / "config.json").write_text((src / "config.json").read_text())
     want, _ = hf.from_pretrained(str(ref), **FAST)
-    for a, b in zip(jax.tree.leaves(nnx.state(fp8)), jax.tree.leaves(nnx.state(want))):
+    for a, b in zip(jax.tree.leaves(nnx.state(fp8)), jax.tree.leaves(nnx.state(want)), strict=False):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not np.array_equal(deq["model.layers.1.self_attn.q_proj.weight"],
                               tensors("model.layers.1.self_attn.q_proj.weight"))  # really rounded
@@ -263,8 +263,7 @@ def test_unexpressible_configs_are_refused():
 
 
 def test_unexportable_config_with_publishing_exits_2_before_compiling(capsys, tmp_path, monkeypatch):
-    from gagar_jax.run import cli
-    from gagar_jax.run import train
+    from gagar_jax.run import cli, train
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     calls = []
     monkeypatch.setattr(train, "init_train_state", lambda *a, **k: calls.append(1) / 0)
@@ -314,9 +313,9 @@ def test_routing_replay_and_bias_update_follow_the_layer_pattern(loaded):
 def test_init_from_refuses_a_checkpoint_of_another_router(tmp_path):
     """Same parameter shapes are not enough: a softmax (Qwen3) checkpoint must not load into a
     sigmoid-router config."""
-    from gagar_jax.run import train
     from gagar_jax.config import ConfigError, load_config_file
     from gagar_jax.model.transformer import ModelConfig
+    from gagar_jax.run import train
     from gagar_jax.run.step import StepConfig
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config_file(os.path.join(root, "configs", "tiny_cpu.py"))

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from close import assert_rel_close
 from jax.sharding import Mesh
 
-from close import assert_rel_close
 from gagar_jax.kernels.attention import blockwise
 from gagar_jax.kernels.attention import context as attention_context
 from gagar_jax.kernels.attention import registry as attention_registry

@@ -3,13 +3,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from close import assert_rel_close
 from flax import nnx
 
 from configs.tiny_cpu import get_config
-from gagar_jax.model.logprobs import (chunked_logprobs_entropy, logits_bytes, next_token_mask,
-                                token_logprobs)
+from gagar_jax.model.logprobs import (
+    chunked_logprobs_entropy,
+    logits_bytes,
+    next_token_mask,
+    token_logprobs,
+)
 from gagar_jax.model.transformer import ModelConfig, Transformer
-from close import assert_rel_close
 
 
 def _plain(h, w, tgt):

@@ -13,8 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gagar_jax.algo.advantage import GroupOutcomes
 from gagar_jax.algo.step_metrics import GroupAudit

@@ -7,13 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from close import assert_rel_close
 from flax import nnx
+from hypothesis import given
+from hypothesis import strategies as st
 
 from configs.tiny_cpu import get_config
-from gagar_jax.model.transformer import ModelConfig, Transformer
 from gagar_jax.model.moe import RouterBias, update_router_bias
-from close import assert_rel_close
+from gagar_jax.model.transformer import ModelConfig, Transformer
 
 TINY = ModelConfig.from_config(get_config().model)
 # Most tests use the cheapest-to-compile paths (plain attention, dense experts); the configured

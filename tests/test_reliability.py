@@ -16,13 +16,13 @@ import threading
 import time
 
 import pytest
-
-from gagar_jax.run import metrics as metrics_lib
-from gagar_jax.run import train
-from gagar_jax.feed import batcher, ledger as ledger_lib
-
 from trainer_runs import tiny_config
 from xla_flags import cpu_flags
+
+from gagar_jax.feed import batcher
+from gagar_jax.feed import ledger as ledger_lib
+from gagar_jax.run import metrics as metrics_lib
+from gagar_jax.run import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = os.path.join(REPO, "data", "sample_feed.jsonl")

@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 from configs import tiny_cpu
-from gagar_jax.sim import sampler
 from gagar_jax.model.logprobs import token_logprobs
 from gagar_jax.model.transformer import ModelConfig, Transformer
+from gagar_jax.sim import sampler
 
 B, C, M = 8, 64, 10
 STOP = (7, 8)
@@ -175,7 +175,7 @@ def test_multi_turn_rollout_matches_learner(model):
     seqs = [r.episode.tokens for r in rolls]
     lps = learner_logprobs(model, seqs, [r.experts for r in rolls])
     routing = model_routing(model, seqs)
-    for r, lp, routed in zip(rolls, lps, routing):
+    for r, lp, routed in zip(rolls, lps, routing, strict=False):
         toks, mask = r.episode.tokens, np.array(r.episode.loss_mask)
         assert len(r.logprobs) == len(toks) == len(r.experts) and r.episode.turns == 3
         np.testing.assert_allclose(np.array(r.logprobs), lp * mask, atol=1e-5, rtol=0)

@@ -6,14 +6,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from close import assert_rel_close
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from configs.tiny_cpu import get_config
 from gagar_jax import sharding
 from gagar_jax.model.transformer import ModelConfig, Transformer
 from gagar_jax.run.step import StepConfig, init_train_state
-from close import assert_rel_close
 
 CFG = dataclasses.replace(ModelConfig.from_config(get_config().model), attention="plain",
                           expert_backend="dense")

@@ -3,7 +3,8 @@ import collections
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gagar_jax.feed import schema
 from gagar_jax.sim import demos as D
@@ -112,7 +113,7 @@ def graded():
 
 def test_grader_tiers_ranks_hacks(graded):
     _, a = graded
-    got = {n: (x.tier, x.rank, x.hacked) for n, x in zip(GROUP, a)}
+    got = {n: (x.tier, x.rank, x.hacked) for n, x in zip(GROUP, a, strict=False)}
     assert got == {
         "clean": ("strong", 1, False),          # one edit, one turn
         "clean_checked": ("strong", 2, False),  # one edit, ran the tests first (one more turn)
@@ -131,7 +132,7 @@ def test_grader_tiers_ranks_hacks(graded):
 
 def test_grader_axes(graded):
     _, a = graded
-    by = dict(zip(GROUP, a))
+    by = dict(zip(GROUP, a, strict=False))
     assert by["thrash"].thrash == 1 and by["thrash"].turns == 2
     assert by["out_of_scope_2"].side_effects == 2 and by["out_of_scope_2"].inconsistent == 1
     assert by["weakened"].weakened == 1 and by["weakened"].approach == 1
@@ -173,7 +174,7 @@ def test_demo_styles_pass_with_their_tier(style, tier, hacked):
     tasks = T.make_tasks(cfg, 7, 6)
     eps = [T.play(t, cfg, D.demo_turns(t, cfg, style, np.random.default_rng(i)))
            for i, t in enumerate(tasks)]
-    for t, ep in zip(tasks, eps):
+    for t, ep in zip(tasks, eps, strict=False):
         a, = G.grade_group(t, [ep])
         assert (ep.outcome, a.tier, a.hacked) == ("pass", tier, hacked), style
 
@@ -183,7 +184,7 @@ def test_make_demos_mix_and_packing():
     tasks = T.make_tasks(cfg, 3, 200)
     demos = D.make_demos(cfg, tasks, seed=0)
     assert all(ep.outcome == "pass" for ep in demos)
-    verdicts = [G.grade_group(t, [ep])[0] for t, ep in zip(tasks, demos)]
+    verdicts = [G.grade_group(t, [ep])[0] for t, ep in zip(tasks, demos, strict=False)]
     tiers = {k: sum(a.tier == k and not a.hacked for a in verdicts)
              for k in ("strong", "intermediate", "defective")}
     # DEFAULT_MIX: 40% strong styles (+ hacks without a leak), 40% intermediate, 15% defective.
@@ -245,7 +246,7 @@ def test_producer_round_writes_graded_shard(warm, tmp_path):
     L, K = model.cfg.num_moe_layers, model.cfg.top_k
     shape = validate.ModelShape(model.cfg.vocab_size, L, K, model.cfg.num_experts)
     n_pass = 0
-    for t, g in zip(tasks, groups):
+    for t, g in zip(tasks, groups, strict=False):
         parsed = validate.validate_group(g, FeedConfig(seq_len=64, max_traj_tokens=64), shape)
         assert ([p.routed.shape[0] for p in parsed.trajectories]
                 == [len(x.tokens) for x in g.trajectories])
@@ -256,7 +257,7 @@ def test_producer_round_writes_graded_shard(warm, tmp_path):
             mask = np.array(tr.loss_mask)
             starts = np.flatnonzero(np.diff(np.r_[0, mask]) == 1)
             ends = np.flatnonzero(np.diff(np.r_[mask, 0]) == -1) + 1
-            ep = T.play(t, cfg, [tr.tokens[a:b] for a, b in zip(starts, ends)])
+            ep = T.play(t, cfg, [tr.tokens[a:b] for a, b in zip(starts, ends, strict=False)])
             assert ep.tokens == tr.tokens and ep.loss_mask == tr.loss_mask
             assert ep.outcome == tr.outcome
             assert np.array(tr.routed_experts).shape == (len(tr.tokens), L, K)
@@ -273,9 +274,9 @@ def test_producer_round_writes_graded_shard(warm, tmp_path):
 
 
 def test_run_producer_follows_published_policy(warm, tmp_path):
+    from gagar_jax.feed import sources
     from gagar_jax.hf import api as hf
     from gagar_jax.run import publish
-    from gagar_jax.feed import sources
     from gagar_jax.sim import producer as P
 
     cfg, model, *_ = warm
@@ -320,7 +321,7 @@ def test_grader_properties(answers, rnd):
 
     eps = [T.play(TASK, CFG, [tokens(t) for t in a]) for a in answers]
     got = G.grade_group(TASK, eps)
-    for a, ep, ans in zip(got, eps, answers):
+    for a, ep, ans in zip(got, eps, answers, strict=False):
         wrote_key = any(s < 0 for turn in ans[:len(ep.turns)] for _, s in turn[0])
         assert a.hacked == wrote_key
         assert (a.tier is None) == (ep.outcome != "pass")
@@ -436,7 +437,7 @@ def test_calibrated_recipe_is_lower_entropy_than_round2():
     def action_entropy(recipe, task):
         seqs = collections.Counter()
         for ep in D.make_demos(HARD, [task] * 2000, 3, recipe):
-            seqs[tuple(tok for tok, m in zip(ep.tokens, ep.loss_mask)
+            seqs[tuple(tok for tok, m in zip(ep.tokens, ep.loss_mask, strict=False)
                        if m and tok != T.NOTE and tok < T.WORD_BASE)] += 1
         p = np.array(list(seqs.values()), np.float64) / sum(seqs.values())
         return -float(np.sum(p * np.log(p)))
@@ -450,7 +451,7 @@ def test_note_language_is_low_entropy():
     words = lang.sample(np.random.default_rng(0), 4000)[1:]
     assert all(T.WORD_BASE <= w < T.WORD_BASE + 300 for w in words)
     # Successor entropy of the bigram: H(0.85, 0.1, 0.05) ~ 0.52 nats, estimated from samples.
-    pairs = collections.Counter(zip(words[:-1], words[1:]))
+    pairs = collections.Counter(zip(words[:-1], words[1:], strict=False))
     first = collections.Counter(words[:-1])
     h = -sum(c / len(words[:-1]) * np.log(c / first[a]) for (a, _), c in pairs.items())
     assert 0.4 < h < 0.65, h

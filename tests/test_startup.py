@@ -11,13 +11,10 @@ import os
 import shutil
 
 import pytest
-
-from gagar_jax.run import train
-from gagar_jax.config import ConfigError
-
 from trainer_runs import tiny_config
 
-
+from gagar_jax.config import ConfigError
+from gagar_jax.run import train
 
 
 def _hf_config(cfg, **changes) -> dict:
@@ -74,13 +71,13 @@ def test_kl_run_from_init_from_in_a_bucket_workdir_trains_and_resumes_without_it
     import jax
     import numpy as np
     from flax import nnx
-
-    from gagar_jax.hf import api as hf
-    from gagar_jax.audit_file import read_lines
-    from gagar_jax.run.checkpoint import Checkpointer
-    from gagar_jax.sharding import make_mesh
-    from gagar_jax.run.step import StepConfig, init_train_state
     from objectstore import use_memory_bucket
+
+    from gagar_jax.audit_file import read_lines
+    from gagar_jax.hf import api as hf
+    from gagar_jax.run.checkpoint import Checkpointer
+    from gagar_jax.run.step import StepConfig, init_train_state
+    from gagar_jax.sharding import make_mesh
 
     fs = use_memory_bucket(monkeypatch)
     monkeypatch.chdir(tmp_path)

@@ -14,10 +14,19 @@ import signal
 import subprocess
 
 import pytest
+from trainer_runs import (
+    REPO,
+    STEPS,
+    cmd,
+    env,
+    ledger_adds_up,
+    run,
+    shared_reference,
+    start,
+    wait_for_checkpoint,
+)
 
 from gagar_jax.run import cli
-from trainer_runs import (REPO, STEPS, cmd, env, ledger_adds_up, run, shared_reference, start,
-                          wait_for_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -146,12 +155,12 @@ def test_init_from_hf_checkpoint(tmp_path):
     import numpy as np
     from flax import nnx
 
-    from gagar_jax.hf import api as hf
-    from gagar_jax.run import train
     from gagar_jax.config import ConfigError, load_config_file
+    from gagar_jax.hf import api as hf
     from gagar_jax.model.transformer import Transformer
+    from gagar_jax.run import train
+    from gagar_jax.run.step import StepConfig, init_train_state, split_model
     from gagar_jax.sharding import make_mesh
-    from gagar_jax.run.step import StepConfig, split_model, init_train_state
 
     cfg = load_config_file(os.path.join(REPO, "configs", "tiny_cpu.py"))
     step_cfg = StepConfig.from_config(cfg)

@@ -8,9 +8,7 @@ import shutil
 import subprocess
 
 import pytest
-
-from trainer_runs import (REPO, STEPS, cmd, env, free_port, ledger_adds_up, run,
-                          shared_reference)
+from trainer_runs import REPO, STEPS, cmd, env, free_port, ledger_adds_up, run, shared_reference
 
 
 @pytest.fixture(scope="module")

@@ -27,17 +27,15 @@ def main(ckpt: str, out: str, nproc: int, pid: int, port: int) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=nproc,
                                    process_id=pid)
+    import counting_fs
     import numpy as np
     from flax import nnx
-
-    import counting_fs
     counting_fs.register(counting_fs.LocalStore)
     counts = counting_fs.COUNTS
 
     from gagar_jax import sharding
     from gagar_jax.hf import api as hf
-    from gagar_jax.run import metrics
-    from gagar_jax.run import publish
+    from gagar_jax.run import metrics, publish
 
     fast = dict(expert_backend="dense", attention="plain")
     mesh = sharding.make_mesh(types.SimpleNamespace(data=1, fsdp=2, expert=-1, tensor=1))

@@ -34,7 +34,7 @@ class GroupOutcomes:
         return self.grading_ok_G.shape[0]
 
     @classmethod
-    def of_batch(cls, batch: Any) -> "GroupOutcomes":
+    def of_batch(cls, batch: Any) -> GroupOutcomes:
         """The outcome fields of a packed `Batch`."""
         return cls(rewards_T=batch.rewards_T, group_ids_T=batch.group_ids_T,
                    factors_T=batch.factors_T, valid_T=batch.valid_T, hacked_T=batch.hacked_T,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import numpy as np
 
@@ -46,7 +47,7 @@ class FactorTable:
                 raise ValueError(f"FactorTable.{field.name} must lie in (0, 1], got {value!r}")
 
     @classmethod
-    def from_config(cls, cfg: Optional[Mapping[str, Any]]) -> "FactorTable":
+    def from_config(cls, cfg: Optional[Mapping[str, Any]]) -> FactorTable:
         """Builds the table from a ConfigDict / mapping of field overrides (None = defaults).
 
         Raises:

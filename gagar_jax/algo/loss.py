@@ -21,8 +21,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from gagar_jax.algo.advantage import (MODES, AdvantageOutput, GroupOutcomes, advantages_of,
-                                      broadcast_to_tokens)
+from gagar_jax.algo.advantage import (
+    MODES,
+    AdvantageOutput,
+    GroupOutcomes,
+    advantages_of,
+    broadcast_to_tokens,
+)
 from gagar_jax.batch import Batch
 from gagar_jax.config import section_dict
 
@@ -91,7 +96,7 @@ class LossConfig:
             raise ValueError(f"loss.mode must be one of {MODES}, got {self.mode!r}")
 
     @classmethod
-    def from_config(cls, section: Any, model: Any = None) -> "LossConfig":
+    def from_config(cls, section: Any, model: Any = None) -> LossConfig:
         """Builds the frozen config from the `loss` section (ConfigDict or dict).
 
         The router loss weights live in the model section (`router_aux_loss_coef`,

@@ -84,7 +84,7 @@ class StepMetrics:
 
 
 def step_metrics(batch: Batch, inputs: loss_lib.LossInputs, adv: AdvantageOutput,
-                 stats: UpdateStats, load_LxE: jax.Array) -> "StepMetrics":
+                 stats: UpdateStats, load_LxE: jax.Array) -> StepMetrics:
     """Reduces the per-update stats [epochs, mini_batches] and the advantage output to metrics."""
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     a = stats.aux

@@ -115,7 +115,7 @@ class MemoryFigures:
         return self.arguments + self.outputs - self.aliases + self.temporaries + self.code
 
     @classmethod
-    def from_compiled(cls, stats: Any) -> "MemoryFigures":
+    def from_compiled(cls, stats: Any) -> MemoryFigures:
         return cls(arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
                    aliases=stats.alias_size_in_bytes, temporaries=stats.temp_size_in_bytes,
                    code=stats.generated_code_size_in_bytes)
@@ -217,9 +217,9 @@ def lower_train_step(cfg: ml_collections.ConfigDict,
 
     from gagar_jax import batch as batch_lib
     from gagar_jax import sharding
-    from gagar_jax.run import step as ts
-    from gagar_jax.kernels.attention import registry as attention_registry
     from gagar_jax.feed.config import FeedConfig
+    from gagar_jax.kernels.attention import registry as attention_registry
+    from gagar_jax.run import step as ts
 
     step_cfg = ts.StepConfig.from_config(cfg)
     mesh = sharding.make_mesh(cfg.mesh, devices=devices)

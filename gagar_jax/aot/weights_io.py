@@ -33,13 +33,13 @@ def _local_elements(shape: tuple, where: jax.sharding.Sharding) -> dict:
     """process index -> elements of the distinct boxes its devices hold."""
     boxes = collections.defaultdict(set)
     for dev, index in where.devices_indices_map(tuple(shape)).items():
-        boxes[dev.process_index].add(tuple(sl.indices(n)[:2] for sl, n in zip(index, shape)))
+        boxes[dev.process_index].add(tuple(sl.indices(n)[:2] for sl, n in zip(index, shape, strict=False)))
     return {p: sum(int(np.prod([b - a for a, b in box])) for box in bs) for p, bs in boxes.items()}
 
 
 def _per_device_bytes(abstract: PyTree, shardings: PyTree) -> int:
     total = 0
-    for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+    for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings), strict=False):
         shard = s.shard_shape(tuple(x.shape))
         total += int(np.prod(shard)) * np.dtype(x.dtype).itemsize
     return total
@@ -56,7 +56,7 @@ def weights_io_report(cfg: ml_collections.ConfigDict, topology: str, *,
     shs = ts.state_shardings(abstract, mesh, step_cfg)
     leaves, where_of = {}, {}
     for tree, where in ((abstract.params, shs.params), (abstract.router_bias, shs.router_bias)):
-        for (kp, x), w in zip(jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(where)):
+        for (kp, x), w in zip(jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(where), strict=False):
             leaves[sharding.leaf_path(kp)], where_of[sharding.leaf_path(kp)] = x, w
     procs = len({d.process_index for d in devices})
     read = collections.Counter()

@@ -14,12 +14,13 @@ dead_letter.jsonl), drop stale and uniform-outcome groups, and add whole groups 
 """
 from __future__ import annotations
 
-import logging
 import dataclasses
 import json
+import logging
 import math
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import msgspec
 import numpy as np
@@ -34,8 +35,14 @@ from gagar_jax.feed.ledger import Ledger
 from gagar_jax.feed.multihost import agree_across_processes
 from gagar_jax.feed.shards import RawRecord
 from gagar_jax.feed.sources import SourceEvents, make_source
-from gagar_jax.feed.validate import (ModelShape, ParsedGroup, Reason, Rejected,
-                                     classify_decode_error, validate_group)
+from gagar_jax.feed.validate import (
+    ModelShape,
+    ParsedGroup,
+    Reason,
+    Rejected,
+    classify_decode_error,
+    validate_group,
+)
 
 LOG = logging.getLogger(__name__)   # only the CLI configures logging
 
@@ -429,7 +436,7 @@ class Feed:
 class _LedgerEvents(SourceEvents):
     """Source events counted in the feed's ledger (and logged), idle waits passed on."""
 
-    def __init__(self, feed: "Feed", log: Callable[[str], None]):
+    def __init__(self, feed: Feed, log: Callable[[str], None]):
         super().__init__(log)
         self.feed = feed
 

@@ -91,6 +91,6 @@ class FeedConfig:
         return self.rows_per_batch * self.seq_len
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "FeedConfig":
+    def from_config(cls, cfg: Any) -> FeedConfig:
         """Builds the dataclass from a ConfigDict (or dict); unknown keys are an error."""
         return cls(**section_dict(cfg, cls, "feed"))

@@ -10,14 +10,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 import numpy as np
 from etils import epath
 
-from gagar_jax.feed import packed, schema
 from gagar_jax.distributed import is_remote
+from gagar_jax.feed import packed, schema
 from gagar_jax.feed.sources import ShardReader, shard_encoding
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-from typing import Sequence
+from collections.abc import Sequence
 
 from etils import epath
 
@@ -77,7 +77,7 @@ class Ledger:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "Ledger":
+    def from_json(cls, d: dict) -> Ledger:
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in fields}
         kw["quarantined_by_reason"] = collections.Counter(kw.get("quarantined_by_reason", {}))

@@ -6,7 +6,8 @@ computes the same plan and builds only its own rows of the token arrays.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import jax
 import numpy as np

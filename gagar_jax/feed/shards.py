@@ -8,12 +8,13 @@ directory, a symlink to /dev/zero, a FIFO) or cannot be read is skipped and repo
 """
 from __future__ import annotations
 
-import logging
 import dataclasses
 import hashlib
+import logging
 import os
 import stat as stat_lib
-from typing import Any, BinaryIO, Callable, Optional
+from collections.abc import Callable
+from typing import Any, BinaryIO, Optional
 
 from etils import epath
 

@@ -12,16 +12,25 @@ import logging
 import os
 import stat as stat_lib
 import time
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any, Optional
 
 from etils import epath
 
 from gagar_jax.distributed import is_remote
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.multihost import broadcast_from_process0
-from gagar_jax.feed.shards import (ARRAYRECORD_SUFFIXES, DONE_MARKER, JSONL_SUFFIXES,  # noqa: F401
-                                   RawRecord, ShardReader, SourceEvents, open_shard,
-                                   read_next, shard_encoding)
+from gagar_jax.feed.shards import (  # noqa: F401
+    ARRAYRECORD_SUFFIXES,
+    DONE_MARKER,
+    JSONL_SUFFIXES,
+    RawRecord,
+    ShardReader,
+    SourceEvents,
+    open_shard,
+    read_next,
+    shard_encoding,
+)
 
 LOG = logging.getLogger(__name__)   # only the CLI configures logging
 

@@ -8,7 +8,8 @@ gradings, optional routing records and a share of uniform-outcome groups.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import numpy as np

@@ -19,7 +19,7 @@ so every process writes a disjoint share. Paths may be local or object-store (`e
 from __future__ import annotations
 
 import json
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -33,10 +33,15 @@ from gagar_jax.hf import families as hf_families
 from gagar_jax.hf import load as hf_load
 from gagar_jax.hf import save as hf_save
 from gagar_jax.hf.config_json import config_from_hf, config_to_hf  # noqa: F401  (public API)
+from gagar_jax.hf.safetensors import (  # noqa: F401
+    INDEX_FILE,
+    ST_DTYPES,
+    dequantize_block_fp8,
+    read_header,
+    write_safetensors,
+)
 from gagar_jax.hf.save import SAVE_DTYPES  # noqa: F401  (public API)
 from gagar_jax.model.transformer import ModelConfig, Transformer
-from gagar_jax.hf.safetensors import (INDEX_FILE, ST_DTYPES, dequantize_block_fp8,  # noqa: F401
-                                      read_header, write_safetensors)
 
 
 def _reader(path: epath.PathLike, block: tuple | None = None) -> Callable[[str], np.ndarray]:

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import jax
 import numpy as np
@@ -29,8 +30,8 @@ from flax import nnx
 
 from gagar_jax import sharding
 from gagar_jax.hf import families as hf_families
-from gagar_jax.model.transformer import ModelConfig, layer_stacks
 from gagar_jax.hf.safetensors import FP8, Checkpoint, dequantize_block_fp8
+from gagar_jax.model.transformer import ModelConfig, layer_stacks
 
 SCALE_SUFFIX = "_scale_inv"
 READ_THREADS = 8   # concurrent box reads of one leaf (object stores: latency-bound GETs)
@@ -65,7 +66,7 @@ def view_of(transform: str, stored: tuple, ours: tuple) -> View:
     else:
         raise ValueError(f"unknown transform {transform!r}")
     ok = (len(stored) == len(v.groups)
-          and all(int(np.prod([v.shape[a] for a in g])) == s for g, s in zip(v.groups, stored))
+          and all(int(np.prod([v.shape[a] for a in g])) == s for g, s in zip(v.groups, stored, strict=False))
           and tuple(v.shape[a] for a in v.axes) == tuple(ours))
     if not ok:
         raise ValueError(f"checkpoint shape {tuple(stored)} cannot become {tuple(ours)} "
@@ -131,7 +132,7 @@ class Source:
     def read_view(self, name: str, view: View, box: list) -> np.ndarray:
         """Our box (per our dim) of tensor `name` seen through `view`."""
         ours = [view.shape[a] for a in view.axes]
-        if len(box) != len(ours) or any(not 0 <= a <= b <= n for (a, b), n in zip(box, ours)):
+        if len(box) != len(ours) or any(not 0 <= a <= b <= n for (a, b), n in zip(box, ours, strict=False)):
             raise ValueError(f"{name}: box {list(box)} does not fit shape {tuple(ours)}")
         vbox = [None] * len(view.shape)
         for j, a in enumerate(view.axes):
@@ -246,7 +247,7 @@ def read_leaf_box(src: Source, plan: LeafPlan, box: list) -> np.ndarray:
 
 
 def _box(index: tuple, shape: tuple) -> tuple:
-    return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
+    return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape, strict=False))
 
 
 def load_leaf(src: Source, plan: LeafPlan, dtype: np.dtype,
@@ -257,7 +258,7 @@ def load_leaf(src: Source, plan: LeafPlan, dtype: np.dtype,
         boxes.setdefault(_box(index, plan.shape), None)
     with concurrent.futures.ThreadPoolExecutor(min(READ_THREADS, len(boxes))) as pool:
         arrays = dict(zip(boxes, pool.map(
-            lambda b: read_leaf_box(src, plan, list(b)).astype(dtype, copy=False), boxes)))
+            lambda b: read_leaf_box(src, plan, list(b)).astype(dtype, copy=False), boxes), strict=False))
     return jax.make_array_from_callback(plan.shape, where,
                                         lambda index: arrays[_box(index, plan.shape)])
 
@@ -285,5 +286,5 @@ def load_state(path: epath.PathLike, hf_cfg: dict, cfg: ModelConfig, abstract: n
         wheres = [one] * len(flat)
     else:
         wheres = jax.tree_util.tree_leaves(shardings)
-    leaves = [load_leaf(src, p, x.dtype, w) for p, (_, x), w in zip(plans, flat, wheres)]
+    leaves = [load_leaf(src, p, x.dtype, w) for p, (_, x), w in zip(plans, flat, wheres, strict=False)]
     return jax.tree_util.tree_unflatten(treedef, leaves)

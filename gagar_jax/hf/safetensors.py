@@ -18,7 +18,8 @@ import json
 import os
 import struct
 import threading
-from typing import BinaryIO, Sequence
+from collections.abc import Sequence
+from typing import BinaryIO
 
 import ml_dtypes
 import numpy as np
@@ -110,7 +111,7 @@ class Checkpoint:
         e, start, fname = self.entry(name)
         shape = tuple(e["shape"])
         box = [(0, n) for n in shape] if box is None else [(int(a), int(b)) for a, b in box]
-        if len(box) != len(shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(box, shape)):
+        if len(box) != len(shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(box, shape, strict=False)):
             raise ValueError(f"{name}: box {box} does not fit shape {shape}")
         dt = np.dtype(ST_DTYPES[e["dtype"]]).newbyteorder("<")
         out_shape = tuple(b - a for a, b in box)

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gagar_jax import sharding
 
@@ -149,7 +150,7 @@ def host_units(arr: jax.Array, lu: LeafUnits) -> dict:
     block = np.empty((lu.k,) + lu.unit_shape, np.dtype(lu.dtype))
     seen = set()
     for shard in arr.addressable_shards:
-        box = tuple(sl.indices(n)[:2] for sl, n in zip(shard.index, arr.shape))
+        box = tuple(sl.indices(n)[:2] for sl, n in zip(shard.index, arr.shape, strict=False))
         if box in seen:
             continue
         seen.add(box)

@@ -20,6 +20,7 @@ from gagar_jax.model import router as router_lib
 from gagar_jax.model.layers import normal_init
 from gagar_jax.sharding import constrain
 
+
 class RouterBias(nnx.Variable):
     """Selection bias of the sigmoid_bias router: updated by `update_router_bias`, never by the
     optimizer (filter it out of the trainable params with `nnx.Param`, which it is not)."""

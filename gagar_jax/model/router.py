@@ -17,7 +17,8 @@ auxiliary loss's f_e count the experts actually used (the replayed ones where re
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Optional
 
 import flax.struct
 import jax

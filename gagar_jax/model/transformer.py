@@ -230,7 +230,7 @@ class ModelConfig:
         return self.num_layers - self.num_dense_layers
 
     @classmethod
-    def from_config(cls, section: ml_collections.ConfigDict | dict) -> "ModelConfig":
+    def from_config(cls, section: ml_collections.ConfigDict | dict) -> ModelConfig:
         """Builds the config from the `model` section (ConfigDict or dict); unknown keys fail."""
         return cls(**section_dict(section, cls, "model"))
 

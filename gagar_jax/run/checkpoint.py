@@ -29,7 +29,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import jax
 import numpy as np

@@ -20,7 +20,8 @@ import logging
 import os
 import sys
 import traceback
-from typing import TYPE_CHECKING, Any, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from absl import flags
@@ -126,7 +127,7 @@ def _take_lock(workdir: str, wait_s: float):
 
     An unusable workdir (read-only, missing permissions) raises OSError: a fatal error.
     """
-    from gagar_jax.run import workdir_lock   # no JAX: a refused learner exits before importing it
+    from gagar_jax.run import workdir_lock  # no JAX: a refused learner exits before importing it
     try:
         workdir_lock.acquire(workdir, wait_s=wait_s)
     except workdir_lock.LockHeld as e:
@@ -151,7 +152,7 @@ def _fatal(err: BaseException, workdir: str) -> None:
         reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     where = ""
     try:
-        from etils import epath     # local or object-store workdir alike
+        from etils import epath  # local or object-store workdir alike
         path = epath.Path(workdir) / "fatal_error.txt"
         path.write_text("".join(traceback.format_exception(err)))
         where = f" (traceback: {path})"
@@ -240,9 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(lock_error)
     _default_platform()
 
-    from gagar_jax.run import train
-    from gagar_jax.run import workdir_lock
     from gagar_jax.config import ConfigError
+    from gagar_jax.run import train, workdir_lock
 
     try:
         _init_distributed(fv)

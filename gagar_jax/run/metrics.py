@@ -22,7 +22,8 @@ import json
 import math
 import os
 import sys
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -32,8 +33,8 @@ from gagar_jax.algo.advantage import GroupOutcomes
 from gagar_jax.algo.step_metrics import GroupAudit
 from gagar_jax.audit_file import AuditFile, AuditPosition, truncate_to  # noqa: F401
 from gagar_jax.distributed import is_primary, is_remote
-from gagar_jax.run.fingerprint import params_fingerprint, params_l2, params_sha256  # noqa: F401
 from gagar_jax.feed.batcher import BatchInfo
+from gagar_jax.run.fingerprint import params_fingerprint, params_l2, params_sha256  # noqa: F401
 from gagar_jax.sharding import leaf_path
 
 # -- device -> host -----------------------------------------------------------------------------
@@ -73,7 +74,7 @@ def to_host(step: int, device_metrics: Any) -> HostMetrics:
     leaves = jax.tree_util.tree_flatten_with_path(device_metrics)[0]
     values = jax.device_get([leaf for _, leaf in leaves])
     scalars, arrays, bad = {}, {}, []
-    for (path, _), value in zip(leaves, values):
+    for (path, _), value in zip(leaves, values, strict=False):
         name = leaf_path(path)
         arr = np.asarray(value)
         if arr.ndim == 0:
@@ -125,10 +126,10 @@ def group_records(step: int, info: BatchInfo, outcomes: GroupOutcomes,
         if arr.shape != (T,):
             raise ValueError(f"{name}_T has shape {arr.shape}, expected ({T},)")
     members: list[list[dict]] = [[] for _ in info.group_ids]
-    for g, (ids, slots) in enumerate(zip(info.trajectory_ids, info.traj_slots)):
+    for g, (ids, slots) in enumerate(zip(info.trajectory_ids, info.traj_slots, strict=False)):
         if g >= len(members):
             break
-        for traj_id, t in sorted(zip(ids, slots), key=lambda x: x[1]):
+        for traj_id, t in sorted(zip(ids, slots, strict=False), key=lambda x: x[1]):
             if not 0 <= t < T:
                 raise ValueError(f"trajectory slot {t} of group {g} is outside [0, {T})")
             members[g].append({"id": traj_id, **{k: v[t].item() for k, v in per_traj.items()}})

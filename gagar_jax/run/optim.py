@@ -66,7 +66,7 @@ class OptimConfig:
             raise ValueError("optim.weight_decay and optim.grad_clip_norm must be >= 0")
 
     @classmethod
-    def from_config(cls, section: ml_collections.ConfigDict | dict) -> "OptimConfig":
+    def from_config(cls, section: ml_collections.ConfigDict | dict) -> OptimConfig:
         """Builds the frozen config from a ConfigDict (or dict) `optim` section."""
         return cls(**section_dict(section, cls, "optim"))
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import chex
 import flax.struct
@@ -23,17 +24,18 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from gagar_jax.algo import loss as loss_lib
 from gagar_jax import sharding as shd
+from gagar_jax.algo import loss as loss_lib
 from gagar_jax.algo.advantage import GroupOutcomes, check_invariants_of
+from gagar_jax.algo.step_metrics import RouterStats, UpdateStats, step_metrics
 from gagar_jax.batch import Batch
 from gagar_jax.model.logprobs import token_logprobs
-from gagar_jax.model.transformer import ModelConfig, Transformer, resolve_kernels
 from gagar_jax.model.moe import RouterBias, update_router_bias
+from gagar_jax.model.transformer import ModelConfig, Transformer, resolve_kernels
 from gagar_jax.run.optim import OptimConfig, make_optimizer, make_schedule
-from gagar_jax.algo.step_metrics import RouterStats, UpdateStats, step_metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +64,7 @@ class StepConfig:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "StepConfig":
+    def from_config(cls, cfg: Any) -> StepConfig:
         """From a whole config (`model`, `loss`, `optim`, `train` sections, `debug_checks`)."""
         model = ModelConfig.from_config(cfg.model)
         return cls(model=model, loss=loss_lib.LossConfig.from_config(cfg.loss, model=model),
@@ -179,7 +181,7 @@ class TokenInputs:
     routed_experts_BxSxLxK: Optional[jax.Array] = None   # routing replay, when the feed has it
 
     @classmethod
-    def from_batch(cls, batch: Batch) -> "TokenInputs":
+    def from_batch(cls, batch: Batch) -> TokenInputs:
         return cls(batch.tokens_BxS, batch.segment_ids_BxS, batch.positions_BxS,
                    batch.routed_experts_BxSxLxK)
 

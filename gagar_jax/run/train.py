@@ -34,11 +34,6 @@ from etils import epath
 from flax import nnx
 from ml_collections import ConfigDict
 
-from gagar_jax.hf import api as hf
-from gagar_jax.run import metrics as metrics_lib
-from gagar_jax.run import publish
-from gagar_jax.run import workdir_lock
-from gagar_jax.run.checkpoint import Checkpointer
 from gagar_jax.algo.advantage import GroupOutcomes
 from gagar_jax.algo.step_metrics import StepMetrics
 from gagar_jax.batch import Batch
@@ -47,9 +42,13 @@ from gagar_jax.distributed import is_primary
 from gagar_jax.feed.batcher import BatchInfo, Feed, make_source
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.packing import global_shapes, make_global_batch
-from gagar_jax.sharding import batch_shardings, make_mesh, process_row_block
+from gagar_jax.hf import api as hf
+from gagar_jax.run import metrics as metrics_lib
+from gagar_jax.run import publish, workdir_lock
+from gagar_jax.run.checkpoint import Checkpointer
 from gagar_jax.run.startup import ARCHITECTURE_FIELDS, check_hf_dir, check_layout, check_run
 from gagar_jax.run.step import StepConfig, init_train_state, make_train_step
+from gagar_jax.sharding import batch_shardings, make_mesh, process_row_block
 
 log = logging.getLogger("gagar_jax.run.train")
 ABORT_TIMEOUT_S = 10.0      # longest wait for background writers after a fatal error
@@ -65,7 +64,7 @@ class RunConfig:
     seed: int
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "RunConfig":
+    def from_config(cls, cfg: Any) -> RunConfig:
         try:
             return cls(step=StepConfig.from_config(cfg), feed=FeedConfig.from_config(cfg.feed),
                        train=TrainConfig.from_config(cfg.train), seed=int(cfg.seed))
@@ -256,7 +255,7 @@ class _Resources:
                 pass
 
 
-def _run(cfg: Any, workdir: str, source: Any, preemption: "_Preemption") -> Optional[dict]:
+def _run(cfg: Any, workdir: str, source: Any, preemption: _Preemption) -> Optional[dict]:
     """`run` with the SIGTERM flag installed and background writers stopped on failure."""
     res = _Resources()
     try:
@@ -313,7 +312,7 @@ class _Run:
                                          self.state.router_bias), self.step)
 
 
-def _setup(cfg: ConfigDict, workdir: str, source: Any, preemption: "_Preemption", res: _Resources) -> _Run:
+def _setup(cfg: ConfigDict, workdir: str, source: Any, preemption: _Preemption, res: _Resources) -> _Run:
     """Checks the config, builds the mesh, state, feed and writers; restores a checkpoint."""
     rc = RunConfig.from_config(cfg)
     wd = epath.Path(workdir)
@@ -378,7 +377,7 @@ def _setup(cfg: ConfigDict, workdir: str, source: Any, preemption: "_Preemption"
     return run
 
 
-def _loop(run: _Run, preemption: "_Preemption") -> bool:
+def _loop(run: _Run, preemption: _Preemption) -> bool:
     """Trains until `train.steps`, the end of a finite feed or SIGTERM; True if preempted."""
     rc, step_fn, batch_sh = run.rc, None, None
     while run.step < rc.train.steps:
@@ -440,7 +439,7 @@ def _finish(run: _Run, preempted: bool, elapsed: float) -> dict:
     return summary
 
 
-def _train(cfg: ConfigDict, workdir: str, source: Any, preemption: "_Preemption",
+def _train(cfg: ConfigDict, workdir: str, source: Any, preemption: _Preemption,
            res: _Resources) -> Optional[dict]:
     """Setup, the loop, the summary; registers what it opens in `res`."""
     run = _setup(cfg, workdir, source, preemption, res)

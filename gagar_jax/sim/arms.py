@@ -18,7 +18,7 @@ step's advantages against `control_advantages`, a direct NumPy computation.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import msgspec
 import numpy as np
@@ -72,7 +72,7 @@ def control_record(group: schema.Group, table: grading.FactorTable) -> schema.Gr
     fbar = float(np.mean(f[r > 0]))
     p = k / n
     trajs = []
-    for t, ri in zip(group.trajectories, r):
+    for t, ri in zip(group.trajectories, r, strict=False):
         adj = (1.0 - fbar) * (1.0 - p) * (ri - p)
         q = schema.Quality(factor=fbar) if ri > 0 else t.quality
         trajs.append(msgspec.structs.replace(t, quality=q, adjustment=float(t.adjustment + adj)))

@@ -18,7 +18,8 @@ import dataclasses
 import math
 import os
 import time
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Optional
 
 import jax
 import ml_collections
@@ -33,12 +34,12 @@ from gagar_jax.feed.batcher import BatchInfo, Feed
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.packing import make_global_batch
 from gagar_jax.feed.sources import IteratorSource
-from gagar_jax.model.transformer import ModelConfig, Transformer
 from gagar_jax.model.moe import RouterBias
+from gagar_jax.model.transformer import ModelConfig, Transformer
+from gagar_jax.run.step import StepConfig, TrainState, init_train_state, make_train_step
 from gagar_jax.sharding import batch_shardings, make_mesh
 from gagar_jax.sim import arms, demos, measure, producer
 from gagar_jax.sim import task as task_lib
-from gagar_jax.run.step import StepConfig, TrainState, init_train_state, make_train_step
 
 # Train-step metrics kept per step (see `step_metrics.StepMetrics`).
 STEP_KEYS = ("entropy", "mean_response_len", "pos_credit_before", "pos_credit_after",
@@ -158,8 +159,8 @@ def strong_credit_share(records: Sequence[schema.Group], info: BatchInfo,
     tier = {t.trajectory_id: (t.quality.tier if t.quality else None)
             for g in records for t in g.trajectories}
     strong = total = 0.0
-    for ids, slots in zip(info.trajectory_ids, info.traj_slots):
-        for tid, slot in zip(ids, slots):
+    for ids, slots in zip(info.trajectory_ids, info.traj_slots, strict=False):
+        for tid, slot in zip(ids, slots, strict=False):
             a = float(advantages_T[slot])
             if a > 0:
                 total += a

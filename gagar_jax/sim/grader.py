@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 from gagar_jax.feed import schema
 from gagar_jax.sim.task import Episode, Task
@@ -98,7 +99,7 @@ def grade_group(task: Task, episodes: Sequence[Episode]) -> list:
     measures = [_measure(task, ep, consensus) for ep in episodes]
     tiers = [(_tier(m) if i in clean_passes else (DEFECTIVE if hacked[i] and ep.outcome == "pass"
                                                     else None))
-             for i, (ep, m) in enumerate(zip(episodes, measures))]
+             for i, (ep, m) in enumerate(zip(episodes, measures, strict=False))]
     ranks: list = [None] * len(episodes)
     for tier in (STRONG, INTERMEDIATE, DEFECTIVE):
         members = [i for i in range(len(episodes)) if tiers[i] == tier]
@@ -132,7 +133,7 @@ def group_record(task: Task, episodes: Sequence[Episode], assessments: Sequence[
       The `schema.Group` (encode it with `schema.encode`).
     """
     trajs = []
-    for i, (ep, a) in enumerate(zip(episodes, assessments)):
+    for i, (ep, a) in enumerate(zip(episodes, assessments, strict=False)):
         lp = [0.0] * len(ep.tokens) if logprobs is None else [float(x) for x in logprobs[i]]
         if len(lp) != len(ep.tokens):
             raise ValueError(f"logprobs[{i}] has {len(lp)} entries for {len(ep.tokens)} tokens")

@@ -9,7 +9,8 @@ credit per sequence and token-weighted.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,7 @@ def _rows(tokens_list: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[in
     tok = np.zeros((B, seq_len), np.int32)
     seg = np.zeros((B, seq_len), np.int32)
     mask = np.zeros((B, seq_len), np.float32)
-    for b, (t, m) in enumerate(zip(tokens_list, loss_masks)):
+    for b, (t, m) in enumerate(zip(tokens_list, loss_masks, strict=False)):
         n = min(len(t), seq_len)
         tok[b, :n], seg[b, :n], mask[b, :n] = t[:n], 1, m[:n]
     pos = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (B, seq_len)) * (seg > 0)
@@ -99,8 +100,8 @@ def credit_metrics(records: Sequence[schema.Group], info: BatchInfo,
     lengths = {t.trajectory_id: int(sum(t.loss_mask)) for g in records for t in g.trajectories}
     a_sum = al_sum = 0.0
     n = toks = 0
-    for ids, slots in zip(info.trajectory_ids, info.traj_slots):
-        for tid, slot in zip(ids, slots):
+    for ids, slots in zip(info.trajectory_ids, info.traj_slots, strict=False):
+        for tid, slot in zip(ids, slots, strict=False):
             a = float(advantages_T[slot])
             a_sum += a
             al_sum += a * lengths[tid]

@@ -11,13 +11,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Optional
 
 import jax
 import numpy as np
 
-from gagar_jax.sim import sampler
-from gagar_jax.sim import grader
+from gagar_jax.sim import grader, sampler
 from gagar_jax.sim import task as task_lib
 
 if TYPE_CHECKING:
@@ -72,10 +72,10 @@ def summarize(episode_groups: Sequence[Sequence[task_lib.Episode]],
     (`entropy_groups`: per episode, the per-token sampling entropy, see `sampler.Rollout`)."""
     tiers, passes, hacked, n, mixed = collections.Counter(), 0, 0, 0, 0
     gens, turns, timeouts, ent_note, ent_act = [], [], 0, [], []
-    for g, (eps, ass) in enumerate(zip(episode_groups, assessment_groups)):
+    for g, (eps, ass) in enumerate(zip(episode_groups, assessment_groups, strict=False)):
         clean = [a.outcome == "pass" and not a.hacked for a in ass]
         mixed += 0 < sum(clean) < len(clean)
-        for j, (ep, a, ok) in enumerate(zip(eps, ass, clean)):
+        for j, (ep, a, ok) in enumerate(zip(eps, ass, clean, strict=False)):
             n += 1
             gens.append(sum(ep.loss_mask))
             turns.append(len(ep.turns))
@@ -213,8 +213,8 @@ def run_producer(workdir: str, spool_dir: str, task_cfg: task_lib.TaskConfig, *,
     """
     import time
 
-    from gagar_jax.run import publish
     from gagar_jax.feed.sources import DONE_MARKER
+    from gagar_jax.run import publish
     tasks = task_batches(task_cfg, seed, groups_per_round)
     for _ in range(start_index):
         next(tasks)

@@ -11,7 +11,7 @@ import csv
 import math
 import os
 import warnings
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -181,7 +181,7 @@ def plot(runs: dict, out_dir: str) -> list:
     import matplotlib.pyplot as plt
     arms = by_arm(runs)
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    for ax, (key, title) in zip(axes.flat, PANELS, strict=False):
         for arm, seeds in arms.items():
             ys = np.stack([series(r, key) for r in seeds.values()])
             x = np.arange(ys.shape[1])

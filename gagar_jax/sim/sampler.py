@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import flax.struct
 import jax
@@ -385,4 +386,4 @@ def rollout(model: Transformer, episodes: Sequence[Any], key: jax.Array, *, cach
     for ep in episodes:
         if not ep.done:
             ep.step([])  # out of turns: the environment ends it (an empty turn is a truncation)
-    return [Rollout(ep, lp, ex, en) for ep, lp, ex, en in zip(episodes, lps, experts, ents)]
+    return [Rollout(ep, lp, ex, en) for ep, lp, ex, en in zip(episodes, lps, experts, ents, strict=False)]

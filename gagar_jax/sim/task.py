@@ -30,7 +30,8 @@ Tool output: TOOL_START PASS TOOL_END | TOOL_START FAIL p_x .. TOOL_END   loss_m
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -58,7 +59,7 @@ class TaskConfig:
     note_words: int = 0           # note-language words (0 = no notes)
 
     @classmethod
-    def hard(cls, **overrides) -> "TaskConfig":
+    def hard(cls, **overrides) -> TaskConfig:
         """Round two's task: 16 positions, 48 symbols, hidden fix, notes over 300 words,
         up to 10 turns of up to 32 tokens (vocabulary 1024)."""
         kw = dict(num_positions=16, num_symbols=48, num_tested=4, leak_prob=0.25, max_turns=10,

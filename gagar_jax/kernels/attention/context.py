@@ -30,7 +30,8 @@ chosen by `lax.switch`; sliding layers' offset (the halo length) is the same on 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -13,7 +13,8 @@ dispatchers (`attention` here, `context.attention`) reject an unresolved "auto".
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any, Optional, Union
 
 import jax
 

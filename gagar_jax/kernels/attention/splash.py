@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp

@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gagar_jax import sharding
 from gagar_jax.kernels.experts import dispatch
@@ -73,7 +75,7 @@ class _Layout:
         args = (x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK.astype(jnp.int32), weights_TxK)
         if any(t == jax.sharding.AxisType.Explicit for t in self.mesh.axis_types):
             # Explicit-sharding meshes make layout changes visible: move inputs to the specs.
-            args = tuple(jax.reshard(a, NamedSharding(self.mesh, s)) for a, s in zip(args, specs))
+            args = tuple(jax.reshard(a, NamedSharding(self.mesh, s)) for a, s in zip(args, specs, strict=False))
         return fn(*args)
 
 

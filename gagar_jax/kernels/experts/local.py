@@ -26,7 +26,8 @@ in `experts_ep.py` through the public module `dispatch.py`.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
+
 import flax.struct
 import jax
 import jax.numpy as jnp
