@@ -8,7 +8,7 @@ export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
 # libtpu is installed for ahead-of-time TPU compiles; the embedded default runs on CPU.
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: train test bench clean
+.PHONY: train test lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ train: $(STAMP)
 # Two pytest workers (pytest-xdist), a test file per worker: module fixtures are built once.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests
+
+# ruff (configured in pyproject.toml); CI runs it before the tests.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
 	for b in scripts/bench_*.py; do $(PY) $$b || exit 1; done

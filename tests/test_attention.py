@@ -7,7 +7,8 @@ from close import assert_rel_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gagar_jax.kernels.attention.blockwise import attention, blockwise_attention, plain_attention
+from gagar_jax.kernels.attention.blockwise import blockwise_attention, plain_attention
+from gagar_jax.kernels.attention.registry import attention
 
 B, S, H, KV, DH = 2, 40, 4, 2, 8
 

@@ -70,3 +70,69 @@ def test_no_private_names_across_modules():
                     and not node.attr.startswith("__")):
                 bad.append(f"{m} uses {imported[node.value.id]}.{node.attr}")
     assert not bad, bad
+
+
+# The layers, lowest first (docs/architecture.md): a module may import its own layer and the ones
+# before it, never a later one. `gagar_jax/__init__.py` (the lazy public API) and `__main__` are
+# above every layer; `rollout` imports no JAX and only the JAX-free ground and feed modules.
+LAYERS = [
+    ("ground", ["gagar_jax.config", "gagar_jax.batch", "gagar_jax.sharding",
+                "gagar_jax.distributed", "gagar_jax.audit_file"]),
+    ("algo", ["gagar_jax.algo"]),
+    ("feed", ["gagar_jax.feed"]),
+    ("kernels", ["gagar_jax.kernels"]),
+    ("model", ["gagar_jax.model"]),
+    ("hf", ["gagar_jax.hf"]),
+    ("run", ["gagar_jax.run"]),
+    ("aot", ["gagar_jax.aot"]),
+    ("sim", ["gagar_jax.sim"]),
+    ("rollout", ["gagar_jax.rollout"]),
+]
+TOP = {"gagar_jax", "gagar_jax.__main__"}
+
+
+def _layer(module: str) -> int:
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    raise AssertionError(f"{module} is in no layer of tests/test_layout.py's LAYERS")
+
+
+def test_imports_go_down_the_layers():
+    mods = _modules()
+    upward = []
+    for m, edges in _imports(mods).items():
+        if m in TOP:
+            continue
+        for t, _ in edges:
+            if t in TOP:
+                upward.append(f"{m} imports the top-level package {t}")
+            elif _layer(t) > _layer(m):
+                upward.append(f"{m} ({LAYERS[_layer(m)][0]}) imports {t} "
+                              f"({LAYERS[_layer(t)][0]})")
+    assert not upward, upward
+
+
+# Within the order, the arrows docs/architecture.md allows (a layer always imports itself).
+MAY_IMPORT = {
+    "ground": set(), "algo": {"ground"}, "feed": {"ground", "algo"}, "kernels": {"ground"},
+    "model": {"ground", "algo", "kernels"}, "hf": {"ground", "model"},
+    "run": {"ground", "algo", "feed", "kernels", "model", "hf"},
+    "aot": {"ground", "algo", "feed", "kernels", "model", "hf", "run"},
+    "sim": {"ground", "algo", "feed", "kernels", "model", "hf", "run"},
+    "rollout": {"ground", "feed"},
+}
+
+
+def test_each_layer_imports_only_what_the_architecture_allows():
+    mods = _modules()
+    bad = []
+    for m, edges in _imports(mods).items():
+        if m in TOP:
+            continue
+        own = LAYERS[_layer(m)][0]
+        for t, _ in edges:
+            other = LAYERS[_layer(t)][0] if t not in TOP else "top"
+            if other != own and other not in MAY_IMPORT[own]:
+                bad.append(f"{m} ({own}) imports {t} ({other})")
+    assert not bad, bad
