@@ -50,7 +50,7 @@ class RolloutCorrMetrics:
 def rs_options(rollout_rs, threshold) -> tuple:
     """Parses verl's `rollout_rs` / `rollout_rs_threshold` into ((option, lo, hi), ...).
 
-    A threshold is "lo_hi" or a number x (k1: hi = x, lo = 1/x; k2 / k3: hi = x); a single
+    A threshold is "lo_hi" (k1 only) or a number x (k1: hi = x, lo = 1/x; k2 / k3: hi = x); a single
     threshold is used for every option, otherwise one per option.
     """
     if rollout_rs is None:
@@ -69,6 +69,8 @@ def rs_options(rollout_rs, threshold) -> tuple:
     out = []
     for o, t in zip(opts, ths):
         if isinstance(t, str) and "_" in t:
+            if not o.endswith("k1"):
+                raise ValueError(f"loss.rollout_rs_threshold: {o} takes one upper bound, got {t!r}")
             lo, hi = (float(x) for x in t.split("_"))
         else:
             hi = float(t)
