@@ -90,6 +90,16 @@ def get_config() -> ml_collections.ConfigDict:
     lo.lam_cap = 1.5                # Gagar lambda cap (>= 1)
     lo.mode = "sum_preserving"      # sum_preserving | downweight_only | binary
     lo.recompute_old_logprobs = False  # learner recomputes pre-update log-probs as the ratio denominator
+    lo.policy_loss = "ppo"          # ppo | gspo | cispo (verl's vanilla / gspo / cispo)
+    lo.entropy_coef = 0.0           # entropy bonus, aggregated like the loss; 0 = off
+    # Rollout-mismatch correction (verl's rollout_corr names; need recompute_old_logprobs):
+    lo.rollout_is = ml_collections.config_dict.placeholder(str)  # None | token | sequence | geometric IS weight
+    lo.rollout_is_threshold = 2.0   # its cap (truncated above)
+    lo.rollout_rs = ml_collections.config_dict.placeholder(str)  # None, or e.g. "seq_mean_k1" (geo-mask), "token_k1,seq_max_k3"
+    lo.rollout_rs_threshold = ml_collections.config_dict.placeholder(str)  # "lo_hi" or a number, one for all options or one each
+    lo.icepop_low = ml_collections.config_dict.placeholder(float)  # IcePop band on the token ratio (both or neither)
+    lo.icepop_high = ml_collections.config_dict.placeholder(float)
+    lo.routing_replay = "r3"        # r3: replay the feed's routed_experts | r2: the learner's own
     # Router aux/z loss weights come from model.router_aux_loss_coef / router_z_loss_coef.
 
     o = c.optim = ml_collections.ConfigDict()

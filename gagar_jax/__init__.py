@@ -27,6 +27,8 @@ _EXPORTS = {
     "FactorTable": "gagar_jax.algo.grading",
     "quality_factors": "gagar_jax.algo.grading",
     "LossConfig": "gagar_jax.algo.loss",
+    "policy_loss": "gagar_jax.algo.policy_loss",
+    "rollout_correction": "gagar_jax.algo.rollout_correction",
     # shared ground
     "Batch": "gagar_jax.batch",
     "ConfigError": "gagar_jax.config",

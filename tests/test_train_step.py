@@ -381,3 +381,73 @@ def test_kl_reference_routes_with_its_own_frozen_bias(cfg, init, batch, mesh1):
     differ = kl(base)
     assert abs(same) < 1e-6
     assert differ > 1e-3, differ
+
+
+# ---------------------------------------------------------------- objectives, correction, R2
+@pytest.mark.parametrize("objective", ["gspo", "cispo"])
+def test_objectives_with_correction_and_r2_keep_the_checks(objective, cfg, init, batch, mesh1):
+    """One debug-checked step per objective with sequence IS, the geo-mask, an entropy bonus and
+    R2: the conservation checks pass, the first (only) update's ratio is 1 (no clipping, approx
+    KL 0: the replayed routing is the learner's own), R2 wins over the feed's routed_experts."""
+    host, graphdef, shardings = init
+    clips = dict(gspo=(3e-4, 4e-4), cispo=(10.0, 0.2))[objective]
+    loss = dataclasses.replace(
+        cfg.loss, policy_loss=objective, clip_low=clips[0], clip_high=clips[1],
+        recompute_old_logprobs=True, rollout_is="sequence", rollout_rs="seq_mean_k1",
+        rollout_rs_threshold="0.9_1.1", entropy_coef=0.01, routing_replay="r2")
+    dcfg = dataclasses.replace(cfg, debug_checks=True, loss=loss, mini_batches=1)
+    L_moe, K = dcfg.model.num_moe_layers, dcfg.model.top_k
+    shift = np.random.default_rng(0).normal(0, 0.05, (B, S)).astype(np.float32)
+    off = batch.replace(old_logprobs_BxS=batch.old_logprobs_BxS + shift * batch.loss_mask_BxS,
+                        routed_experts_BxSxLxK=jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32),
+                                                                (B, S, L_moe, K)))
+    step = TS.make_train_step(dcfg, mesh1, shardings, shd.batch_shardings(off, mesh1), graphdef)
+    new, m = jax.device_get(step(fresh(host, shardings), off))
+    assert float(m.updates) == 1 and float(m.skipped) == 0 and np.isfinite(m.loss)
+    assert float(m.clip_frac_low) == 0 and float(m.clip_frac_high) == 0
+    assert abs(float(m.approx_kl)) < 1e-9
+    trained = np.asarray(batch.loss_mask_BxS) > 0
+    np.testing.assert_allclose(m.rollout.logp_abs_diff_max, np.abs(shift[trained]).max(), rtol=1e-4)
+    assert 0 < float(m.rollout.is_weight_max) and 0 <= float(m.rollout.masked_token_frac) < 1
+    assert float(m.entropy_loss) > 0
+    assert not np.all(np.asarray(m.expert_load_LxE)[:, 2:] == 0)    # the feed's (0, 1) ignored
+    with pytest.raises(Exception, match="input contract"):          # the checks really run
+        step(fresh(host, shardings), off.replace(rewards_T=off.rewards_T.at[0].set(0.5)))
+
+
+@pytest.mark.parametrize("expert", [1, 4])
+def test_r2_replays_recorded_routing(expert, cfg, init, batch, devices):
+    """R2: the updates replay the ids the pre-update pass chose. With unchanged parameters the
+    ratio is 1 (|r - 1| <= 1e-5) and the ids identical, with and without an expert mesh; with
+    perturbed router weights free routing flips experts, the replayed routing does not."""
+    host, _, _ = init
+    c = dataclasses.replace(cfg, mini_batches=1, micro_batches=1, loss=dataclasses.replace(
+        cfg.loss, recompute_old_logprobs=True, routing_replay="r2"))
+    mesh = make_mesh(type("M", (), dict(data=1, fsdp=1, expert=expert, tensor=1)), devices[:expert])
+    abstract, graphdef = TS.abstract_train_state(c, mesh)
+    shardings = TS.state_shardings(abstract, mesh, c)
+    tok = jax.tree.map(lambda x: L.split_rows(x, 1, 1), TS.TokenInputs.from_batch(batch))
+
+    @jax.jit
+    def probe(params, rec_params, bias):
+        old, tok_r = TS.replay_inputs(graphdef, rec_params, bias, tok, c)
+        t0 = jax.tree.map(lambda x: x[0, 0], tok_r)
+        run = lambda routed: token_logprobs(nnx.merge(graphdef, params, bias), t0.tokens_BxS,  # noqa: E731
+                                            t0.segment_ids_BxS, t0.positions_BxS, routed)
+        lp, _, aux = run(t0.routed_experts_BxSxLxK)
+        free = run(None)[2].routed_experts_BxSxLxK
+        return old, lp, t0.routed_experts_BxSxLxK, aux.routed_experts_BxSxLxK, free
+
+    state = fresh(host, shardings)
+    noisy = jax.tree_util.tree_map_with_path(
+        lambda p, x: x + 0.3 * jax.random.normal(jax.random.key(1), x.shape, x.dtype)
+        if "router" in str(p) else x, state.params)
+    trained = np.asarray(batch.loss_mask_BxS) > 0
+    with jax.set_mesh(mesh):
+        old, lp, rec, used, free = jax.device_get(probe(state.params, state.params, state.router_bias))
+        np.testing.assert_array_equal(used, rec)
+        assert np.abs(np.exp(lp - old) - 1)[trained].max() <= 1e-5
+        _, lp2, rec2, used2, free2 = jax.device_get(probe(noisy, state.params, state.router_bias))
+    np.testing.assert_array_equal(rec2, rec)
+    np.testing.assert_array_equal(used2, rec)                 # replay holds the routing
+    assert np.mean(free2 != rec) > 0.05                       # without replay it flips

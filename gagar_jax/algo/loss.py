@@ -21,6 +21,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from gagar_jax.algo import policy_loss as objectives
+from gagar_jax.algo import rollout_correction as rc
 from gagar_jax.algo.advantage import (
     MODES,
     AdvantageOutput,
@@ -28,11 +30,12 @@ from gagar_jax.algo.advantage import (
     advantages_of,
     broadcast_to_tokens,
 )
+from gagar_jax.algo.aggregation import AGGREGATIONS, aggregation_weights
 from gagar_jax.batch import Batch
 from gagar_jax.config import section_dict
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+ROUTING_REPLAYS = ("r3", "r2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,16 @@ class LossConfig:
       router_aux_coef, router_z_coef: weights of the MoE load-balancing and router z losses.
       recompute_old_logprobs: the learner recomputes pre-update log-probs once per batch and uses
         them as the ratio denominator; the feed's log-probs then only drive the TIS weight.
+      policy_loss: ppo | gspo | cispo (see policy_loss.py; verl's vanilla / gspo / cispo).
+      entropy_coef: entropy bonus, loss -= entropy_coef * aggregated entropy; 0 = off.
+      rollout_is: None | token | sequence | geometric: rollout-correction IS weight level.
+      rollout_is_threshold: its cap (truncated above).
+      rollout_rs: None, or verl's comma-separated rejection options (rollout_correction.py).
+      rollout_rs_threshold: "lo_hi" or a number, one for all options or one per option.
+      icepop_low, icepop_high: IcePop's band on the token ratio (both or neither).
+      routing_replay: r3 (replay the feed's routed_experts when the batch has them) | r2 (record
+        the learner's own top-k in the recompute pass, replay it in every update; the feed's
+        routed_experts are then ignored). r2 needs recompute_old_logprobs.
     """
     clip_low: float = 0.2
     clip_high: float = 0.28
@@ -68,10 +81,24 @@ class LossConfig:
     router_aux_coef: float = 0.0
     router_z_coef: float = 0.0
     recompute_old_logprobs: bool = False
+    policy_loss: str = "ppo"
+    entropy_coef: float = 0.0
+    rollout_is: Optional[str] = None
+    rollout_is_threshold: float = 2.0
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: Optional[str] = None
+    icepop_low: Optional[float] = None
+    icepop_high: Optional[float] = None
+    routing_replay: str = "r3"
 
     def __post_init__(self):
-        if not 0.0 <= self.clip_low < 1.0:
-            raise ValueError(f"loss.clip_low must be in [0, 1), got {self.clip_low}")
+        if self.policy_loss not in objectives.POLICY_LOSSES:
+            raise ValueError(f"loss.policy_loss must be one of {objectives.POLICY_LOSSES}, "
+                             f"got {self.policy_loss!r}")
+        # CISPO's lower clip may be switched off with clip_low >= 1 (verl's example uses 10).
+        if self.clip_low < 0.0 or (self.clip_low >= 1.0 and self.policy_loss != "cispo"):
+            raise ValueError(f"loss.clip_low must be in [0, 1) (any >= 0 with cispo), "
+                             f"got {self.clip_low}")
         if self.clip_high < 0.0:
             raise ValueError(f"loss.clip_high must be >= 0, got {self.clip_high}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
@@ -94,6 +121,31 @@ class LossConfig:
             raise ValueError(f"loss.lam_cap must be >= 1 (lambda >= 1 always), got {self.lam_cap}")
         if self.mode not in MODES:
             raise ValueError(f"loss.mode must be one of {MODES}, got {self.mode!r}")
+        if self.entropy_coef < 0.0:
+            raise ValueError(f"loss.entropy_coef must be >= 0, got {self.entropy_coef}")
+        if self.rollout_is is not None and self.rollout_is not in rc.IS_LEVELS:
+            raise ValueError(f"loss.rollout_is must be None or one of {rc.IS_LEVELS}, "
+                             f"got {self.rollout_is!r}")
+        if self.rollout_is_threshold <= 0.0:
+            raise ValueError(f"loss.rollout_is_threshold must be > 0, got {self.rollout_is_threshold}")
+        rc.rs_options(self.rollout_rs, self.rollout_rs_threshold)   # raises on a bad option
+        if (self.icepop_low is None) != (self.icepop_high is None) or (
+                self.icepop_low is not None and not 0 <= self.icepop_low <= self.icepop_high):
+            raise ValueError("loss.icepop_low / icepop_high: both or neither, 0 <= low <= high")
+        n_is = sum(x is not None for x in (self.tis_cap, self.rollout_is, self.icepop_low))
+        if n_is > 1:
+            raise ValueError("loss.tis_cap, loss.rollout_is and loss.icepop_* each set an IS "
+                             "weight: choose one")
+        if rc.corrects(self) and not self.recompute_old_logprobs:
+            raise ValueError("loss.rollout_is / rollout_rs / icepop need "
+                             "loss.recompute_old_logprobs=True: they compare the learner's "
+                             "log-probs with the rollout engine's")
+        if self.routing_replay not in ROUTING_REPLAYS:
+            raise ValueError(f"loss.routing_replay must be one of {ROUTING_REPLAYS}, "
+                             f"got {self.routing_replay!r}")
+        if self.routing_replay == "r2" and not self.recompute_old_logprobs:
+            raise ValueError("loss.routing_replay='r2' needs loss.recompute_old_logprobs=True: "
+                             "the routing is recorded in that pass")
 
     @classmethod
     def from_config(cls, section: Any, model: Any = None) -> LossConfig:
@@ -113,25 +165,29 @@ class LossConfig:
 class LossInputs:
     """Per-token inputs of `pg_loss`, computed once per batch; all [B, S] (slice rows freely)."""
     adv_BxS: jax.Array             # final Gagar advantage on trained tokens, 0 elsewhere
-    mask_BxS: jax.Array            # 1 on trained tokens (generated, valid trajectory)
+    mask_BxS: jax.Array            # 1 on trained tokens (generated, valid, not rejected)
     weight_BxS: jax.Array          # aggregation weight, mini-batch denominator included
     old_logprobs_BxS: jax.Array    # ratio denominator (behavior, or the learner's pre-update)
-    tis_weight_BxS: jax.Array      # truncated IS weight (1 when off)
+    tis_weight_BxS: jax.Array      # rollout-correction IS weight (1 when off)
     ref_logprobs_BxS: jax.Array    # frozen reference log-probs (0 when KL is off)
+    pg_weight_BxS: Optional[jax.Array] = None    # the policy term's weight when it differs (GSPO)
+    traj_index_BxS: Optional[jax.Array] = None   # global trajectory index (GSPO's sequences)
+    num_trajectories: int = flax.struct.field(pytree_node=False, default=0)
 
 
 @flax.struct.dataclass
 class LossAux:
     """Additive per-micro-batch sums: add them over micro-batches, normalize once at the end."""
-    loss: jax.Array                # the weighted loss (pg + kl), same as the returned loss
+    loss: jax.Array                # the weighted loss (pg + kl - entropy bonus)
     pg_loss: jax.Array             # weighted policy-gradient part
     kl_loss: jax.Array             # weighted KL part (before kl_coef)
     tokens: jax.Array              # trained tokens
-    clip_low_count: jax.Array      # tokens with A < 0 and ratio < 1 - clip_low (no gradient)
-    clip_high_count: jax.Array     # tokens with A > 0 and ratio > 1 + clip_high (no gradient)
+    clip_low_count: jax.Array      # tokens clipped below (see policy_loss.py per objective)
+    clip_high_count: jax.Array     # tokens clipped above
     dual_clip_count: jax.Array     # tokens held by the dual clip
     approx_kl_sum: jax.Array       # k3 estimate of KL(old || current), summed over tokens
     entropy_sum: jax.Array         # policy entropy summed over trained tokens
+    entropy_loss: jax.Array        # weighted (aggregated) entropy, before entropy_coef
 
 
 def split_rows(x: jax.Array, mini_batches: int, micro_batches: int) -> jax.Array:
@@ -150,44 +206,17 @@ def merge_rows(y: jax.Array) -> jax.Array:
     return x.reshape((-1,) + y.shape[3:])
 
 
-def aggregation_weights(mask_BxS: jax.Array, traj_index_BxS: jax.Array, num_trajectories: int,
-                        cfg: LossConfig, mini_batches: int = 1) -> jax.Array:
-    """Per-token weights w such that each mini-batch's loss is sum_t w_t * loss_t.
-
-    Denominators are global over a mini-batch (row split as in `split_rows`).
-      token-mean:              1 / (trained tokens in the mini-batch)
-      seq-mean-token-mean:     1 / (n_i * N)   n_i tokens of trajectory i, N trajectories
-      seq-mean-token-sum:      1 / N
-      seq-mean-token-sum-norm: 1 / (N * max_response_len)   (Dr. GRPO's constant normalizer)
-    N counts trajectories with at least one trained token in the mini-batch.
-    """
-    n_T = jax.ops.segment_sum(mask_BxS.reshape(-1), traj_index_BxS.reshape(-1),
-                              num_segments=num_trajectories)
-    inv_n_BxS = mask_BxS / jnp.maximum(n_T[traj_index_BxS], 1.0)
-
-    mini_B = jnp.arange(mask_BxS.shape[0]) % mini_batches  # the mini-batch of each row
-
-    def per_mini(x_BxS: jax.Array):  # mini-batch totals broadcast back to [B, S]
-        tot_M = jax.ops.segment_sum(x_BxS.sum(axis=1), mini_B, num_segments=mini_batches)
-        return tot_M[mini_B][:, None]
-
-    tokens = per_mini(mask_BxS)
-    # Each trajectory's 1/n_i sums to exactly 1 over its tokens; round away float error.
-    n_traj = jnp.round(per_mini(inv_n_BxS))
-    safe = lambda d: jnp.where(d > 0, d, 1.0)  # noqa: E731  (empty mini-batch: weights stay 0)
-    if cfg.aggregation == "token-mean":
-        return mask_BxS / safe(tokens)
-    if cfg.aggregation == "seq-mean-token-mean":
-        return inv_n_BxS / safe(n_traj)
-    if cfg.aggregation == "seq-mean-token-sum":
-        return mask_BxS / safe(n_traj)
-    return mask_BxS / (safe(n_traj) * cfg.max_response_len)
+@flax.struct.dataclass
+class Prepared:
+    """Everything `prepare_batch` computes once per batch."""
+    inputs: LossInputs
+    adv: AdvantageOutput
+    rollout: rc.RolloutCorrMetrics
 
 
-def prepare(batch: Batch, cfg: LossConfig, *, mini_batches: int = 1,
-            learner_old_logprobs_BxS: Optional[jax.Array] = None,
-            ref_logprobs_BxS: Optional[jax.Array] = None) -> tuple[LossInputs, AdvantageOutput]:
-    """Once-per-batch loss inputs: advantages, denominators, ratio denominator, IS weight.
+def prepare_batch(batch: Batch, cfg: LossConfig, *, mini_batches: int = 1,
+                  learner_old_logprobs_BxS=None, ref_logprobs_BxS=None) -> Prepared:
+    """Once-per-batch loss inputs: advantages, denominators, ratio denominator, IS weight, masks.
 
     Args:
       batch: the packed feed batch.
@@ -197,34 +226,46 @@ def prepare(batch: Batch, cfg: LossConfig, *, mini_batches: int = 1,
         `cfg.recompute_old_logprobs`).
       ref_logprobs_BxS: frozen reference log-probs (needed iff `cfg.kl_coef > 0`).
     Returns:
-      (LossInputs, AdvantageOutput).
+      Prepared(inputs, adv, rollout-correction metrics).
     """
     if cfg.recompute_old_logprobs != (learner_old_logprobs_BxS is not None):
         raise ValueError("learner_old_logprobs_BxS must be given iff cfg.recompute_old_logprobs")
     if (cfg.kl_coef > 0) != (ref_logprobs_BxS is not None):
         raise ValueError("ref_logprobs_BxS must be given iff cfg.kl_coef > 0")
     adv_out = advantages_of(GroupOutcomes.of_batch(batch), lam_cap=cfg.lam_cap, mode=cfg.mode)
+    traj, T = batch.traj_index_BxS, batch.num_trajectories
     # Invalid trajectories (infra errors) take no part in the loss at all, KL included.
-    valid_BxS = batch.valid_T[batch.traj_index_BxS].astype(jnp.float32)
+    valid_BxS = batch.valid_T[traj].astype(jnp.float32)
     mask_BxS = batch.loss_mask_BxS.astype(jnp.float32) * valid_BxS
-    adv_BxS = broadcast_to_tokens(adv_out.advantages, batch.traj_index_BxS, mask_BxS)
-    weight_BxS = aggregation_weights(mask_BxS, batch.traj_index_BxS, batch.num_trajectories, cfg,
-                                     mini_batches)
     behavior_BxS = batch.old_logprobs_BxS * mask_BxS
     if cfg.recompute_old_logprobs:
         old_BxS = jax.lax.stop_gradient(learner_old_logprobs_BxS) * mask_BxS
-        if cfg.tis_cap is not None:
-            tis_BxS = jnp.minimum(jnp.exp(old_BxS - behavior_BxS), cfg.tis_cap)
-        else:
-            tis_BxS = jnp.ones_like(mask_BxS)
+        # Over the whole batch, before the split: a trajectory's sums are always complete.
+        tis_BxS, mask_BxS, rollout = rc.rollout_correction(
+            old_BxS, behavior_BxS, mask_BxS, cfg, traj_index_BxS=traj, num_trajectories=T)
     else:
-        old_BxS, tis_BxS = behavior_BxS, jnp.ones_like(mask_BxS)
+        old_BxS, tis_BxS, rollout = behavior_BxS, jnp.ones_like(mask_BxS), rc.zero_metrics()
+    # Rejected tokens leave the mask before the broadcast and the denominators (as in verl).
+    adv_BxS = broadcast_to_tokens(adv_out.advantages, traj, mask_BxS)
+    weight_BxS = aggregation_weights(mask_BxS, traj, T, cfg, mini_batches)
+    pg_agg = objectives.policy_aggregation(cfg)
+    pg_weight_BxS = (None if pg_agg == cfg.aggregation else
+                     aggregation_weights(mask_BxS, traj, T, cfg, mini_batches, aggregation=pg_agg))
     ref_BxS = (jnp.zeros_like(mask_BxS) if ref_logprobs_BxS is None
                else jax.lax.stop_gradient(ref_logprobs_BxS) * mask_BxS)
     inputs = LossInputs(adv_BxS=adv_BxS, mask_BxS=mask_BxS, weight_BxS=weight_BxS,
-                        old_logprobs_BxS=old_BxS, tis_weight_BxS=jax.lax.stop_gradient(tis_BxS),
-                        ref_logprobs_BxS=ref_BxS)
-    return inputs, adv_out
+                        old_logprobs_BxS=old_BxS * mask_BxS,
+                        tis_weight_BxS=jax.lax.stop_gradient(tis_BxS), ref_logprobs_BxS=ref_BxS,
+                        pg_weight_BxS=pg_weight_BxS,
+                        traj_index_BxS=traj if cfg.policy_loss == "gspo" else None,
+                        num_trajectories=T if cfg.policy_loss == "gspo" else 0)
+    return Prepared(inputs=inputs, adv=adv_out, rollout=rollout)
+
+
+def prepare(batch: Batch, cfg: LossConfig, **kwargs) -> tuple[LossInputs, AdvantageOutput]:
+    """`prepare_batch` without the rollout-correction metrics: (LossInputs, AdvantageOutput)."""
+    p = prepare_batch(batch, cfg, **kwargs)
+    return p.inputs, p.adv
 
 
 def kl_penalty(logprobs_BxS: jax.Array, ref_logprobs_BxS: jax.Array, estimator: str) -> jax.Array:
@@ -239,45 +280,40 @@ def kl_penalty(logprobs_BxS: jax.Array, ref_logprobs_BxS: jax.Array, estimator: 
     raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
-def pg_loss(logprobs_BxS: jax.Array, entropy_BxS: jax.Array, inputs: LossInputs,
-            cfg: LossConfig) -> tuple[jax.Array, LossAux]:
-    """Clipped surrogate of one micro-batch as a weighted sum (see module docstring).
+def pg_loss(logprobs_BxS, entropy_BxS, inputs: LossInputs, cfg: LossConfig):
+    """The objective of one micro-batch as a weighted sum (see module docstring).
 
     Args:
       logprobs_BxS: current policy log-probs of the tokens (differentiable).
-      entropy_BxS: current policy entropy per position (metric only).
+      entropy_BxS: current policy entropy per position (differentiable; a metric unless
+        `cfg.entropy_coef > 0`).
       inputs: this micro-batch's rows of `prepare`'s LossInputs.
       cfg: loss settings.
     Returns:
-      (loss, LossAux) with loss = sum_t w_t [pg_t + kl_coef * kl_t].
+      (loss, LossAux) with loss = sum_t pw_t w^IS_t pg_t + sum_t w_t [kl_coef kl_t - entropy_coef H_t]
+      (pw = w except for GSPO, whose policy term is seq-mean-token-mean).
     """
-    mask, adv, w = inputs.mask_BxS, inputs.adv_BxS, inputs.weight_BxS
-    # Zero the log-ratio off the mask, so garbage there can never overflow exp.
-    log_ratio = (logprobs_BxS - inputs.old_logprobs_BxS) * mask
-    ratio = jnp.exp(log_ratio)
-    surr = -adv * ratio
-    surr_clipped = -adv * jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-    pg = jnp.maximum(surr, surr_clipped)
-    dual_held = jnp.zeros_like(mask)
-    if cfg.dual_clip is not None:
-        bound = -adv * cfg.dual_clip
-        dual_held = ((adv < 0) & (pg > bound)).astype(jnp.float32) * mask
-        pg = jnp.where(adv < 0, jnp.minimum(pg, bound), pg)
-    pg = pg * inputs.tis_weight_BxS
-    pg_sum = jnp.sum(pg * w)
+    mask, w = inputs.mask_BxS, inputs.weight_BxS
+    seq = {} if inputs.traj_index_BxS is None else dict(
+        traj_index_BxS=inputs.traj_index_BxS, num_trajectories=inputs.num_trajectories)
+    terms = objectives.token_terms(logprobs_BxS, inputs.old_logprobs_BxS, inputs.adv_BxS, mask,
+                                   cfg, **seq)
+    pw = w if inputs.pg_weight_BxS is None else inputs.pg_weight_BxS
+    pg_sum = jnp.sum(terms.pg_BxS * inputs.tis_weight_BxS * pw)
     if cfg.kl_coef > 0:
         kl = kl_penalty(logprobs_BxS, inputs.ref_logprobs_BxS, cfg.kl_estimator) * mask
         kl_sum = jnp.sum(kl * w)
     else:
         kl_sum = jnp.zeros((), jnp.float32)
-    loss = pg_sum + cfg.kl_coef * kl_sum
     sg = jax.lax.stop_gradient
-    ratio_sg, adv_sg = sg(ratio), sg(adv)
+    ent = entropy_BxS if cfg.entropy_coef > 0 else sg(entropy_BxS)
+    ent_sum = jnp.sum(mask * ent * w)
+    loss = pg_sum + cfg.kl_coef * kl_sum - cfg.entropy_coef * ent_sum
+    lr = terms.log_ratio_BxS
     aux = LossAux(
         loss=loss, pg_loss=pg_sum, kl_loss=kl_sum, tokens=jnp.sum(mask),
-        clip_low_count=jnp.sum(mask * ((adv_sg < 0) & (ratio_sg < 1.0 - cfg.clip_low))),
-        clip_high_count=jnp.sum(mask * ((adv_sg > 0) & (ratio_sg > 1.0 + cfg.clip_high))),
-        dual_clip_count=jnp.sum(sg(dual_held)),
-        approx_kl_sum=jnp.sum(mask * (jnp.expm1(sg(log_ratio)) - sg(log_ratio))),
-        entropy_sum=jnp.sum(mask * sg(entropy_BxS)))
+        clip_low_count=jnp.sum(terms.clip_low_BxS), clip_high_count=jnp.sum(terms.clip_high_BxS),
+        dual_clip_count=jnp.sum(terms.dual_BxS),
+        approx_kl_sum=jnp.sum(mask * (jnp.expm1(lr) - lr)),
+        entropy_sum=jnp.sum(mask * sg(entropy_BxS)), entropy_loss=sg(ent_sum))
     return loss, aux

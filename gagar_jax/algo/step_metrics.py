@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from gagar_jax.algo import loss as loss_lib
 from gagar_jax.algo.advantage import AdvantageOutput
+from gagar_jax.algo.rollout_correction import RolloutCorrMetrics, zero_metrics
 from gagar_jax.batch import Batch
 
 
@@ -52,6 +53,9 @@ class StepMetrics:
     Loss terms and grad_norm average over the step's optimizer updates; clip fractions, approx_kl
     (k3 of KL(old || current)) and entropy are per trained token over all updates; learning_rate
     is the last update's. Credits sum over groups; lam_mean / lam_max are over mixed groups.
+    entropy_loss is the aggregated entropy (the bonus before entropy_coef), mean over updates;
+    `rollout` the learner-vs-rollout diagnostics of the batch (rollout_correction.py; zeros and
+    IS weight 1 without recompute_old_logprobs), written as `rollout/<name>`.
     """
     loss: jax.Array
     pg_loss: jax.Array
@@ -63,6 +67,7 @@ class StepMetrics:
     dual_clip_frac: jax.Array
     approx_kl: jax.Array
     entropy: jax.Array
+    entropy_loss: jax.Array
     grad_norm: jax.Array
     learning_rate: jax.Array
     tokens: jax.Array
@@ -80,11 +85,13 @@ class StepMetrics:
     updates: jax.Array
     skipped: jax.Array
     expert_load_LxE: jax.Array
+    rollout: RolloutCorrMetrics
     audit: GroupAudit
 
 
 def step_metrics(batch: Batch, inputs: loss_lib.LossInputs, adv: AdvantageOutput,
-                 stats: UpdateStats, load_LxE: jax.Array) -> StepMetrics:
+                 stats: UpdateStats, load_LxE: jax.Array,
+                 rollout: RolloutCorrMetrics | None = None) -> StepMetrics:
     """Reduces the per-update stats [epochs, mini_batches] and the advantage output to metrics."""
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     a = stats.aux
@@ -99,7 +106,8 @@ def step_metrics(batch: Batch, inputs: loss_lib.LossInputs, adv: AdvantageOutput
         aux_loss=jnp.mean(stats.router.aux_loss), z_loss=jnp.mean(stats.router.z_loss),
         clip_frac_low=jnp.sum(a.clip_low_count) / tok, clip_frac_high=jnp.sum(a.clip_high_count) / tok,
         dual_clip_frac=jnp.sum(a.dual_clip_count) / tok, approx_kl=jnp.sum(a.approx_kl_sum) / tok,
-        entropy=jnp.sum(a.entropy_sum) / tok, grad_norm=jnp.mean(stats.grad_norm),
+        entropy=jnp.sum(a.entropy_sum) / tok, entropy_loss=jnp.mean(a.entropy_loss),
+        grad_norm=jnp.mean(stats.grad_norm),
         learning_rate=stats.learning_rate.reshape(-1)[-1],
         tokens=jnp.sum(inputs.mask_BxS), trajectories=f32(jnp.sum(batch.valid_T)),
         groups=f32(jnp.sum(adv.num_valid > 0)), mixed_groups=f32(n_mixed),
@@ -110,5 +118,6 @@ def step_metrics(batch: Batch, inputs: loss_lib.LossInputs, adv: AdvantageOutput
         neg_credit=jnp.sum(adv.neg_credit),
         mean_response_len=jnp.sum(tokens_T) / jnp.maximum(jnp.sum(tokens_T > 0), 1),
         updates=f32(jnp.sum(finite)), skipped=f32(jnp.sum(1 - finite)), expert_load_LxE=load_LxE,
+        rollout=zero_metrics() if rollout is None else rollout,
         audit=GroupAudit(lam_G=adv.lam, capped_G=adv.capped, fallback_G=adv.fallback, mixed_G=mixed,
                          advantages_T=adv.advantages, outcome_advantages_T=adv.outcome_advantages))

@@ -201,14 +201,32 @@ def _logprobs(graphdef: nnx.GraphDef, params: nnx.State, bias: nnx.State, tok: T
                           tok.routed_experts_BxSxLxK)
 
 
-def _forward_only(graphdef: nnx.GraphDef, params: nnx.State, bias: nnx.State, tok_MxU: TokenInputs):
-    """Log-probs of the whole batch, chunked like the micro-batches (no gradient)."""
-    def body(_: None, t: TokenInputs):
-        return None, _logprobs(graphdef, params, bias, t)[0]
+def _forward_only(graphdef, params, bias, tok_MxU: TokenInputs, routes: bool = False):
+    """Log-probs of the whole batch, chunked like the micro-batches (no gradient).
+
+    With `routes`, also the experts every token used, [M, U, b, S, L, K] like `tok_MxU` (R2)."""
+    def body(_, t):
+        lp, _, aux = _logprobs(graphdef, params, bias, t)
+        return None, (lp, aux.routed_experts_BxSxLxK if routes else None)
     flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tok_MxU)
-    _, lp = jax.lax.scan(body, None, flat)
-    lp = lp.reshape(tok_MxU.tokens_BxS.shape)
-    return jax.lax.stop_gradient(loss_lib.merge_rows(lp))
+    _, (lp, ids) = jax.lax.scan(body, None, flat)
+    lp = jax.lax.stop_gradient(loss_lib.merge_rows(lp.reshape(tok_MxU.tokens_BxS.shape)))
+    if not routes:
+        return lp
+    return lp, ids.reshape(tok_MxU.tokens_BxS.shape + ids.shape[-2:])
+
+
+def replay_inputs(graphdef, params, bias, tok_MxU: TokenInputs, cfg: StepConfig):
+    """(learner_old or None, TokenInputs for the updates): R2 records the pre-update pass's own
+    top-k and replays it in every update (the feed's routed_experts are dropped); R3 replays the
+    feed's routed_experts where the batch has them."""
+    if not cfg.loss.recompute_old_logprobs:
+        return None, tok_MxU
+    if cfg.loss.routing_replay == "r2" and cfg.model.num_experts > 0:
+        free = tok_MxU.replace(routed_experts_BxSxLxK=None)
+        lp, ids = _forward_only(graphdef, params, bias, free, routes=True)
+        return lp, free.replace(routed_experts_BxSxLxK=ids)
+    return _forward_only(graphdef, params, bias, tok_MxU), tok_MxU
 
 
 def mini_batch_grads(params: nnx.State, bias: nnx.State, tok_U: TokenInputs,
@@ -275,15 +293,17 @@ def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef,
     n_mini, n_micro = cfg.mini_batches, cfg.micro_batches
     split = lambda tree: jax.tree.map(lambda x: loss_lib.split_rows(x, n_mini, n_micro), tree)  # noqa: E731
     tok_MxU = split(TokenInputs.from_batch(batch))
-    learner_old = ref = None
-    if cfg.loss.recompute_old_logprobs:
-        learner_old = _forward_only(graphdef, state.params, state.router_bias, tok_MxU)
+    ref = None
     if cfg.loss.kl_coef > 0:
-        # The reference routes with its own frozen bias, not the live one.
-        ref = _forward_only(graphdef, state.ref_params, state.ref_router_bias, tok_MxU)
-    # Advantages and denominators: once per batch, before the loops.
-    inputs, adv = loss_lib.prepare(batch, cfg.loss, mini_batches=n_mini,
-                            learner_old_logprobs_BxS=learner_old, ref_logprobs_BxS=ref)
+        # The reference routes with its own frozen bias, not the live one (under R2 freely).
+        ref_tok = (tok_MxU.replace(routed_experts_BxSxLxK=None)
+                   if cfg.loss.routing_replay == "r2" else tok_MxU)
+        ref = _forward_only(graphdef, state.ref_params, state.ref_router_bias, ref_tok)
+    learner_old, tok_MxU = replay_inputs(graphdef, state.params, state.router_bias, tok_MxU, cfg)
+    # Advantages, denominators and the rollout correction: once per batch, before the loops.
+    prep = loss_lib.prepare_batch(batch, cfg.loss, mini_batches=n_mini,
+                                  learner_old_logprobs_BxS=learner_old, ref_logprobs_BxS=ref)
+    inputs, adv = prep.inputs, prep.adv
     if cfg.debug_checks:
         check_invariants_of(adv, GroupOutcomes.of_batch(batch), lam_cap=cfg.loss.lam_cap,
                             mode=cfg.loss.mode)
@@ -306,7 +326,7 @@ def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef,
         bias = nnx.state(model, RouterBias)
     new_state = state.replace(step=state.step + 1, updates=updates, skipped=skipped,
                               params=params, opt_state=opt_state, router_bias=bias)
-    return new_state, step_metrics(batch, inputs, adv, stats, load_LxE)
+    return new_state, step_metrics(batch, inputs, adv, stats, load_LxE, prep.rollout)
 
 
 def make_train_step(cfg: StepConfig, mesh: jax.sharding.Mesh, state_shardings_: TrainState,
