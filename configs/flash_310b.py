@@ -39,6 +39,11 @@ def get_config() -> ml_collections.ConfigDict:
     # elsewhere: 9 full + 39 sliding layers.
     m.layer_types = tuple("full" if i == 0 or (i + 1) % 6 == 0 else "sliding" for i in range(48))
     m.sliding_window = 129            # a query sees 128 previous tokens and itself
+    # ... which is how transformers 5.24 / the SGLang reference read the Hub checkpoint's
+    # sliding_window_size=128; vLLM 0.32 reads it as 128 keys counting the query. This config
+    # keeps the former meaning (W=129, init_from the Hub checkpoint); to train for vLLM
+    # rollouts set sliding_window=128 and sliding_window_convention="vllm" (docs/model.md).
+    m.sliding_window_convention = "transformers"
     m.num_heads = 64
     m.num_kv_heads = 4                # full layers
     m.sliding_num_kv_heads = 8        # sliding layers: twice the KV heads

@@ -41,6 +41,7 @@ def get_config() -> ml_collections.ConfigDict:
     # MiMo-V2-Flash family features (docs/model.md); these defaults are the Qwen3-MoE layout.
     m.layer_types = ()              # per layer "full" | "sliding"; () = all full
     m.sliding_window = 0            # sliding layers: a query sees W keys counting itself
+    m.sliding_window_convention = "vllm"  # Hub sliding_window_size N = W (vllm) | W - 1 (transformers)
     m.sliding_num_kv_heads = 0      # KV heads of sliding layers (0 = num_kv_heads)
     m.attention_sinks = False       # per-head sink logit on sliding layers
     m.v_head_dim = 0                # value head width (0 = head_dim)

@@ -85,7 +85,8 @@ def hf_dir(torch_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(hf_dir, torch_model):
-    model, cfg = hf.from_pretrained(hf_dir, **FAST)
+    # transformers wrote it: publish it back the way transformers reads it (docs/model.md)
+    model, cfg = hf.from_pretrained(hf_dir, sliding_window_convention="transformers", **FAST)
     return model, cfg, _torch_logits(torch_model), _our_logits(model)
 
 
@@ -324,3 +325,80 @@ def test_init_from_refuses_a_checkpoint_of_another_router(tmp_path):
         cfg.model.router = "sigmoid_bias"
     with pytest.raises(ConfigError, match="does not match.*router='softmax'"):
         train._load_hf_params(str(tmp_path), StepConfig.from_config(cfg), None, None)
+
+
+# ----------------------------------------------------------------------------- engines' keys
+HUB_KEYS = ("hybrid_layer_pattern", "moe_layer_freq", "swa_num_attention_heads",
+            "swa_num_key_value_heads", "swa_head_dim", "swa_v_head_dim", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "v_head_dim", "sliding_window_size",
+            "layernorm_epsilon", "add_swa_attention_sink_bias", "add_full_attention_sink_bias",
+            "rope_theta", "swa_rope_theta", "partial_rotary_factor", "attention_value_scale",
+            "routed_scaling_factor", "n_group", "topk_group", "n_routed_experts",
+            "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "attention_bias",
+            "hidden_act", "max_position_embeddings")
+
+
+def test_published_config_carries_the_hub_keys_engines_read(loaded, tmp_path):
+    model, cfg, _, _ = loaded
+    hf.save_pretrained(model, str(tmp_path))
+    c = json.loads((tmp_path / "config.json").read_text())
+    assert not [k for k in HUB_KEYS if k not in c]
+    assert c["hybrid_layer_pattern"] == [0, 1, 1, 0, 1, 1, 0]
+    assert c["moe_layer_freq"] == [0, 1, 1, 1, 1, 1, 1]
+    assert (c["swa_num_attention_heads"], c["swa_num_key_value_heads"], c["num_key_value_heads"]) == (4, 2, 1)
+    assert (c["swa_head_dim"], c["swa_v_head_dim"], c["head_dim"], c["v_head_dim"]) == (12, 8, 12, 8)
+    assert (c["rope_theta"], c["swa_rope_theta"], c["partial_rotary_factor"]) == (1000.0, 50.0, 0.334)
+    assert c["add_swa_attention_sink_bias"] is True and c["layernorm_epsilon"] == 1e-5
+    # the Hub dialect alone (what vLLM reads) gives the same model
+    hub_only = {k: v for k, v in c.items() if k not in (
+        "layer_types", "mlp_layer_types", "rope_parameters", "rms_norm_eps", "sliding_window")}
+    assert hf.config_from_hf(hub_only) == hf.config_from_hf(c) == dataclasses.replace(
+        cfg, param_dtype="float32", compute_dtype="float32", expert_backend="auto", attention="auto")
+
+
+@pytest.mark.parametrize("convention", ["vllm", "transformers"])
+def test_window_convention_round_trips_and_matches_transformers(loaded, torch_model, tmp_path, caplog,
+                                                                 convention):
+    """W=3 < S: each convention publishes sliding_window_size so that its engine sees W."""
+    model, _, want, ours = loaded
+    m = _ablate(model, sliding_window_convention=convention)
+    with caplog.at_level("WARNING"):
+        hf.save_pretrained(m, str(tmp_path))
+    c = json.loads((tmp_path / "config.json").read_text())
+    assert c["sliding_window"] == 3 and c["gagar_sliding_window_convention"] == convention
+    assert c["sliding_window_size"] == {"vllm": 3, "transformers": 2}[convention]
+    other = {"vllm": "transformers 5.24 reads it as W=4", "transformers": "vLLM 0.32 reads it as W=2"}
+    assert other[convention] in caplog.text
+    again, cfg = hf.from_pretrained(str(tmp_path), **FAST)  # the file's convention is kept
+    assert (cfg.sliding_window, cfg.sliding_window_convention) == (3, convention)
+    assert _rel(_our_logits(again), ours) <= 1e-6
+    tf = MiMoV2FlashForCausalLM.from_pretrained(str(tmp_path)).eval()
+    if convention == "transformers":  # transformers sees the learner's window
+        assert tf.config.sliding_window == 3 and _rel(_torch_logits(tf), want) <= 1e-5
+    else:  # transformers sees one key more; told the window, it matches
+        assert tf.config.sliding_window == 4 and _rel(_torch_logits(tf), want) > 1e-3
+        told = MiMoV2FlashConfig.from_pretrained(str(tmp_path))
+        told.sliding_window = 3
+        tf = MiMoV2FlashForCausalLM.from_pretrained(str(tmp_path), config=told).eval()
+        assert _rel(_torch_logits(tf), want) <= 1e-5
+    # the other reading of the same file: one key more or less
+    _, flipped = hf.from_pretrained(str(tmp_path), sliding_window_convention=(
+        "transformers" if convention == "vllm" else "vllm"), **FAST)
+    assert flipped.sliding_window == {"vllm": 4, "transformers": 2}[convention]
+
+
+def test_hub_checkpoint_window_and_configs_keep_their_meaning():
+    from gagar_jax.config import load_config_file
+    from gagar_jax.hf.config_json import window_of
+    from gagar_jax.model.transformer import ModelConfig
+    assert window_of({"sliding_window_size": 128}, "vllm") == 128
+    assert window_of({"sliding_window_size": 128}, "transformers") == 129
+    assert window_of({"sliding_window": 7}, "vllm") == window_of({"sliding_window": 7}, "transformers") == 7
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flash = ModelConfig.from_config(load_config_file(os.path.join(root, "configs", "flash_310b.py")).model)
+    assert (flash.sliding_window, flash.sliding_window_convention) == (129, "transformers")
+    assert hf.config_to_hf(flash)["sliding_window_size"] == 128  # the Hub checkpoint's value
+    tiny = ModelConfig.from_config(load_config_file(os.path.join(root, "configs", "tiny_mimo.py")).model)
+    assert (tiny.sliding_window, hf.config_to_hf(tiny)["sliding_window_size"]) == (32, 32)
+    with pytest.raises(ValueError, match="sliding_window_convention"):
+        dataclasses.replace(tiny, sliding_window_convention="sglang")

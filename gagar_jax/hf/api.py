@@ -19,6 +19,7 @@ so every process writes a disjoint share. Paths may be local or object-store (`e
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 
 import jax
@@ -32,7 +33,7 @@ from gagar_jax.distributed import barrier, is_primary
 from gagar_jax.hf import families as hf_families
 from gagar_jax.hf import load as hf_load
 from gagar_jax.hf import save as hf_save
-from gagar_jax.hf.config_json import config_from_hf, config_to_hf  # noqa: F401  (public API)
+from gagar_jax.hf.config_json import config_from_hf, config_to_hf, engine_warnings  # noqa: F401
 from gagar_jax.hf.safetensors import (  # noqa: F401
     INDEX_FILE,
     ST_DTYPES,
@@ -42,6 +43,8 @@ from gagar_jax.hf.safetensors import (  # noqa: F401
 )
 from gagar_jax.hf.save import SAVE_DTYPES  # noqa: F401  (public API)
 from gagar_jax.model.transformer import ModelConfig, Transformer
+
+log = logging.getLogger(__name__)
 
 
 def _reader(path: epath.PathLike, block: tuple | None = None) -> Callable[[str], np.ndarray]:
@@ -119,6 +122,9 @@ def save_pretrained(model: Transformer, path: epath.PathLike, max_shard_bytes: i
         written too, in `dtype`.
     """
     config = config_to_hf(model.cfg, dtype)
+    if is_primary():
+        for line in engine_warnings(model.cfg):
+            log.warning("published %s differs in an engine: %s", path, line)
     leaves = model_leaves(model)
     plan = hf_save.plan_save(leaves, model.cfg, jax.process_count(), dtype,
                              carried_shapes(carry_from) if carry_from else None, max_shard_bytes)

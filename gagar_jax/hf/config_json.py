@@ -3,12 +3,17 @@
 Qwen3-MoE: both the layout current transformers writes (`num_local_experts`, `rope_parameters`)
 and the one published with Hub checkpoints (`num_experts`, `rope_theta`).
 MiMo-V2-Flash: transformers' `MiMoV2FlashConfig` (absent keys take its defaults, `MIMO_DEFAULTS`),
-including the Hub's `sliding_window_size` (= sliding_window - 1) and null `routed_scaling_factor`.
+and the Hub checkpoint's (what vLLM and SGLang read: `hybrid_layer_pattern`, `swa_*`,
+`sliding_window_size`, ...; null `routed_scaling_factor`). Writing gives both sets of keys, so
+transformers and vLLM load one directory. How `sliding_window_size` maps to the window is
+`ModelConfig.sliding_window_convention` (`window_of`, `hub_window_size`; docs/model.md).
 """
 from __future__ import annotations
 
 from gagar_jax.hf import families as hf_families
-from gagar_jax.model.transformer import ModelConfig
+from gagar_jax.model.transformer import SLIDING_WINDOW_CONVENTIONS, ModelConfig
+
+CONVENTION_KEY = "gagar_sliding_window_convention"  # written by publishing, read on load
 
 # transformers 5.24 MiMoV2FlashConfig defaults (read from its configuration file).
 MIMO_DEFAULTS = dict(
@@ -68,16 +73,55 @@ def _qwen3_from_hf(hf: dict) -> dict:
         hf_family="qwen3_moe")
 
 
-def _mimo_from_hf(hf: dict) -> dict:
+def _hub_pattern(hf: dict, key: str, n: int) -> list | None:
+    """A Hub per-layer 0/1 list (`hybrid_layer_pattern`, `moe_layer_freq`), None if absent."""
+    v = hf.get(key)
+    if v is None:
+        return None
+    if isinstance(v, int):  # vLLM reads an int moe_layer_freq as "no MoE layer"
+        v = [0] * n
+    if len(v) != n or set(v) - {0, 1}:
+        raise ValueError(f"config.json {key} must list {n} zeros and ones, got {v}")
+    return list(v)
+
+
+def window_of(hf: dict, convention: str) -> int:
+    """W (keys a query sees counting itself) of a MiMo config.json under `convention`.
+
+    `sliding_window_size` (Hub, the key vLLM and SGLang read) N gives W = N under "vllm" and
+    N + 1 under "transformers"; without it, transformers' own `sliding_window` is W.
+    """
+    if convention not in SLIDING_WINDOW_CONVENTIONS:
+        raise ValueError(f"sliding_window_convention must be one of {SLIDING_WINDOW_CONVENTIONS}, "
+                         f"got {convention!r}")
+    if hf.get("sliding_window_size") is not None:
+        return int(hf["sliding_window_size"]) + (1 if convention == "transformers" else 0)
+    return int(hf.get("sliding_window") or MIMO_DEFAULTS["sliding_window"])
+
+
+def _mimo_from_hf(hf: dict, convention: str = "vllm") -> dict:
+    """Both dialects: transformers' keys where present, else the Hub's (what vLLM reads)."""
     h = {**MIMO_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
     n = h["num_hidden_layers"]
-    types = hf.get("layer_types") or ["full_attention" if i == 0 or (i + 1) % 6 == 0
-                                      else "sliding_attention" for i in range(n)]
+    hybrid = _hub_pattern(hf, "hybrid_layer_pattern", n)
+    types = hf.get("layer_types") or (
+        ["sliding_attention" if b else "full_attention" for b in hybrid] if hybrid is not None else
+        ["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)])
     bad = sorted(set(types) - set(_TYPES))
     if bad or len(types) != n:
         raise ValueError(f"config.json layer_types must list {n} of {sorted(_TYPES)}, got {types}")
-    mlp_types = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
-    rope = hf.get("rope_parameters") or MIMO_ROPE_DEFAULTS
+    moe_freq = _hub_pattern(hf, "moe_layer_freq", n)
+    mlp_types = hf.get("mlp_layer_types") or (
+        ["sparse" if b else "dense" for b in moe_freq] if moe_freq is not None else
+        ["dense"] + ["sparse"] * (n - 1))
+    rope = hf.get("rope_parameters")
+    if not rope and hf.get("rope_theta") is not None:  # Hub dialect: flat rope keys
+        f = float(hf.get("partial_rotary_factor", 1.0))  # vLLM's default
+        rope = {"full_attention": {"rope_type": "default", "rope_theta": hf["rope_theta"],
+                                   "partial_rotary_factor": f},
+                "sliding_attention": {"rope_type": "default", "partial_rotary_factor": f,
+                                      "rope_theta": hf.get("swa_rope_theta", hf["rope_theta"])}}
+    rope = rope or MIMO_ROPE_DEFAULTS
     for t in set(types):
         r = rope.get(t) or {}
         if (r.get("rope_type") or "default") != "default":
@@ -86,15 +130,22 @@ def _mimo_from_hf(hf: dict) -> dict:
     if len(factors) != 1:
         raise ValueError(f"full and sliding layers with different partial_rotary_factor {factors} "
                          "are not supported")
-    window = h["sliding_window"]
-    if hf.get("sliding_window_size") is not None:  # SGLang's convention: keys before the query
-        window = hf["sliding_window_size"] + 1
     has_sliding = "sliding_attention" in types
+    kv = h["num_key_value_heads"]
+    swa_kv = h.get("swa_num_key_value_heads", 2 * kv)  # transformers: twice, hard-coded
+    for key, full in (("swa_num_attention_heads", "num_attention_heads"), ("swa_head_dim", "head_dim"),
+                      ("swa_v_head_dim", "v_head_dim")):
+        if has_sliding and h.get(key) is not None and h[key] != h[full]:
+            raise ValueError(f"config.json {key}={h[key]} != {full}={h[full]} is not supported")
+    if has_sliding and hf.get("add_swa_attention_sink_bias") is False:
+        raise ValueError("config.json add_swa_attention_sink_bias=false is not supported "
+                         "(every MiMo sliding layer has sinks)")
     theta = lambda t: float((rope.get(t) or MIMO_ROPE_DEFAULTS[t])["rope_theta"])  # noqa: E731
+    eps = hf.get("rms_norm_eps", hf.get("layernorm_epsilon", MIMO_DEFAULTS["rms_norm_eps"]))
     return dict(
         vocab_size=h["vocab_size"], hidden_size=h["hidden_size"], num_layers=n,
-        num_heads=h["num_attention_heads"], num_kv_heads=h["num_key_value_heads"],
-        sliding_num_kv_heads=2 * h["num_key_value_heads"] if has_sliding else 0,
+        num_heads=h["num_attention_heads"], num_kv_heads=kv,
+        sliding_num_kv_heads=swa_kv if has_sliding else 0,
         head_dim=h["head_dim"], v_head_dim=h["v_head_dim"],
         moe_intermediate_size=h["moe_intermediate_size"], intermediate_size=h["intermediate_size"],
         num_dense_layers=_dense_prefix([t == "sparse" for t in mlp_types], "mlp_layer_types"),
@@ -102,23 +153,34 @@ def _mimo_from_hf(hf: dict) -> dict:
         top_k=h["num_experts_per_tok"], norm_topk_prob=bool(h["norm_topk_prob"]),
         router="sigmoid_bias", n_group=h["n_group"], topk_group=h["topk_group"],
         routed_scaling_factor=float(h["routed_scaling_factor"]),
-        layer_types=tuple(_TYPES[t] for t in types), sliding_window=window if has_sliding else 0,
+        layer_types=tuple(_TYPES[t] for t in types),
+        sliding_window=window_of(hf, convention) if has_sliding else 0,
+        sliding_window_convention=convention,
         attention_sinks=has_sliding, qk_norm=False,
         attention_value_scale=float(h["attention_value_scale"]),
         partial_rotary_factor=factors.pop(), rope_theta=theta("full_attention"),
         sliding_rope_theta=theta("sliding_attention") if has_sliding else 0.0,
-        rms_norm_eps=float(h["rms_norm_eps"]), tie_embeddings=bool(h["tie_word_embeddings"]),
+        rms_norm_eps=float(eps), tie_embeddings=bool(h["tie_word_embeddings"]),
         hf_family="mimo_v2_flash")
 
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    """ModelConfig from a config.json dict; `overrides` set our runtime-only fields."""
+    """ModelConfig from a config.json dict; `overrides` set our runtime-only fields.
+
+    MiMo's `sliding_window_convention` (how `sliding_window_size` maps to the window) is the
+    override's if given, else the file's `gagar_sliding_window_convention` (written by our
+    publishing), else "vllm".
+    """
     model_type = hf.get("model_type", "qwen3_moe")
-    readers = {"qwen3_moe": _qwen3_from_hf, "mimo_v2_flash": _mimo_from_hf}
-    if model_type not in readers:
-        raise ValueError(f"config.json model_type is {model_type!r}, expected one of {sorted(readers)}")
+    if model_type not in ("qwen3_moe", "mimo_v2_flash"):
+        raise ValueError(f"config.json model_type is {model_type!r}, expected one of "
+                         f"['mimo_v2_flash', 'qwen3_moe']")
     _common_checks(hf)
-    kw = readers[model_type](hf)
+    if model_type == "mimo_v2_flash":
+        kw = _mimo_from_hf(hf, overrides.get("sliding_window_convention")
+                           or hf.get(CONVENTION_KEY) or "vllm")
+    else:
+        kw = _qwen3_from_hf(hf)
     kw.update(overrides)
     return ModelConfig(**kw)
 
@@ -136,10 +198,18 @@ def _qwen3_to_hf(cfg: ModelConfig) -> dict:
     }
 
 
+def hub_window_size(cfg: ModelConfig) -> int:
+    """`sliding_window_size` to publish for the learner's window W under its convention."""
+    w = cfg.sliding_window or MIMO_DEFAULTS["sliding_window"]
+    return w - 1 if cfg.sliding_window_convention == "transformers" else w
+
+
 def _mimo_to_hf(cfg: ModelConfig) -> dict:
+    """transformers' keys and, beside them, the Hub checkpoint's (read by vLLM and SGLang)."""
     rope = lambda theta: {"rope_type": "default", "rope_theta": theta,  # noqa: E731
                           "partial_rotary_factor": cfg.partial_rotary_factor}
     types = [cfg.is_sliding(i) for i in range(cfg.num_layers)]
+    swa_theta = cfg.sliding_rope_theta or cfg.rope_theta
     return {
         "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
@@ -152,9 +222,51 @@ def _mimo_to_hf(cfg: ModelConfig) -> dict:
         "sliding_window": cfg.sliding_window or MIMO_DEFAULTS["sliding_window"],
         "attention_value_scale": cfg.attention_value_scale,
         "rope_parameters": {"full_attention": rope(cfg.rope_theta),
-                            "sliding_attention": rope(cfg.sliding_rope_theta or cfg.rope_theta)},
+                            "sliding_attention": rope(swa_theta)},
         "max_position_embeddings": MIMO_DEFAULTS["max_position_embeddings"],
+        # The Hub checkpoint's keys (vLLM 0.32 mimo_v2.py, SGLang); transformers ignores them,
+        # except sliding_window_size, which transformers 5.24 reads as N + 1 (`window_of`).
+        "hybrid_layer_pattern": [int(t) for t in types],
+        "moe_layer_freq": [0] * cfg.num_dense_layers + [1] * cfg.num_moe_layers,
+        "swa_num_attention_heads": cfg.num_heads, "swa_num_key_value_heads": cfg.sliding_kv_heads,
+        "swa_head_dim": cfg.head_dim, "swa_v_head_dim": cfg.value_head_dim,
+        "sliding_window_size": hub_window_size(cfg),
+        CONVENTION_KEY: cfg.sliding_window_convention,
+        "add_swa_attention_sink_bias": bool(cfg.has_sliding and cfg.attention_sinks),
+        "add_full_attention_sink_bias": False,
+        "layernorm_epsilon": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "swa_rope_theta": swa_theta,
+        "partial_rotary_factor": cfg.partial_rotary_factor,
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_shared_experts": None,
+        "moe_router_dtype": "float32",
     }
+
+
+def engine_warnings(cfg: ModelConfig) -> list:
+    """What a published directory of `cfg` makes an engine run differently from the learner
+    (docs/model.md, "vLLM, transformers and this project"); empty when nothing."""
+    if hf_families.resolve_family(cfg) != "mimo_v2_flash":
+        return []
+    out = []
+    if cfg.has_sliding:
+        n, w = hub_window_size(cfg), cfg.sliding_window
+        if cfg.sliding_window_convention == "vllm":
+            out.append(f"sliding window: the learner trains W={w} keys counting the query "
+                       f"(sliding_window_convention='vllm'); vLLM and SGLang read the published "
+                       f"sliding_window_size={n} as W={w}, but transformers 5.24 reads it as "
+                       f"W={n + 1}")
+        else:
+            out.append(f"sliding window: the learner trains W={w} keys counting the query "
+                       f"(sliding_window_convention='transformers'); transformers 5.24 reads the "
+                       f"published sliding_window_size={n} as W={w}, but vLLM 0.32 reads it as "
+                       f"W={n}")
+    if cfg.routed_scaling_factor != 1.0:
+        out.append(f"routed_scaling_factor={cfg.routed_scaling_factor}: vLLM 0.32 mimo_v2 ignores "
+                   "it (runs 1.0)")
+    if cfg.value_head_dim != cfg.head_dim:
+        out.append(f"v_head_dim={cfg.value_head_dim} != head_dim={cfg.head_dim}: vLLM 0.32's CPU "
+                   "build cannot run it (TRITON_ATTN_DIFFKV needs triton)")
+    return out
 
 
 def config_to_hf(cfg: ModelConfig, dtype: str = "") -> dict:

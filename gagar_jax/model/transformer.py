@@ -41,6 +41,9 @@ REMAT_POLICIES = {
 DTYPES = ("float32", "bfloat16")
 
 
+SLIDING_WINDOW_CONVENTIONS = ("vllm", "transformers")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Model architecture and numerics (the `model` section of a config).
@@ -77,6 +80,11 @@ class ModelConfig:
     MiMo-V2-Flash family features (defaults keep the Qwen3-MoE layout; see docs/model.md):
       layer_types: per-layer "full" | "sliding" attention; () = every layer full.
       sliding_window: W of sliding layers: a query sees W keys counting itself (HF semantics).
+      sliding_window_convention: how config.json's Hub key `sliding_window_size` N maps to W, i.e.
+        which engine's reading of a MiMo checkpoint the learner trains with: "vllm" (the
+        default; vLLM 0.32: W = N, the query included) or "transformers" (transformers 5.24 and
+        the SGLang reference: W = N + 1, N keys before the query). It decides what publishing
+        writes (`hf.config_json`); `sliding_window` itself always means W (docs/model.md).
       sliding_num_kv_heads: KV heads of sliding layers (0 = num_kv_heads).
       attention_sinks: sliding layers carry a learned per-head sink logit (softmax denominator).
       v_head_dim: value head width (0 = head_dim); q/k keep head_dim.
@@ -121,6 +129,7 @@ class ModelConfig:
     router_bias_update_rate: float = 1e-3
     layer_types: tuple = ()
     sliding_window: int = 0
+    sliding_window_convention: str = "vllm"
     sliding_num_kv_heads: int = 0
     attention_sinks: bool = False
     v_head_dim: int = 0
@@ -172,6 +181,9 @@ class ModelConfig:
             bad = sorted(set(self.layer_types) - {"full", "sliding"})
             if bad:
                 raise ValueError(f"model.layer_types entries must be 'full' or 'sliding', got {bad}")
+        if self.sliding_window_convention not in SLIDING_WINDOW_CONVENTIONS:
+            raise ValueError(f"model.sliding_window_convention must be one of "
+                             f"{SLIDING_WINDOW_CONVENTIONS}, got {self.sliding_window_convention!r}")
         if self.has_sliding and self.sliding_window < 1:
             raise ValueError("model.sliding_window must be >= 1 when layer_types has sliding layers")
         for name in ("sliding_window", "sliding_num_kv_heads", "v_head_dim"):

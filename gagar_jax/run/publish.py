@@ -218,6 +218,9 @@ class Publisher:
                      self.last_wait_s)
         leaves = hf.model_leaves(model)
         if self._plan is None:
+            if is_primary():  # once per run: what an engine would run differently
+                for line in hf.engine_warnings(model.cfg):
+                    log.warning("published weights differ in an engine: %s", line)
             carried = hf.carried_shapes(self.init_from) if self.init_from else None
             self._plan = hf_save.plan_save(leaves, model.cfg, jax.process_count(), self.dtype,
                                            carried, self.max_shard_bytes)

@@ -136,7 +136,7 @@ def check_hf_dir(path: str, what: str, model_cfg: ModelConfig, feed_cfg: FeedCon
     """
     hf = read_hf_config(path, what)
     try:
-        ckpt = config_from_hf(hf)
+        ckpt = config_from_hf(hf, sliding_window_convention=model_cfg.sliding_window_convention)
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{what}: {path}/config.json: {e}") from None
     differ = [f for f in ARCHITECTURE_FIELDS if getattr(ckpt, f) != getattr(model_cfg, f)]

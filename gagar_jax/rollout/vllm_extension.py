@@ -1,0 +1,135 @@
+"""vLLM worker extension: in-place policy reload from `<workdir>/published/latest`, routing capture.
+
+    llm = LLM(model=first_published_dir, worker_extension_cls=
+              "gagar_jax.rollout.vllm_extension.GagarWorkerExtension", ...)
+    info = reload_latest(llm, workdir)          # every worker reloads, then the prefix cache resets
+    llm.collective_rpc("gagar_capture_routes", args=(True,))
+    ... llm.generate(...) ...
+    routes = llm.collective_rpc("gagar_pop_routes")[0]
+
+The module imports neither JAX nor any gagar_jax module that does, and vLLM only inside methods
+(the learner's venv has no vLLM). Tested by hand on vLLM 0.32 (CPU build): after a reload the
+engine equals a fresh load of the same directory bit for bit (docs/rollout.md).
+
+What the reload fixes beside vLLM's own `reload_weights` (both found on vLLM 0.32 CPU):
+  - fused experts are re-packed (`process_weights_after_loading` of each experts module's
+    kernel): the layerwise reload skips the CPU prepack on a weight update;
+  - every checkpoint tensor that is a model parameter under the same name and shape and still
+    differs after the reload is copied in place (MiMo's `attention_sink_bias`, which mimo_v2's
+    loader writes past the reload machinery).
+The caller must then reset the prefix cache (`reset_prefix_cache`; `reload_latest` does): KV
+cached under the old weights would otherwise be reused.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from gagar_jax.rollout.pointer import read_latest
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(path: str) -> list:
+    """The safetensors files of a published directory (sharded with an index, or one file)."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            return [os.path.join(path, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+    return [os.path.join(path, "model.safetensors")]
+
+
+def _expert_modules(model):
+    """Modules holding packed fused experts (vLLM's RoutedExperts: w13_weight + a kernel)."""
+    out = []
+    for name, mod in model.named_modules():
+        kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
+        fused = getattr(kernel, "fused_experts", None)
+        if hasattr(mod, "w13_weight") and hasattr(fused, "process_weights_after_loading"):
+            out.append((name, mod, fused))
+    return out
+
+
+def _routers(model):
+    """(name, router) of every experts runner whose router takes a capture hook (MoERunner)."""
+    return [(name, mod.router) for name, mod in model.named_modules()
+            if hasattr(getattr(mod, "router", None), "set_capture_fn")]
+
+
+class GagarWorkerExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`); call with `llm.collective_rpc(name)`.
+
+    Method names start with `gagar_` so they cannot clash with the worker's own.
+    """
+
+    def gagar_reload_latest(self, workdir: str) -> dict:
+        """Reloads the weights `<workdir>/published/latest` names; the pointer plus counts."""
+        ptr = read_latest(workdir)
+        if ptr is None:
+            raise FileNotFoundError(f"nothing published under {workdir}")
+        return {**ptr, **self.gagar_reload_from(ptr["path"])}
+
+    def gagar_reload_from(self, path: str) -> dict:
+        """Reloads a published directory in place (same architecture as the loaded one)."""
+        import torch
+        from safetensors.torch import load_file
+
+        model = self.model_runner.model
+        tensors = {}
+        for f in checkpoint_files(path):
+            tensors.update(load_file(f))
+        self.model_runner.reload_weights(weights_iterator=iter(tensors.items()),
+                                         is_checkpoint_format=True)
+        repacked = []
+        for name, mod, fused in _expert_modules(model):
+            fused.process_weights_after_loading(mod)
+            repacked.append(name)
+        params = dict(model.named_parameters())
+        copied = []
+        with torch.no_grad():
+            for name, w in tensors.items():
+                p = params.get(name)
+                if p is None or tuple(p.shape) != tuple(w.shape):
+                    continue
+                w = w.to(p.dtype)
+                if not torch.equal(p.data, w):
+                    p.data.copy_(w)
+                    copied.append(name)
+        self._gagar_loaded = path
+        return {"tensors": len(tensors), "repacked": len(repacked), "copied": copied}
+
+    def gagar_loaded(self) -> str:
+        """The directory the last gagar reload read ("" before any)."""
+        return getattr(self, "_gagar_loaded", "")
+
+    def gagar_capture_routes(self, enable: bool = True) -> int:
+        """Starts (or stops) recording the selected expert ids of every MoE layer; the layers hooked.
+
+        The hook is the router's `set_capture_fn`, the one vLLM's own routed-experts capture uses
+        (which needs Model Runner V2, so not on CPU): it sees the selected logical expert ids,
+        after scoring, bias and grouping: [tokens, top_k] per MoE layer per forward step.
+        """
+        self._gagar_routes = []
+        routers = _routers(self.model_runner.model)
+        for name, router in routers:
+            fn = (lambda ids, name=name: self._gagar_routes.append((name, ids.detach().cpu().clone()))
+                  ) if enable else None
+            router.set_capture_fn(fn)
+        return len(routers)
+
+    def gagar_pop_routes(self) -> list:
+        """[(layer module name, [[expert id] * top_k] * tokens)] in call order since the last pop."""
+        out = [(n, t.tolist()) for n, t in getattr(self, "_gagar_routes", [])]
+        self._gagar_routes = []
+        return out
+
+
+def reload_latest(llm, workdir: str) -> dict:
+    """Engine side: every worker reloads `latest`, then the prefix cache is reset.
+
+    Returns the first worker's answer (pointer, tensor count, repacked experts, copied names).
+    """
+    answers = llm.collective_rpc("gagar_reload_latest", args=(workdir,))
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset the prefix cache after a weight reload")
+    return answers[0]

@@ -1,0 +1,37 @@
+"""gagar_jax.rollout runs beside a rollout engine: importable without JAX (and without vLLM)."""
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_rollout_package_imports_without_jax(tmp_path):
+    fake = tmp_path / "fakejax"
+    (fake / "jax").mkdir(parents=True)
+    (fake / "jax" / "__init__.py").write_text("raise ImportError('jax must not be imported here')\n")
+    code = ("import sys, gagar_jax.rollout, gagar_jax.rollout.vllm_extension as v; "
+            "assert 'jax' not in sys.modules and 'vllm' not in sys.modules, sorted(sys.modules); "
+            "assert callable(v.GagarWorkerExtension.gagar_reload_latest); print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{REPO}"},
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_pointer_and_checkpoint_files(tmp_path):
+    from gagar_jax.rollout import read_latest
+    from gagar_jax.rollout.vllm_extension import checkpoint_files
+    assert read_latest(str(tmp_path)) is None
+    step = tmp_path / "published" / "step_00000004"
+    step.mkdir(parents=True)
+    (tmp_path / "published" / "latest").write_text(
+        json.dumps({"step": 4, "policy_version": 4, "path": str(step)}))
+    assert read_latest(str(tmp_path)) == {"step": 4, "policy_version": 4, "path": str(step)}
+    assert checkpoint_files(str(step)) == [str(step / "model.safetensors")]
+    (step / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+        "c": "model-00001-of-00002.safetensors"}}))
+    assert checkpoint_files(str(step)) == [str(step / "model-00001-of-00002.safetensors"),
+                                           str(step / "model-00002-of-00002.safetensors")]
