@@ -113,7 +113,8 @@ LEARNER_ONLY = {Reason.LENGTH_MISMATCH, Reason.RECORD_TOO_LARGE, Reason.TOO_MANY
                 Reason.TOO_LONG, Reason.TOKEN_OUT_OF_VOCAB, Reason.ROUTED_EXPERTS,
                 Reason.BAD_ENCODING,
                 Reason.GROUP_TOO_LARGE, Reason.DUPLICATE_GROUP, Reason.DUPLICATE_TRAJECTORY,
-                Reason.TOO_DEEPLY_NESTED}
+                Reason.TOO_DEEPLY_NESTED, Reason.VERSION_SPANS_UNSORTED,
+                Reason.VERSION_OUT_OF_RANGE, Reason.VERSION_NEWER}
 
 
 @pytest.fixture(scope="module")

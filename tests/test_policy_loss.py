@@ -198,3 +198,13 @@ def test_config_validation():
                 dict(routing_replay="r2"), dict(entropy_coef=-1.0)):
         with pytest.raises(ValueError):
             L.LossConfig(**bad)
+
+
+@pytest.mark.parametrize("objective", ["gspo", "cispo"])
+def test_cli_trains_with_the_objective(tmp_path, objective):
+    """`make train` with `--config.loss.policy_loss=gspo` / `cispo` (two steps, CPU)."""
+    import trainer_runs
+    clip_low = "10.0" if objective == "cispo" else "0.2"
+    summary = trainer_runs.run(tmp_path, f"--config.loss.policy_loss={objective}",
+                               f"--config.loss.clip_low={clip_low}", "--config.train.steps=2")
+    assert summary["steps"] == 2

@@ -384,35 +384,61 @@ def test_kl_reference_routes_with_its_own_frozen_bias(cfg, init, batch, mesh1):
 
 
 # ---------------------------------------------------------------- objectives, correction, R2
-@pytest.mark.parametrize("objective", ["gspo", "cispo"])
-def test_objectives_with_correction_and_r2_keep_the_checks(objective, cfg, init, batch, mesh1):
-    """One debug-checked step per objective with sequence IS, the geo-mask, an entropy bonus and
-    R2: the conservation checks pass, the first (only) update's ratio is 1 (no clipping, approx
-    KL 0: the replayed routing is the learner's own), R2 wins over the feed's routed_experts."""
-    host, graphdef, shardings = init
+def offpolicy_case(cfg, batch, objective, mini_batches):
+    """A debug-checked config with sequence IS, the geo-mask, an entropy bonus and R2, and a
+    batch whose behavior log-probs are off the learner's, routed to experts (0, 1) by the feed."""
     clips = dict(gspo=(3e-4, 4e-4), cispo=(10.0, 0.2))[objective]
     loss = dataclasses.replace(
         cfg.loss, policy_loss=objective, clip_low=clips[0], clip_high=clips[1],
         recompute_old_logprobs=True, rollout_is="sequence", rollout_rs="seq_mean_k1",
-        rollout_rs_threshold="0.9_1.1", entropy_coef=0.01, routing_replay="r2")
-    dcfg = dataclasses.replace(cfg, debug_checks=True, loss=loss, mini_batches=1)
+        rollout_rs_threshold="0.985_1.015", entropy_coef=0.01, routing_replay="r2")
+    dcfg = dataclasses.replace(cfg, debug_checks=True, loss=loss, mini_batches=mini_batches)
     L_moe, K = dcfg.model.num_moe_layers, dcfg.model.top_k
     shift = np.random.default_rng(0).normal(0, 0.05, (B, S)).astype(np.float32)
     off = batch.replace(old_logprobs_BxS=batch.old_logprobs_BxS + shift * batch.loss_mask_BxS,
                         routed_experts_BxSxLxK=jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32),
                                                                 (B, S, L_moe, K)))
+    return dcfg, off, shift
+
+
+@pytest.fixture(scope="module")
+def gspo_step(cfg, init, batch, mesh1):
+    """GSPO, two mini-batches, one device: (config, batch, step, host result)."""
+    host, graphdef, shardings = init
+    dcfg, off, shift = offpolicy_case(cfg, batch, "gspo", mini_batches=2)
     step = TS.make_train_step(dcfg, mesh1, shardings, shd.batch_shardings(off, mesh1), graphdef)
-    new, m = jax.device_get(step(fresh(host, shardings), off))
-    assert float(m.updates) == 1 and float(m.skipped) == 0 and np.isfinite(m.loss)
-    assert float(m.clip_frac_low) == 0 and float(m.clip_frac_high) == 0
-    assert abs(float(m.approx_kl)) < 1e-9
+    return dcfg, off, shift, step, jax.device_get(step(fresh(host, shardings), off))
+
+
+def _check_offpolicy_step(m, shift, batch, updates):
+    assert float(m.updates) == updates and float(m.skipped) == 0 and np.isfinite(m.loss)
     trained = np.asarray(batch.loss_mask_BxS) > 0
     np.testing.assert_allclose(m.rollout.logp_abs_diff_max, np.abs(shift[trained]).max(), rtol=1e-4)
-    assert 0 < float(m.rollout.is_weight_max) and 0 <= float(m.rollout.masked_token_frac) < 1
+    assert 0 < float(m.rollout.masked_token_frac) < 1 and float(m.rollout.is_weight_max) > 0
     assert float(m.entropy_loss) > 0
     assert not np.all(np.asarray(m.expert_load_LxE)[:, 2:] == 0)    # the feed's (0, 1) ignored
-    with pytest.raises(Exception, match="input contract"):          # the checks really run
+
+
+def test_gspo_with_correction_and_r2_keeps_the_checks(gspo_step, init, batch):
+    """The debug-checked GSPO step (conservation identities hold), R2 winning over the feed's
+    routed_experts, and the rollout metrics; a broken input contract still raises."""
+    host, _, shardings = init
+    dcfg, off, shift, step, (new, m) = gspo_step
+    _check_offpolicy_step(m, shift, batch, updates=2)
+    assert float(m.clip_frac_low + m.clip_frac_high) > 0       # the second update clips
+    with pytest.raises(Exception, match="input contract"):     # the checks really run
         step(fresh(host, shardings), off.replace(rewards_T=off.rewards_T.at[0].set(0.5)))
+
+
+def test_cispo_first_update_ratio_is_one_under_r2(cfg, init, batch, mesh1):
+    """CISPO in one update: under R2 its ratio is 1 (no clipping, approx KL 0)."""
+    host, graphdef, shardings = init
+    dcfg, off, shift = offpolicy_case(cfg, batch, "cispo", mini_batches=1)
+    step = TS.make_train_step(dcfg, mesh1, shardings, shd.batch_shardings(off, mesh1), graphdef)
+    new, m = jax.device_get(step(fresh(host, shardings), off))
+    _check_offpolicy_step(m, shift, batch, updates=1)
+    assert float(m.clip_frac_low) == 0 and float(m.clip_frac_high) == 0
+    assert abs(float(m.approx_kl)) < 1e-9
 
 
 @pytest.mark.parametrize("expert", [1, 4])
@@ -451,3 +477,28 @@ def test_r2_replays_recorded_routing(expert, cfg, init, batch, devices):
     np.testing.assert_array_equal(rec2, rec)
     np.testing.assert_array_equal(used2, rec)                 # replay holds the routing
     assert np.mean(free2 != rec) > 0.05                       # without replay it flips
+
+
+def test_sequence_level_options_under_context_parallelism(gspo_step, init, devices):
+    """GSPO's sequence ratio, sequence IS and the geo-mask reduce over whole trajectories, which
+    context parallelism splits across chips: context 4 (8 tokens a chip, every trajectory split)
+    gives the one-device step (the pure functions are checked at context 2 and 4 too, in
+    test_policy_loss.py and test_rollout_correction.py)."""
+    host, _, _ = init
+    dcfg, off, _, _, (ref_state, ref_m) = gspo_step
+    # chexify's checks do not trace inside the context attention's shard_map: checks off here.
+    dcfg = dataclasses.replace(dcfg, debug_checks=False)
+    mesh = make_mesh(type("M", (), dict(zip(shd.MESH_AXES, (1, 1, 1, 4, 1)))), devices[:4])
+    graphdef = TS.abstract_train_state(dcfg, mesh)[1]
+    shardings = TS.state_shardings(fresh(host, None), mesh, dcfg)
+    bsh = shd.batch_shardings(off, mesh)
+    assert bsh.tokens_BxS.spec[1] == "context"
+    step = TS.make_train_step(dcfg, mesh, shardings, bsh, graphdef)
+    new, m = jax.device_get(step(fresh(host, shardings), jax.device_put(off, bsh)))
+    for name in ("loss", "pg_loss", "grad_norm", "clip_frac_low", "clip_frac_high", "entropy_loss"):
+        np.testing.assert_allclose(getattr(m, name), getattr(ref_m, name), rtol=2e-4,
+                                   atol=1e-6, err_msg=name)
+    for name in ("masked_token_frac", "masked_traj_frac", "is_weight_mean", "k3_kl"):
+        np.testing.assert_allclose(getattr(m.rollout, name), getattr(ref_m.rollout, name),
+                                   rtol=1e-5, err_msg=name)
+    assert_rel_close(new.params, ref_state.params, rtol=1e-4)

@@ -173,7 +173,7 @@ class Feed:
         return None
 
     def _stale(self, pg: ParsedGroup, learner_step: int) -> bool:
-        return learner_step - pg.policy_version > self.cfg.max_staleness
+        return learner_step - pg.staleness_version(self.cfg.staleness_from) > self.cfg.max_staleness
 
     def _intake(self, raw: RawRecord, learner_step: int) -> Optional[ParsedGroup]:
         """Decodes, validates and filters one record; returns it if it is batchable."""
@@ -245,6 +245,7 @@ class Feed:
                 break
             self._quarantine_built(selected, failures)
         self.ledger.trained += len(selected)
+        self.ledger.trained_partial += sum(pg.partial for pg in selected)
         self._write_ledger()
         after = self.ledger.to_json()
         counts = {k: after[k] - before[k] for k in

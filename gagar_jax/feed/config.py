@@ -7,6 +7,9 @@ from typing import Any
 from gagar_jax.config import section_dict
 
 
+STALENESS_FROM = ("oldest", "newest", "mean")
+
+
 @dataclasses.dataclass(frozen=True)
 class FeedConfig:
     """Static batch shapes, limits and the source of the feed.
@@ -29,6 +32,9 @@ class FeedConfig:
       max_trajectories: T, trajectory slots per batch (static).
       groups_per_batch: G, mixed groups per batch (static).
       max_staleness: drop groups whose policy_version lags the learner step by more.
+      staleness_from: which version of a partial rollout's generated tokens the lag is judged
+        on: oldest (default) | newest | mean (token-weighted); all equal the group's
+        policy_version without per-token versions.
       max_traj_tokens: longest accepted trajectory (<= seq_len).
       truncate_long: cut longer trajectories to `max_traj_tokens` instead of rejecting them.
       max_record_bytes: largest accepted encoded record.
@@ -48,6 +54,7 @@ class FeedConfig:
     max_trajectories: int = 40
     groups_per_batch: int = 6
     max_staleness: int = 4
+    staleness_from: str = "oldest"
     max_traj_tokens: int = 128
     truncate_long: bool = False
     max_record_bytes: int = 4_000_000
@@ -78,6 +85,9 @@ class FeedConfig:
                              f"feed.seq_len ({self.seq_len}): a trajectory lives in one row")
         if self.max_staleness < 0:
             raise ValueError(f"feed.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.staleness_from not in STALENESS_FROM:
+            raise ValueError(f"feed.staleness_from must be one of {STALENESS_FROM}, "
+                             f"got {self.staleness_from!r}")
         if self.spool_poll_s <= 0 or self.spool_timeout_s < 0 or self.spool_settle_s < 0:
             raise ValueError("feed.spool_poll_s must be > 0, feed.spool_timeout_s and "
                              "feed.spool_settle_s >= 0")

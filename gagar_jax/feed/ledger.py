@@ -27,6 +27,7 @@ class Ledger:
     trained_fallback: int = 0
     trained_capped: int = 0
     trained_recorded: int = 0       # trained groups whose step's results were read back
+    trained_partial: int = 0        # trained groups of partial rollouts (several policy versions)
                                     # (< trained only while a step is in flight)
     filtered_uniform: int = 0
     filtered_stale: int = 0

@@ -180,6 +180,11 @@ def _raw(packed: schema.PackedArray, field: str, start: int = 0,
     return values
 
 
+def decode_ints(packed: schema.PackedArray, field: str) -> np.ndarray:
+    """All values of a 1-d integer compact array (e.g. `policy_versions`) as int64."""
+    return _raw(packed, field).astype(np.int64)
+
+
 @dataclasses.dataclass(frozen=True)
 class LazyArray:
     """A trajectory's compact `tokens` or `logprobs`, kept as text until its row is built.

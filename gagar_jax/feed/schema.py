@@ -22,6 +22,7 @@ MAX_ID_CHARS = 256          # group_id, task_id, trajectory_id (they are kept in
 ROUTED_DTYPES = ("uint8", "uint16")
 TOKEN_DTYPES = ("int32", "uint32")
 LOGPROB_DTYPES = ("float32",)
+VERSION_DTYPES = ("int32", "uint32")
 BASE64_PATTERN = "^([A-Za-z0-9+/]{4})*([A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 
 Tier = Literal["strong", "intermediate", "defective"]
@@ -80,6 +81,13 @@ class Trajectory(msgspec.Struct, omit_defaults=True):
     # forward pass that produced the j-th generated token) or n = len(tokens) (entry t = token t
     # as the input). -1 = no record. Long trajectories send a `PackedArray` instead.
     routed_experts: Optional[Union[list[list[list[int]]], PackedArray]] = None
+    # Partial rollouts: the policy version (learner step) whose weights generated each token,
+    # read at generated tokens only (none newer than the group's policy_version). Either per
+    # token (n entries, or a `PackedArray` of int32 / uint32) or as spans `[[start, version],
+    # ...]`, starts strictly increasing: tokens start_k .. start_{k+1} - 1 came from version_k.
+    # Absent: every token from the group's policy_version.
+    policy_versions: Optional[Union[list[int], PackedArray]] = None
+    policy_version_spans: Optional[list[list[int]]] = None
 
 
 class Group(msgspec.Struct, omit_defaults=True):
@@ -175,7 +183,8 @@ def _add_learner_rules(defs: dict) -> None:
     # A compact array: a known dtype, sizes >= 0 and padded standard base64 (its byte length
     # against the shape, and the values themselves, are learner-only).
     packed = defs["PackedArray"]["properties"]
-    packed["dtype"]["enum"] = list(ROUTED_DTYPES + TOKEN_DTYPES + LOGPROB_DTYPES)
+    packed["dtype"]["enum"] = list(dict.fromkeys(ROUTED_DTYPES + TOKEN_DTYPES + LOGPROB_DTYPES
+                                                 + VERSION_DTYPES))
     packed["shape"]["items"] = {"type": "integer", "minimum": 0}
     packed["b64"]["pattern"] = BASE64_PATTERN
     traj = defs["Trajectory"]
@@ -193,6 +202,11 @@ def _add_learner_rules(defs: dict) -> None:
         "adjustment": _FINITE,
         "routed_experts": {"items": {"items": {"items": {"type": "integer", "minimum": -1}}},
                            "properties": _compact(ROUTED_DTYPES, 3)},
+        "policy_versions": {"items": {"type": "integer", "minimum": 0},
+                            "properties": _compact(VERSION_DTYPES, 1)},
+        "policy_version_spans": {"items": {
+            "prefixItems": [{"type": "integer", "minimum": 0}, {"type": "integer", "minimum": 0}],
+            "minItems": 2, "maxItems": 2}},
         # A tier and a rank, or a factor alone (null = no quality: the grading fallback).
         "quality": {"anyOf": [{"type": "null"}, {"oneOf": [
             {"allOf": [_present("factor")],

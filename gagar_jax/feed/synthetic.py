@@ -174,6 +174,12 @@ def malformed_records(seed: int = 0) -> list:
                                                  for x in r["trajectories"]])
     variant("too_many_trajectories", lambda r, t: r.update(trajectories=r["trajectories"] * 5))
     variant("negative_policy_version", lambda r, t: r.update(policy_version=-1))
+    variant("policy_version_spans_unsorted", lambda r, t: t.update(
+        policy_version_spans=[[2, r["policy_version"]], [1, r["policy_version"]]]))
+    variant("policy_version_out_of_range", lambda r, t: t.update(
+        policy_version_spans=[[0, r["policy_version"]], [len(t["tokens"]), r["policy_version"]]]))
+    variant("policy_version_newer_than_group", lambda r, t: t.update(
+        policy_versions=[r["policy_version"] + 1] * len(t["tokens"])))
     variant("id_too_long", lambda r, t: t.update(trajectory_id="t" * (schema.MAX_ID_CHARS + 1)))
     out.append(("unparseable", b'{"schema_version": 1, "group_id": "trunc', "json"))
     deep = b"[" * 20_000 + b"]" * 20_000       # an unknown field nested past any decoder

@@ -38,6 +38,9 @@ class Reason:
     ID_TOO_LONG = "id_too_long"                  # group/task/trajectory id over MAX_ID_CHARS
     NEGATIVE_POLICY_VERSION = "negative_policy_version"
     TOO_DEEPLY_NESTED = "too_deeply_nested"      # nesting beyond what the decoder can follow
+    VERSION_SPANS_UNSORTED = "policy_version_spans_unsorted"   # span starts not increasing
+    VERSION_OUT_OF_RANGE = "policy_version_out_of_range"       # bad start / length / version < 0
+    VERSION_NEWER = "policy_version_newer_than_group"          # a token newer than the group
     INVALID = "invalid_record"                   # any other failure while decoding/validating
 
     @classmethod
@@ -79,10 +82,18 @@ class ParsedTrajectory:
     rank: int
     factor: float                   # direct factor; NaN when missing (rule-5 fallback)
     adjustment: float
+    versions: Optional[np.ndarray] = None   # int64 [n] policy version per token (partial rollouts)
 
     @property
     def length(self) -> int:
         return int(self.loss_mask.shape[0])
+
+    def generated_versions(self, group_version: int) -> np.ndarray:
+        """The policy version of every generated token (the group's where none was sent)."""
+        n_gen = int(self.loss_mask.sum())
+        if self.versions is None:
+            return np.full(n_gen, group_version, np.int64)
+        return self.versions[self.loss_mask > 0]
 
     def token_rows(self, window: Optional[slice] = None) -> np.ndarray:
         """int32 [n] token ids (those of `window` only, if given); a compact payload is
@@ -134,6 +145,20 @@ class ParsedGroup:
     @property
     def policy_version(self) -> int:
         return self.record.policy_version
+
+    def staleness_version(self, mode: str = "oldest") -> float:
+        """The version staleness is judged on: the oldest, newest or token-weighted mean
+        version of the group's generated tokens (partial rollouts; else the group's)."""
+        v = np.concatenate([t.generated_versions(self.policy_version) for t in self.trajectories])
+        if not v.size:
+            return float(self.policy_version)
+        return float({"oldest": v.min, "newest": v.max, "mean": v.mean}[mode]())
+
+    @property
+    def partial(self) -> bool:
+        """Whether the generated tokens came from more than one policy version."""
+        v = np.concatenate([t.generated_versions(self.policy_version) for t in self.trajectories])
+        return bool(v.size) and int(v.min()) != int(v.max())
 
     @property
     def mixed(self) -> bool:
@@ -216,7 +241,55 @@ def _length(values: list | schema.PackedArray, field: str, dtypes: tuple, where:
     return len(values)
 
 
-def _trajectory(traj: schema.Trajectory, limits: FeedConfig, shape: ModelShape, where: str):
+def _versions(traj: schema.Trajectory, n: int, mask: np.ndarray, group_version: int,
+              where: str) -> Optional[np.ndarray]:
+    """Per-token policy versions (int64 [n]) from either form, or None when none was sent."""
+    per_token, spans = traj.policy_versions, traj.policy_version_spans
+    if per_token is None and spans is None:
+        return None
+    if per_token is not None and spans is not None:
+        raise Rejected(Reason.VERSION_OUT_OF_RANGE,
+                       f"{where}: both policy_versions and policy_version_spans")
+    if per_token is not None:
+        if isinstance(per_token, schema.PackedArray):
+            err = packed.array_error(per_token, "policy_versions", schema.VERSION_DTYPES, 1)
+            if err is not None:
+                raise Rejected(err.reason, f"{where}: {err.detail}")
+            v = packed.decode_ints(per_token, "policy_versions")
+        else:
+            try:
+                v = np.asarray(per_token, np.int64)
+            except OverflowError:
+                raise Rejected(Reason.VERSION_OUT_OF_RANGE, f"{where}: version too large") from None
+        if v.shape != (n,):
+            raise Rejected(Reason.LENGTH_MISMATCH,
+                           f"{where}: {v.size} policy_versions for {n} tokens")
+    else:
+        if any(len(s) != 2 for s in spans):
+            raise Rejected(Reason.VERSION_OUT_OF_RANGE,
+                           f"{where}: policy_version_spans entries must be [start, version]")
+        starts = [s[0] for s in spans]
+        if any(b <= a for a, b in zip(starts, starts[1:])):
+            raise Rejected(Reason.VERSION_SPANS_UNSORTED,
+                           f"{where}: policy_version_spans starts {starts} not increasing")
+        if spans and (starts[0] < 0 or starts[-1] >= n):
+            raise Rejected(Reason.VERSION_OUT_OF_RANGE,
+                           f"{where}: a span start outside [0, {n})")
+        v = np.full(n, -1, np.int64)
+        for (start, version), stop in zip(spans, starts[1:] + [n]):
+            v[start:stop] = version
+    gen = v[mask > 0]
+    if gen.size and gen.min() < 0:
+        raise Rejected(Reason.VERSION_OUT_OF_RANGE,
+                       f"{where}: a generated token without a policy version >= 0")
+    if gen.size and gen.max() > group_version:
+        raise Rejected(Reason.VERSION_NEWER, f"{where}: policy version {int(gen.max())} newer "
+                       f"than the group's policy_version {group_version}")
+    return v
+
+
+def _trajectory(traj: schema.Trajectory, limits: FeedConfig, shape: ModelShape, where: str,
+                group_version: int = 0):
     n = _length(traj.tokens, "tokens", schema.TOKEN_DTYPES, where)
     n_logprobs = _length(traj.logprobs, "logprobs", schema.LOGPROB_DTYPES, where)
     if len(traj.loss_mask) != n or n_logprobs != n:
@@ -242,6 +315,7 @@ def _trajectory(traj: schema.Trajectory, limits: FeedConfig, shape: ModelShape, 
             traj.adjustment):
         raise Rejected(Reason.NON_FINITE, f"{where}: non-finite logprobs or adjustment")
     tier, rank, factor = _quality(traj, where)
+    versions = _versions(traj, n, mask, group_version, where)
     keep = min(n, limits.max_traj_tokens)
     routed = _routed(traj, mask, shape, where, keep)
     if n > keep:
@@ -253,6 +327,7 @@ def _trajectory(traj: schema.Trajectory, limits: FeedConfig, shape: ModelShape, 
         tokens = tokens if tokens is None else tokens[:n]
         logprobs = logprobs if logprobs is None else logprobs[:n]
         routed = routed[:n] if isinstance(routed, np.ndarray) else routed
+        versions = versions if versions is None else versions[:n]
     if not mask.any():
         raise Rejected(Reason.NO_GENERATED_TOKENS, f"{where}: no loss_mask=1 token")
     return ParsedTrajectory(
@@ -263,7 +338,7 @@ def _trajectory(traj: schema.Trajectory, limits: FeedConfig, shape: ModelShape, 
         logprobs=(packed.LazyArray(traj.logprobs, "logprobs", n) if compact_logprobs
                   else logprobs.astype(np.float32)),
         routed=routed, reward=1.0 if traj.outcome == "pass" else 0.0, hacked=bool(traj.hacked),
-        tier=tier, rank=rank, factor=factor, adjustment=float(traj.adjustment))
+        tier=tier, rank=rank, factor=factor, adjustment=float(traj.adjustment), versions=versions)
 
 
 def validate_group(group: schema.Group, limits: FeedConfig, shape: ModelShape) -> ParsedGroup:
@@ -302,7 +377,7 @@ def validate_group(group: schema.Group, limits: FeedConfig, shape: ModelShape) -
             num_infra += 1
             continue
         where = f"group {gid!r} trajectories[{i}] ({traj.trajectory_id!r})"
-        parsed.append(_trajectory(traj, limits, shape, where))
+        parsed.append(_trajectory(traj, limits, shape, where, group.policy_version))
     if not parsed:
         raise Rejected(Reason.NO_VALID_TRAJECTORY,
                        f"group {gid!r}: no trajectory other than infra errors")

@@ -1,0 +1,64 @@
+"""Partial rollouts: per-token policy versions (both forms), their dead-letter reasons, and the
+staleness modes (oldest, newest, token-weighted mean)."""
+import numpy as np
+import pytest
+
+from gagar_jax.feed import Feed, FeedConfig, IteratorSource, packed, schema
+from gagar_jax.feed.validate import ModelShape, Reason, Rejected, validate_group
+from test_feed_batcher import CFG, MODEL, group, traj
+
+SHAPE = ModelShape(**MODEL)
+
+
+def with_versions(t, **kw):
+    return schema.Trajectory(**{**{f: getattr(t, f) for f in t.__struct_fields__}, **kw})
+
+
+def test_spans_per_token_and_compact_forms_agree():
+    # n = 10, generated tokens at 3, 4, 7, 8, 9: tokens 0..4 from version 5, 5..9 from 7.
+    t = traj("x", "pass")
+    want = np.array([5] * 5 + [7] * 5)
+    forms = [dict(policy_version_spans=[[0, 5], [5, 7]]), dict(policy_versions=want.tolist()),
+             dict(policy_versions=packed.pack_array(want, "int32"))]
+    for kw in forms:
+        pg = validate_group(group("g", [with_versions(t, **kw), traj("y", "fail")], version=8),
+                            CFG, SHAPE)
+        np.testing.assert_array_equal(pg.trajectories[0].versions, want)
+        # generated: 5, 5, 7, 7, 7 and y's five tokens at the group's version 8
+        assert pg.staleness_version("oldest") == 5 and pg.staleness_version("newest") == 8
+        assert pg.staleness_version("mean") == pytest.approx((2 * 5 + 3 * 7 + 5 * 8) / 10)
+        assert pg.partial
+    old = validate_group(group("g", [t, traj("y", "fail")], version=8), CFG, SHAPE)
+    assert old.trajectories[0].versions is None and not old.partial      # old records valid
+    assert old.staleness_version("oldest") == 8
+
+
+@pytest.mark.parametrize("kw,reason", [
+    (dict(policy_version_spans=[[4, 1], [2, 2]]), Reason.VERSION_SPANS_UNSORTED),
+    (dict(policy_version_spans=[[0, 1], [4, 2], [4, 3]]), Reason.VERSION_SPANS_UNSORTED),
+    (dict(policy_version_spans=[[0, 1], [10, 2]]), Reason.VERSION_OUT_OF_RANGE),
+    (dict(policy_version_spans=[[4, 1]]), Reason.VERSION_OUT_OF_RANGE),   # token 3 uncovered
+    (dict(policy_version_spans=[[0, 9]]), Reason.VERSION_NEWER),
+    (dict(policy_versions=[1] * 9), Reason.LENGTH_MISMATCH),
+    (dict(policy_versions=[1] * 10, policy_version_spans=[[0, 1]]), Reason.VERSION_OUT_OF_RANGE),
+])
+def test_bad_versions_are_dead_lettered(kw, reason):
+    g = group("g", [with_versions(traj("x", "pass"), **kw), traj("y", "fail")], version=8)
+    with pytest.raises(Rejected) as e:
+        validate_group(g, CFG, SHAPE)
+    assert e.value.reason == reason
+
+
+@pytest.mark.parametrize("mode,kept", [("oldest", False), ("newest", True), ("mean", True)])
+def test_staleness_judged_on_the_configured_version(tmp_path, mode, kept):
+    """Group version 10, x's tokens from 7 then 10: at step 10 with max_staleness 2 the oldest
+    token lags 3 (stale), the newest 0, the token-weighted mean (7, 7, 10, 10, 10 and y's five
+    at 10) lags 0.6."""
+    cfg = FeedConfig(**{**CFG.__dict__, "staleness_from": mode})
+    x = with_versions(traj("x", "pass"), policy_version_spans=[[0, 7], [5, 10]])
+    feed = Feed(cfg, tmp_path, **MODEL, source=IteratorSource([group("g", [x, traj("y", "fail")],
+                                                                     version=10)]))
+    out = feed.next_batch(10)
+    ledger = feed.finish()
+    assert (out is not None) == kept and ledger.filtered_stale == (0 if kept else 1)
+    assert ledger.trained_partial == (1 if kept else 0) and ledger.balanced
