@@ -31,7 +31,12 @@ from gagar_jax.algo.advantage import (
 from gagar_jax.batch import Batch
 from gagar_jax.config import section_dict
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGGREGATIONS = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -85,9 +90,13 @@ class LossConfig:
         if self.kl_coef < 0.0:
             raise ValueError(f"loss.kl_coef must be >= 0, got {self.kl_coef}")
         if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+            raise ValueError(
+                f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}"
+            )
         if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"loss.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+            raise ValueError(
+                f"loss.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}"
+            )
         if self.max_response_len <= 0:
             raise ValueError(f"loss.max_response_len must be > 0, got {self.max_response_len}")
         if self.lam_cap < 1.0:
@@ -139,7 +148,9 @@ def split_rows(x: jax.Array, mini_batches: int, micro_batches: int) -> jax.Array
     M, U = mini_batches, micro_batches
     B = x.shape[0]
     if B % (M * U):
-        raise ValueError(f"batch rows B={B} must be divisible by mini_batches * micro_batches = {M * U}")
+        raise ValueError(
+            f"batch rows B={B} must be divisible by mini_batches * micro_batches = {M * U}"
+        )
     y = x.reshape((B // (M * U), U, M) + x.shape[1:])
     return jnp.moveaxis(y, (0, 1, 2), (2, 1, 0))
 

@@ -18,8 +18,16 @@ MIMO_DEFAULTS = dict(
     routed_scaling_factor=1.0, n_group=1, topk_group=1, norm_topk_prob=True, head_dim=192,
     v_head_dim=128, sliding_window=129, attention_value_scale=0.707, max_position_embeddings=131072)
 MIMO_ROPE_DEFAULTS = {
-    "full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.334},
-    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.334},
+    "full_attention": {
+        "rope_type": "default",
+        "rope_theta": 5_000_000.0,
+        "partial_rotary_factor": 0.334,
+    },
+    "sliding_attention": {
+        "rope_type": "default",
+        "rope_theta": 10_000.0,
+        "partial_rotary_factor": 0.334,
+    },
 }
 _TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
@@ -40,7 +48,9 @@ def _dense_prefix(is_moe: list, why: str) -> int:
 
 def _qwen3_from_hf(hf: dict) -> dict:
     if hf.get("use_sliding_window", False):
-        raise ValueError("config.json use_sliding_window=true is not supported by the Qwen3-MoE port")
+        raise ValueError(
+            "config.json use_sliding_window=true is not supported by the Qwen3-MoE port"
+        )
     rope = hf.get("rope_parameters") or {}
     if (rope.get("rope_type") or "default") != "default" or hf.get("rope_scaling"):
         raise ValueError(f"only default RoPE is supported, got rope_parameters={rope}, "
@@ -53,19 +63,26 @@ def _qwen3_from_hf(hf: dict) -> dict:
     is_moe = [i not in mlp_only and (i + 1) % step == 0 for i in range(n_layers)]
     heads = hf["num_attention_heads"]
     return dict(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=n_layers,
-        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=n_layers,
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        moe_intermediate_size=hf["moe_intermediate_size"], intermediate_size=hf["intermediate_size"],
-        num_dense_layers=_dense_prefix(is_moe, f"mlp_only_layers={sorted(mlp_only)}, "
-                                               f"decoder_sparse_step={step}"),
-        num_experts=num_experts, top_k=hf["num_experts_per_tok"],
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_dense_layers=_dense_prefix(
+            is_moe, f"mlp_only_layers={sorted(mlp_only)}, decoder_sparse_step={step}"
+        ),
+        num_experts=num_experts,
+        top_k=hf["num_experts_per_tok"],
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 1e-3)),
-        hf_family="qwen3_moe")
+        hf_family="qwen3_moe",
+    )
 
 
 def _mimo_from_hf(hf: dict) -> dict:
@@ -116,7 +133,9 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     model_type = hf.get("model_type", "qwen3_moe")
     readers = {"qwen3_moe": _qwen3_from_hf, "mimo_v2_flash": _mimo_from_hf}
     if model_type not in readers:
-        raise ValueError(f"config.json model_type is {model_type!r}, expected one of {sorted(readers)}")
+        raise ValueError(
+            f"config.json model_type is {model_type!r}, expected one of {sorted(readers)}"
+        )
     _common_checks(hf)
     kw = readers[model_type](hf)
     kw.update(overrides)
@@ -125,13 +144,20 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
 
 def _qwen3_to_hf(cfg: ModelConfig) -> dict:
     return {
-        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "num_local_experts": cfg.num_experts, "num_experts": cfg.num_experts,
-        "num_experts_per_tok": cfg.top_k, "norm_topk_prob": cfg.norm_topk_prob,
-        "mlp_only_layers": list(range(cfg.num_dense_layers)), "decoder_sparse_step": 1,
+        "intermediate_size": cfg.intermediate_size,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "num_local_experts": cfg.num_experts,
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "mlp_only_layers": list(range(cfg.num_dense_layers)),
+        "decoder_sparse_step": 1,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_theta": cfg.rope_theta, "use_sliding_window": False, "max_position_embeddings": 32768,
+        "rope_theta": cfg.rope_theta,
+        "use_sliding_window": False,
+        "max_position_embeddings": 32768,
         "router_aux_loss_coef": cfg.router_aux_loss_coef,
     }
 
@@ -141,18 +167,25 @@ def _mimo_to_hf(cfg: ModelConfig) -> dict:
                           "partial_rotary_factor": cfg.partial_rotary_factor}
     types = [cfg.is_sliding(i) for i in range(cfg.num_layers)]
     return {
-        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "v_head_dim": cfg.value_head_dim, "n_routed_experts": cfg.num_experts,
-        "num_experts_per_tok": cfg.top_k, "norm_topk_prob": cfg.norm_topk_prob,
-        "n_group": cfg.n_group, "topk_group": cfg.topk_group,
+        "intermediate_size": cfg.intermediate_size,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "v_head_dim": cfg.value_head_dim,
+        "n_routed_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "n_group": cfg.n_group,
+        "topk_group": cfg.topk_group,
         "routed_scaling_factor": cfg.routed_scaling_factor,
         "layer_types": ["sliding_attention" if t else "full_attention" for t in types],
         "mlp_layer_types": ["dense"] * cfg.num_dense_layers + ["sparse"] * cfg.num_moe_layers,
         "sliding_window": cfg.sliding_window or MIMO_DEFAULTS["sliding_window"],
         "attention_value_scale": cfg.attention_value_scale,
-        "rope_parameters": {"full_attention": rope(cfg.rope_theta),
-                            "sliding_attention": rope(cfg.sliding_rope_theta or cfg.rope_theta)},
+        "rope_parameters": {
+            "full_attention": rope(cfg.rope_theta),
+            "sliding_attention": rope(cfg.sliding_rope_theta or cfg.rope_theta),
+        },
         "max_position_embeddings": MIMO_DEFAULTS["max_position_embeddings"],
     }
 
