@@ -61,14 +61,16 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh.tensor = 1
 
     t = c.train = ml_collections.ConfigDict()
-    t.steps = 6                     # train steps (one step = one feed batch); a finite feed may end sooner
+    t.steps = 6                     # train steps (one step = one feed batch); a finite feed may end
+                                    # sooner
     t.checkpoint_every = 2          # orbax save interval, in steps
     t.keep_checkpoints = 3          # keep the last K checkpoints
     t.publish_every = 0             # publish HF-format weights every N steps (0 = never)
     t.keep_published = 2            # keep the last K published weight sets
     t.publish_dtype = "bfloat16"    # published weights' dtype (router + its bias stay fp32 in MiMo)
     t.log_every = 1                 # metrics.jsonl / TensorBoard interval, in steps
-    t.init_from = ""                # HF Qwen3-MoE / MiMo-V2-Flash directory to start from ("" = random init)
+    t.init_from = ""                # HF Qwen3-MoE / MiMo-V2-Flash directory to start from ("" =
+                                    # random init)
     t.reference_from = ""           # KL reference policy directory ("" = the initial weights)
 
     # Steps inside one train step (gagar_jax/run/step.py): epochs x mini_batches optimizer
@@ -81,15 +83,19 @@ def get_config() -> ml_collections.ConfigDict:
     lo = c.loss = ml_collections.ConfigDict()   # see docs/loss.md
     lo.clip_low = 0.2               # ratio >= 1 - clip_low for negative advantages
     lo.clip_high = 0.28             # clip-higher (DAPO): ratio <= 1 + clip_high for positive ones
-    lo.dual_clip = None             # None, or c > 1: caps a negative-advantage token's loss at c*|A|
-    lo.tis_cap = None               # truncated IS weight cap (needs recompute_old_logprobs); None = off
+    lo.dual_clip = None             # None, or c > 1: caps a negative-advantage token's loss at
+                                    # c*|A|
+    lo.tis_cap = None               # truncated IS weight cap (needs recompute_old_logprobs); None =
+                                    # off
     lo.kl_coef = 0.0                # KL to the frozen reference policy; 0 = off (Dr. GRPO)
     lo.kl_estimator = "k3"          # k1 | k2 | k3
-    lo.aggregation = "seq-mean-token-sum-norm"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    lo.aggregation = "seq-mean-token-sum-norm"  # token-mean | seq-mean-token-mean |
+                                                # seq-mean-token-sum | seq-mean-token-sum-norm
     lo.max_response_len = 128       # constant normalizer of seq-mean-token-sum-norm (Dr. GRPO)
     lo.lam_cap = 1.5                # Gagar lambda cap (>= 1)
     lo.mode = "sum_preserving"      # sum_preserving | downweight_only | binary
-    lo.recompute_old_logprobs = False  # learner recomputes pre-update log-probs as the ratio denominator
+    lo.recompute_old_logprobs = False  # learner recomputes pre-update log-probs as the ratio
+                                       # denominator
     # Router aux/z loss weights come from model.router_aux_loss_coef / router_z_loss_coef.
 
     o = c.optim = ml_collections.ConfigDict()
@@ -105,12 +111,14 @@ def get_config() -> ml_collections.ConfigDict:
     o.grad_clip_norm = 1.0          # global-norm clip; 0 = off
 
     f = c.feed = ml_collections.ConfigDict()   # see docs/feed.md
-    f.path = "data/sample_feed.jsonl"   # file or glob of *.jsonl / *.arrayrecord shards ("" = use spool_dir)
+    f.path = "data/sample_feed.jsonl"   # file or glob of *.jsonl / *.arrayrecord shards ("" = use
+                                        # spool_dir)
     f.spool_dir = ""                # live spool directory (atomic shard publish); "" = none
     f.spool_poll_s = 1.0            # seconds between listings of an idle spool
     f.spool_timeout_s = 0.0         # idle spool: end the feed after this long (0 = wait forever)
     f.spool_log_every_s = 30.0      # seconds between "waiting for the feed" lines
-    f.spool_settle_s = 2.0          # read a shard once its size+mtime are this old unchanged (0 = off)
+    f.spool_settle_s = 2.0          # read a shard once its size+mtime are this old unchanged (0 =
+                                    # off)
     f.rows_per_batch = 16           # B, packed rows per global batch
     f.seq_len = 128                 # S, tokens per row
     f.tokens_per_batch = 0          # B x S: > 0 sizes the batch in tokens (rows_per_batch = 0)
