@@ -13,7 +13,8 @@ use it); its weights are carried from `init_from` into published directories.
 
 Run:  gagar-train --config configs/flash_310b.py --workdir gs://BUCKET/runs/flash \
         --config.feed.spool_dir=gs://BUCKET/spool --config.train.init_from=/ckpt/MiMo-V2-Flash
-AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/flash_310b.py --topology v5p:8x8x8
+AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/flash_310b.py \
+--topology v5p:8x8x8
 Numbers (gagar_jax/aot/flops.py, checked by tests/test_configs.py): 308.8B total, 15.4B active
 params. Global batch: 256 rows x 32768 tokens = 8.4M tokens, two micro-batches of 128 rows.
 Compiled for v5p:8x8x8 (fsdp 16 x expert 8 x tensor 4, `ep_a2a`): 53.6 GiB per chip (53.0 with

@@ -1,4 +1,5 @@
-"""`flash_310b` on rows of 256k tokens: context parallelism for the paper's long agentic trajectories.
+"""`flash_310b` on rows of 256k tokens: context parallelism for the paper's \
+long agentic trajectories.
 
 The paper's code-agent trajectories average 173k-192k tokens. Rows of 262144 tokens hold one such
 trajectory (or several shorter ones) whole; each row is split along the sequence over a
@@ -9,10 +10,12 @@ sliding ones; gagar_jax/kernels/attention/context.py). Same model, optimizer and
 
 Run:  gagar-train --config configs/flash_310b_256k.py --workdir gs://BUCKET/runs/flash_long \
         --config.feed.spool_dir=gs://BUCKET/spool --config.train.init_from=/ckpt/MiMo-V2-Flash
-AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/flash_310b_256k.py --topology v5p:8x8x8
+AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/flash_310b_256k.py \
+--topology v5p:8x8x8
 Numbers (gagar_jax/aot/flops.py, checked by tests/test_configs.py): 308.8B total, 15.4B active
 params (the model of flash_310b). Compiled for v5p:8x8x8: 54.4 GiB per chip (fits 95.7),
-234.5 model GFLOPs per token at 256k rows (docs/aot/flash_310b_256k_v5p_8x8x8.json, docs/scaling.md).
+234.5 model GFLOPs per token at 256k rows \
+(docs/aot/flash_310b_256k_v5p_8x8x8.json, docs/scaling.md).
 """
 import pathlib
 

@@ -11,7 +11,8 @@ exports as `mimo_v2_flash`. See docs/scaling.md. Derived from `configs/flash_310
 
 Run:  gagar-train --config configs/pro_1t.py --workdir gs://BUCKET/runs/pro \
         --config.feed.spool_dir=gs://BUCKET/spool
-AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/pro_1t.py --topology v5p:8x8x16
+AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/pro_1t.py \
+--topology v5p:8x8x16
 Numbers (gagar_jax/aot/flops.py, checked by tests/test_configs.py): 1022.3B total, 43.0B active
 params. Global batch (Flash's): 256 rows x 32768 tokens = 8.4M tokens, two micro-batches of 128
 rows. Compiled for v5p:8x8x16 (fsdp 16 x expert 8 x tensor 8, `ep_a2a`): 82.3 GiB per chip (82.8

@@ -6,7 +6,8 @@ Matches the Hugging Face `Qwen/Qwen3-30B-A3B` config (48 layers, D=2048, 32 quer
 
 Run:  gagar-train --config configs/qwen3_30b_a3b.py --workdir gs://BUCKET/runs/q30b \
         --config.train.init_from=/path/to/Qwen3-30B-A3B --config.feed.spool_dir=gs://BUCKET/spool
-AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/qwen3_30b_a3b.py --topology v5p:4x4x4
+AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/qwen3_30b_a3b.py \
+--topology v5p:4x4x4
 Numbers (gagar_jax/aot/flops.py, checked by tests/test_configs.py): 30.53B total, 3.35B active
 params; 23.1 GFLOPs per trained token at S = 4k (fwd + bwd, no remat).
 """

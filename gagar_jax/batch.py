@@ -60,7 +60,9 @@ class Batch:
         return self.group_ids_T.shape[0]
 
 
-def dummy_batch(B: int, S: int, T: int, G: int, *, num_moe_layers: int = 0, top_k: int = 0) -> Batch:
+def dummy_batch(
+    B: int, S: int, T: int, G: int, *, num_moe_layers: int = 0, top_k: int = 0
+) -> Batch:
     """An all-padding batch with the given static shapes (for eval_shape / AOT / warm-up)."""
     z = lambda shape, dt: jnp.zeros(shape, dt)  # noqa: E731
     routed = None

@@ -36,7 +36,8 @@ class TrainConfig:
     log_every: int             # metrics interval in steps
     init_from: str             # HF Qwen3-MoE / MiMo-V2-Flash directory to start from ("" = random);
                                # read on a fresh run only, never on a resume
-    reference_from: str        # KL reference policy directory ("" = initial weights); fresh run only
+    reference_from: str        # KL reference policy directory ("" = initial weights); fresh run
+                               # only
 
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> TrainConfig:

@@ -104,15 +104,22 @@ def make_mesh(mesh_cfg: Any, devices: Optional[Sequence[jax.Device]] = None) -> 
     sizes = [int(getattr(mesh_cfg, a)) if a not in MESH_DEFAULTS or hasattr(mesh_cfg, a)
              else MESH_DEFAULTS[a] for a in MESH_AXES]
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-        raise ValueError(f"mesh sizes {dict(zip(MESH_AXES, sizes, strict=False))}: positive, at most one -1")
+        raise ValueError(
+            f"mesh sizes {dict(zip(MESH_AXES, sizes, strict=False))}: positive, at most one -1"
+        )
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
         if len(devices) % known:
-            raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes, strict=False))} cannot fill {len(devices)} devices")
+            raise ValueError(
+                f"mesh {dict(zip(MESH_AXES, sizes, strict=False))} "
+                f"cannot fill {len(devices)} devices"
+            )
         sizes[sizes.index(-1)] = len(devices) // known
     if int(np.prod(sizes)) != len(devices):
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes, strict=False))} needs {np.prod(sizes)} devices, "
-                         f"have {len(devices)}")
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, sizes, strict=False))} needs {np.prod(sizes)} devices, "
+            f"have {len(devices)}"
+        )
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES,
                 axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
@@ -171,7 +178,9 @@ def logical_to_spec(axes: Sequence, shape: Optional[Sequence[int]] = None,
     return P(*spec)
 
 
-def named_sharding(mesh: Mesh, axes: Sequence, shape: Optional[Sequence[int]] = None) -> NamedSharding:
+def named_sharding(
+    mesh: Mesh, axes: Sequence, shape: Optional[Sequence[int]] = None
+) -> NamedSharding:
     """NamedSharding on `mesh` for logical `axes`."""
     return NamedSharding(mesh, logical_to_spec(axes, shape, mesh))
 
@@ -270,12 +279,16 @@ def process_row_block(mesh: Mesh, num_rows: int, seq_len: int, process_index: Op
     process_index = jax.process_index() if process_index is None else process_index
     shape = (num_rows, seq_len)
     sh = named_sharding(mesh, BATCH_AXES["tokens_BxS"], shape)
-    boxes = [idx for d, idx in sh.devices_indices_map(shape).items() if process_of(d) == process_index]
+    boxes = [
+        idx for d, idx in sh.devices_indices_map(shape).items() if process_of(d) == process_index
+    ]
     if not boxes:
         raise ValueError(f"process {process_index} holds no device of the mesh")
     out = []
     for dim, size in enumerate(shape):
-        spans = {(s.start or 0, size if s.stop is None else s.stop) for s in (b[dim] for b in boxes)}
+        spans = {
+            (s.start or 0, size if s.stop is None else s.stop) for s in (b[dim] for b in boxes)
+        }
         lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
         if sum(b - a for a, b in spans) < hi - lo:
             raise ValueError(f"process {process_index}'s devices hold a non-contiguous part of "

@@ -90,7 +90,9 @@ def bench(num_traj: int, group_size: int, loop_est_s: float | None):
         np.testing.assert_allclose(vec, ref, atol=1e-5)
     else:
         sub = 65536
-        part = {k: (v[: sub // group_size] if k == "grading_ok" else v[:sub]) for k, v in batch.items()}
+        part = {
+            k: (v[: sub // group_size] if k == "grading_ok" else v[:sub]) for k, v in batch.items()
+        }
         t0 = time.perf_counter()
         ref = loop_advantages(**part)
         t_loop = (time.perf_counter() - t0) * num_traj / sub

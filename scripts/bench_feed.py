@@ -165,11 +165,17 @@ def long_row_budget(fraction: float, tmp: pathlib.Path, repeats: int) -> dict:
                  seconds=dict(off=s_off, on=s_on, pod=s_pod))
         r["tokens_s"] = {k: tokens / v for k, v in r["seconds"].items()}
         r["ratio"] = {k: v / need["tokens_per_s"] for k, v in r["tokens_s"].items()}
-        print(f"long rows {suffix:12s} tokens {tokens_as:6s} {batches} batches of {rows} x {ROW_TOKENS}, {tokens:,} "
-              f"tokens in {num_groups} groups, {r['mb']:.0f} MiB; per host, x the step's "
-              f"{need['tokens_per_s']:,.0f} tokens/s: "
-              + ", ".join(f"{k} {r['seconds'][k]:.2f} s = {r['tokens_s'][k]:,.0f} tokens/s = "
-                          f"{r['ratio'][k]:.1f}x" for k in ("off", "on", "pod")))
+        print(
+            f"long rows {suffix:12s} tokens {tokens_as:6s} {batches} batches of {rows} x "
+            f"{ROW_TOKENS}, {tokens:,} "
+            f"tokens in {num_groups} groups, {r['mb']:.0f} MiB; per host, x the step's "
+            f"{need['tokens_per_s']:,.0f} tokens/s: "
+            + ", ".join(
+                f"{k} {r['seconds'][k]:.2f} s = {r['tokens_s'][k]:,.0f} tokens/s = "
+                f"{r['ratio'][k]:.1f}x"
+                for k in ("off", "on", "pod")
+            )
+        )
         out.append(r)
         if suffix == "arrayrecord":
             path.unlink()
@@ -178,18 +184,24 @@ def long_row_budget(fraction: float, tmp: pathlib.Path, repeats: int) -> dict:
 
 
 def write_section(rows: list, long_rows: dict = None) -> None:
-    lines = ["## Feed (scripts/bench_feed.py)", "",
-             "Decode + validate + dynamic sampling + packing, single process, one CPU core, "
-             "from a local shard, best of 3 runs (`JAX_PLATFORMS=cpu python scripts/bench_feed.py`), "
-             "timed in CPU seconds of the process (the benchmark machine's 2 cores are shared). "
-             "Tokens/s counts tokens packed into batches (uniform groups are dropped and not "
-             "counted). Efficiency = packed tokens / (B x S), last partial batch excluded.", "",
-             "| shape | batch [B, S] | encoding | shard MiB | groups | groups/s | packed tokens/s "
-             "| packing efficiency |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Feed (scripts/bench_feed.py)",
+        "",
+        "Decode + validate + dynamic sampling + packing, single process, one CPU core, "
+        "from a local shard, best of 3 runs (`JAX_PLATFORMS=cpu python scripts/bench_feed.py`), "
+        "timed in CPU seconds of the process (the benchmark machine's 2 cores are shared). "
+        "Tokens/s counts tokens packed into batches (uniform groups are dropped and not "
+        "counted). Efficiency = packed tokens / (B x S), last partial batch excluded.",
+        "",
+        "| shape | batch [B, S] | encoding | shard MiB | groups | groups/s | packed tokens/s "
+        "| packing efficiency |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['batch']} | {r['encoding']} | {r['mb']:.1f} | {r['groups']} | "
-                     f"{r['groups_s']:,.0f} | {r['tokens_s']:,.0f} | {r['efficiency']:.3f} |")
+        lines.append(
+            f"| {r['shape']} | {r['batch']} | {r['encoding']} | {r['mb']:.1f} | {r['groups']} | "
+            f"{r['groups_s']:,.0f} | {r['tokens_s']:,.0f} | {r['efficiency']:.3f} |"
+        )
     by = {(r["shape"], r["encoding"]): r for r in rows}
     for shape in sorted({r["shape"] for r in rows}):
         ratio = by[(shape, "arrayrecord")]["tokens_s"] / by[(shape, "jsonl")]["tokens_s"]

@@ -37,8 +37,9 @@ def make_step(backend: str, top_k: int, mesh=None):
 
     def loss(x, w_router, gate, up, down, ct):
         r = router.route(x @ w_router, top_k=top_k, norm_topk_prob=True)
-        y = experts_registry.expert_ffn(x, gate, up, down, r.idx_TxK, r.weights_TxK, backend=backend,
-                               **opts)
+        y = experts_registry.expert_ffn(
+            x, gate, up, down, r.idx_TxK, r.weights_TxK, backend=backend, **opts
+        )
         return jnp.sum(y * ct) + 1e-3 * r.aux_loss + 1e-4 * r.z_loss
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))

@@ -59,7 +59,8 @@ def bench(name: str, B: int, S: int, steps: int) -> dict:
                                    mini_batches=1, epochs=1)
     mesh = make_mesh(type("M", (), dict(data=-1, fsdp=1, expert=1, tensor=1)))
     compile_s, step_s, m = time_train_step(step_cfg, mesh, B, S, steps)
-    batch = synthetic_batch(B, S, step_cfg.model.vocab_size)   # its T and G, for the advantage share
+    batch = synthetic_batch(B, S, step_cfg.model.vocab_size)   # its T and G, for the advantage
+                                                               # share
     # The machine may be shared: measure the peak right after the timed steps.
     peak = matmul_peak(reps=5)
     tokens = B * S * step_cfg.epochs
@@ -75,23 +76,32 @@ def bench(name: str, B: int, S: int, steps: int) -> dict:
 
 def render(rows) -> str:
     dev = jax.devices()[0]
-    out = [HEADING, "",
-           f"`{' '.join(sys.argv)}` on {len(jax.devices())} x {dev.platform} "
-           f"({dev.device_kind}); peak = a float32 2048^3 `jnp.dot` measured right after each "
-           "config's timed steps (the machine may be shared). One train step = one feed batch, 1 epoch x 1 mini-batch, "
-           "gradient accumulation over `micro` micro-batches; tokens/s counts all B x S row "
-           "tokens; MFU = model FLOPs (6 x active matmul params + causal attention, per token) / "
-           "step time / peak. Advantage share = jitted `gagar_advantages` + `broadcast_to_tokens` "
-           "at the batch's T and G, over the step time (goal < 1%).", "",
-           NOTE, "",
-           "| config | params (active) | batch [B, S] | T / G | micro | compile s | step s "
-           "| tokens/s | peak GFLOP/s | MFU | advantage ms | advantage share |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        HEADING,
+        "",
+        f"`{' '.join(sys.argv)}` on {len(jax.devices())} x {dev.platform} "
+        f"({dev.device_kind}); peak = a float32 2048^3 `jnp.dot` measured right after each "
+        "config's timed steps (the machine may be shared). One train step = one feed batch, "
+        "1 epoch x 1 mini-batch, "
+        "gradient accumulation over `micro` micro-batches; tokens/s counts all B x S row "
+        "tokens; MFU = model FLOPs (6 x active matmul params + causal attention, per token) / "
+        "step time / peak. Advantage share = jitted `gagar_advantages` + `broadcast_to_tokens` "
+        "at the batch's T and G, over the step time (goal < 1%).",
+        "",
+        NOTE,
+        "",
+        "| config | params (active) | batch [B, S] | T / G | micro | compile s | step s "
+        "| tokens/s | peak GFLOP/s | MFU | advantage ms | advantage share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['name']} | {r['params'] / 1e6:.1f}M ({r['active'] / 1e6:.1f}M) "
-                   f"| [{r['B']}, {r['S']}] | {r['T']} / {r['G']} | {r['micro']} "
-                   f"| {r['compile_s']:.0f} | {r['step_s']:.3f} | {r['tok_s']:,.0f} | {r['peak'] / 1e9:.1f} "
-                   f"| {100 * r['mfu']:.1f}% | {1e3 * r['adv_s']:.3f} | {100 * r['adv_share']:.2g}% |")
+        out.append(
+            f"| {r['name']} | {r['params'] / 1e6:.1f}M ({r['active'] / 1e6:.1f}M) "
+            f"| [{r['B']}, {r['S']}] | {r['T']} / {r['G']} | {r['micro']} "
+            f"| {r['compile_s']:.0f} | {r['step_s']:.3f} | {r['tok_s']:,.0f} "
+            f"| {r['peak'] / 1e9:.1f} "
+            f"| {100 * r['mfu']:.1f}% | {1e3 * r['adv_s']:.3f} | {100 * r['adv_share']:.2g}% |"
+        )
     return "\n".join(out) + "\n"
 
 

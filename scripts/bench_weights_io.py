@@ -48,7 +48,9 @@ def make_checkpoint(path: str, mb: float) -> int:
 
     cfg = hf.config_from_hf(_hf_config(mb), **FAST)
     _, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-    leaves = {sharding.leaf_path(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    leaves = {
+        sharding.leaf_path(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(abstract)[0]
+    }
     rng = np.random.default_rng(0)
     tensors = {n: rng.standard_normal(t.shape, dtype=np.float32) * np.float32(0.05)
                for n, t in hf_save.plan_save(leaves, cfg, 1, "float32").tensors.items()}

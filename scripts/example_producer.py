@@ -19,11 +19,20 @@ def group(i, policy_version):
         t = {"trajectory_id": f"g{i}-t{j}", "tokens": tokens, "loss_mask": mask,
              "logprobs": [-0.5 if m else 0.0 for m in mask], "outcome": outcome, "hacked": False}
         return t | ({"quality": quality} if quality else {})
-    return {"schema_version": 1, "group_id": f"example-{time.time_ns()}-{i}", "task_id": f"task-{i}",
-            "policy_version": policy_version, "grading": {"status": "ok", "grader": "example"},
-            "trajectories": [traj(0, "pass", {"tier": "strong", "rank": 1}),
-                             traj(1, "pass", {"tier": "intermediate", "rank": 2}),
-                             traj(2, "fail"), traj(3, "infra_error")]}
+
+    return {
+        "schema_version": 1,
+        "group_id": f"example-{time.time_ns()}-{i}",
+        "task_id": f"task-{i}",
+        "policy_version": policy_version,
+        "grading": {"status": "ok", "grader": "example"},
+        "trajectories": [
+            traj(0, "pass", {"tier": "strong", "rank": 1}),
+            traj(1, "pass", {"tier": "intermediate", "rank": 2}),
+            traj(2, "fail"),
+            traj(3, "infra_error"),
+        ],
+    }
 
 
 def main():

@@ -8,7 +8,8 @@ part, runs it once untimed, then once under `jax.profiler`, and reads the trace 
 XLA:CPU thunk event (a fusion, dot, copy; loops are containers and left out) with its summed
 duration and call count. The count says where a thunk sits: 1 is the program's top level
 (e.g. zero-filling the scan's stacked buffers), a multiple of the layer count is per layer,
-larger counts are inside the attention and expert loops. Durations are thread time (two threads may run thunks at once), so the shares
+larger counts are inside the attention and expert loops. Durations are thread time \
+(two threads may run thunks at once), so the shares
 matter more than the sum. Run it in a process of its own: jax's profiler crashes in a process
 that has loaded libtpu (an ahead-of-time TPU compile does). Each thunk is listed with its
 output shape and JAX op from the compiled HLO.
@@ -41,7 +42,7 @@ def instructions(hlo: str) -> dict[str, tuple[str, str, str]]:
         rest = line[m.end():]
         if rest.startswith("("):                  # a tuple shape: up to its closing paren
             depth = 0
-            for k, c in enumerate(rest):
+            for k, c in enumerate(rest):  # noqa: B007 -- k is read after the break
                 depth += {"(": 1, ")": -1}.get(c, 0)
                 if depth == 0:
                     break

@@ -26,4 +26,6 @@ def assert_rel_close(actual, expected, rtol: float = FP32_RTOL, name: str = "") 
     assert len(pa) == len(pb), (len(pa), len(pb))
     for (path, a), b in zip(pa, pb, strict=False):
         err = rel_err(a, b)
-        assert err <= rtol, f"{name}{jax.tree_util.keystr(path)}: relative error {err:.3g} > {rtol:g}"
+        assert err <= rtol, (
+            f"{name}{jax.tree_util.keystr(path)}: relative error {err:.3g} > {rtol:g}"
+        )

@@ -31,7 +31,8 @@ BAD = [np.nan, 0.0, -0.5, 1.5, np.inf]
 
 def pad(rewards, group_ids, factors, valid=None, hacked=None, grading_ok=None, adjustments=None,
         pad_gid=-1):
-    """A batch dict padded to (T, G): padding is invalid, with a junk reward, NaN factor, pad_gid."""
+    """A batch dict padded to (T, G): padding is invalid, \
+with a junk reward, NaN factor, pad_gid."""
     n = len(rewards)
     full = lambda x, fill, dt: np.concatenate([np.asarray(x, dt), np.full(T - n, fill, dt)])  # noqa
     return dict(
@@ -89,14 +90,17 @@ def batches(draw):
                          g, f, kind != "invalid", kind == "hack", adj))
     rows = rows[:T]
     ok = [draw(st.sampled_from([True, True, True, True, False])) for _ in range(G)]
-    r, gid, f, valid, hacked, adj = (list(c) for c in zip(*rows, strict=False)) if rows else ([],) * 6
+    r, gid, f, valid, hacked, adj = (
+        (list(c) for c in zip(*rows, strict=False)) if rows else ([],) * 6
+    )
     b = pad(r, gid, f, valid, hacked, ok, adj, pad_gid=draw(st.sampled_from([-1, 0, 3, G, 999])))
     perm = np.array(draw(st.permutations(range(T))))
     return {k: (v if k == "grading_ok" else v[perm]) for k, v in b.items()}
 
 
 def masks(b, out):
-    """Per-trajectory numpy masks: members, passes, failures, and members of uncapped mixed groups."""
+    """Per-trajectory numpy masks: members, passes, failures, \
+and members of uncapped mixed groups."""
     gid = np.clip(np.where(b["valid"], b["group_ids"], 0), 0, G - 1)
     member = b["valid"] & (b["group_ids"] >= 0) & (b["group_ids"] < G)
     passed = member & ~b["hacked"] & (b["rewards"] == 1)
@@ -166,9 +170,12 @@ def test_hacks_invalid_and_fallback_by_hand():
             valid=[1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1], hacked=[0, 1] + [0] * 10,
             grading_ok=[1, 0] + [1] * 10)
     out = run(b)
-    np.testing.assert_allclose(out.redistributed_advantages[:12],
-                               [0.75, -0.25, -0.25, -0.25, 0, 0.5, -0.5, 1 / 3, 1 / 3, -2 / 3, 0, 0],
-                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        out.redistributed_advantages[:12],
+        [0.75, -0.25, -0.25, -0.25, 0, 0.5, -0.5, 1 / 3, 1 / 3, -2 / 3, 0, 0],
+        rtol=1e-6,
+        atol=1e-7,
+    )
     np.testing.assert_array_equal(out.fallback[:4], [False, True, True, False])
     np.testing.assert_array_equal(out.mixed[:4], [True, True, True, False])
     np.testing.assert_array_equal(out.effective_rewards[:12], [1, 0, 0, 0, 0, 1, 0, 1, 1, 0, 1, 1])
@@ -277,8 +284,10 @@ def test_inv8_equivalent_rewards(b):
     m = passed & uncapped
     np.testing.assert_allclose(r_eq[m], p[m] + out.lam[gid[m]] * out.factors_used[m] * (1 - p[m]),
                                rtol=1e-5)
-    assert np.all(r_eq[fail & uncapped] == 0.0)   # exactly
-    np.testing.assert_array_equal(r_eq[member & ~in_mixed], out.effective_rewards[member & ~in_mixed])
+    assert np.all(r_eq[fail & uncapped] == 0.0)  # exactly
+    np.testing.assert_array_equal(
+        r_eq[member & ~in_mixed], out.effective_rewards[member & ~in_mixed]
+    )
     assert np.all(r_eq[~member] == 0)
     # Mean-centring r' per group over valid members reproduces A' (capped groups included).
     n = np.maximum(np.bincount(gid[member], minlength=G), 1)
@@ -293,11 +302,18 @@ def test_inv9_order_independence(b, rnd):
     pb = {k: (v if k == "grading_ok" else v[perm]) for k, v in b.items()}
     for mode in adv.MODES:
         out, pout = run(b, mode), run(pb, mode)
-        for name in ("advantages", "redistributed_advantages", "outcome_advantages", "factors_used"):
+        for name in (
+            "advantages",
+            "redistributed_advantages",
+            "outcome_advantages",
+            "factors_used",
+        ):
             np.testing.assert_allclose(getattr(pout, name), getattr(out, name)[perm],
                                        rtol=1e-6, atol=1e-7)
         for name in ("lam", "capped", "mixed", "fallback", "pos_credit_after", "neg_credit"):
-            np.testing.assert_allclose(getattr(pout, name), getattr(out, name), rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(
+                getattr(pout, name), getattr(out, name), rtol=1e-6, atol=1e-7
+            )
 
 
 # ---------------------------------------------------------------- reference, jit, sharding
@@ -315,9 +331,12 @@ def test_matches_numpy_loop_reference_all_modes(b):
         np.testing.assert_allclose(r_eq, ref["equivalent_rewards"], atol=2e-6)
         gid, member, passed, fail, _ = masks(b, out)
         a = ref["redistributed_advantages"]
-        np.testing.assert_allclose(out.pos_credit_after, np.bincount(gid[passed], a[passed], minlength=G),
-                                   atol=1e-5)
-        np.testing.assert_allclose(out.neg_credit, np.bincount(gid[fail], a[fail], minlength=G), atol=1e-5)
+        np.testing.assert_allclose(
+            out.pos_credit_after, np.bincount(gid[passed], a[passed], minlength=G), atol=1e-5
+        )
+        np.testing.assert_allclose(
+            out.neg_credit, np.bincount(gid[fail], a[fail], minlength=G), atol=1e-5
+        )
         np.testing.assert_allclose(
             out.pos_credit_before,
             np.bincount(gid[passed], ref["outcome_advantages"][passed], minlength=G), atol=1e-5)

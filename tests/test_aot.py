@@ -85,7 +85,9 @@ def test_tiny_collectives_counted(tiny_report):
 def test_parse_hbm_oom():
     got = aot.parse_hbm_oom(OOM_MESSAGE)
     assert got == {"required_bytes": 128 * 2**30, "available_bytes": int(95.73 * 2**30)}
-    got = aot.parse_hbm_oom("RESOURCE_EXHAUSTED: Used 120.50G of 95.74G hbm. Exceeded hbm capacity by 24.76G.")
+    got = aot.parse_hbm_oom(
+        "RESOURCE_EXHAUSTED: Used 120.50G of 95.74G hbm. Exceeded hbm capacity by 24.76G."
+    )
     assert got["required_bytes"] == int(120.5 * 2**30)
     assert aot.parse_hbm_oom("INVALID_ARGUMENT: shapes do not match") is None
 
@@ -99,7 +101,9 @@ def test_oom_becomes_fits_false_not_a_crash():
     devices = aot.topology_devices("v5p:2x2x1")
     mesh = Mesh(devices, ("data",))
     # 32 GiB per device in, three 32 GiB outputs: 128 GiB > 95 GiB of HBM.
-    x = jax.ShapeDtypeStruct((4 * 1024, 8 * 2**20), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    x = jax.ShapeDtypeStruct(
+        (4 * 1024, 8 * 2**20), jnp.float32, sharding=NamedSharding(mesh, P("data"))
+    )
     r = aot.compile_lowered(jax.jit(lambda a: (a * 2, a + 1, jnp.sin(a))).lower(x))
     assert r.error and "CompileTimeHbmOom" in r.error
     assert r.per_device_bytes == 128 * 2**30 and r.memory is None
@@ -113,11 +117,19 @@ def test_count_collectives_on_hlo_text():
   %all-reduce.3 = f32[8]{0} all-reduce(f32[8]{0} %x), to_apply=%add
   %rs = f32[2]{0} reduce-scatter(f32[8]{0} %x), dimensions={0}, to_apply=%add
   %a2a = f32[8]{0} all-to-all(f32[8]{0} %x), dimensions={0}
-  %ra2a = f32[8]{0} ragged-all-to-all(f32[8]{0} %x, f32[8]{0} %o, s64[2] %a, s64[2] %b, s64[2] %c, s64[2] %d)
-  %fusion.9 = bf16[20,32]{1,0} fusion(bf16[20,128]{1,0} %y), kind=kOutput, calls=%all-reduce-scatter.1.clone
+  %ra2a = f32[8]{0} ragged-all-to-all(f32[8]{0} %x, f32[8]{0} %o, \
+s64[2] %a, s64[2] %b, s64[2] %c, s64[2] %d)
+  %fusion.9 = bf16[20,32]{1,0} fusion(bf16[20,128]{1,0} %y), kind=kOutput, \
+calls=%all-reduce-scatter.1.clone
 """
-    assert aot.count_collectives(hlo) == {"all-gather": 2, "reduce-scatter": 2, "all-to-all": 1,
-                                          "ragged-all-to-all": 1, "all-reduce": 1, "collective-permute": 0}
+    assert aot.count_collectives(hlo) == {
+        "all-gather": 2,
+        "reduce-scatter": 2,
+        "all-to-all": 1,
+        "ragged-all-to-all": 1,
+        "all-reduce": 1,
+        "collective-permute": 0,
+    }
 
 
 def test_topology_errors_name_the_argument():
@@ -180,10 +192,14 @@ def test_kernels_compile_ahead_of_time_for_v5p(tmp_path):
     row, tok = P("data"), P(("data", "fsdp", "expert"))
 
     def loss(q, k, v, seg, x, g, u, d, idx, w):
-        o = attention_registry.attention(q, k, v, seg, impl=attention_registry.resolve("auto"), block=128)
+        o = attention_registry.attention(
+            q, k, v, seg, impl=attention_registry.resolve("auto"), block=128
+        )
         y = experts_registry.expert_ffn(x, g, u, d, idx, w, backend="megablox")
         # "auto" on this mesh: ep_a2a, whose local FFN on TPU is megablox.
-        y2 = experts_registry.expert_ffn(x, g, u, d, idx, w, backend=experts_registry.resolve("auto"))
+        y2 = experts_registry.expert_ffn(
+            x, g, u, d, idx, w, backend=experts_registry.resolve("auto")
+        )
         return sum(jnp.sum(a.astype(jnp.float32)) for a in (o, y, y2))
 
     bf = jnp.bfloat16
@@ -226,9 +242,19 @@ def test_splash_under_context_compiles_ahead_of_time_for_v5p(tmp_path):
     rows = P("data", "context")
 
     def loss(q, k, v, seg, sinks):
-        full = attention_context.attention(q, k, v, seg, impl=attention_registry.resolve("auto"), block=128)
-        slide = attention_context.attention(q, k, v, seg, impl=attention_registry.resolve("auto"), block=128, window=100,
-                                            sinks_H=sinks)
+        full = attention_context.attention(
+            q, k, v, seg, impl=attention_registry.resolve("auto"), block=128
+        )
+        slide = attention_context.attention(
+            q,
+            k,
+            v,
+            seg,
+            impl=attention_registry.resolve("auto"),
+            block=128,
+            window=100,
+            sinks_H=sinks,
+        )
         return jnp.sum((full + slide).astype(jnp.float32))
 
     bf = jnp.bfloat16

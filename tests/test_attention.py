@@ -124,7 +124,7 @@ def test_any_segment_layout_blockwise_equals_numpy(lengths, pad):
     np.testing.assert_allclose(_blk_jit(q, k, v, seg), _numpy_attention(q, k, v, seg), atol=1e-5)
 
 
-# ----------------------------------------------------------------------------- sliding window, sinks
+# -------------------------------------------------------------------------- sliding window, sinks
 DV = 6  # a value head width of its own (MiMo: q/k 192, v 128)
 
 

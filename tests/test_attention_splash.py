@@ -177,7 +177,7 @@ def test_splash_per_shard_under_context_equals_one_chip():
                                                     tensor=1), jax.devices()[:2])
     with jax.set_mesh(mesh):
         for balance in (True, False):   # traced offsets: lax.switch over static kernels
-            got = both(lambda *a, **kw: attention_context.attention(
+            got = both(lambda *a, balance=balance, **kw: attention_context.attention(
                 *a, impl="splash", block=128, balance=balance, **kw))
             assert_rel_close(got, want, name=f"balance={balance}")
 

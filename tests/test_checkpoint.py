@@ -79,7 +79,9 @@ def _assert_bit_equal(a, b):
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
             x, y = jax.random.key_data(x), jax.random.key_data(y)
         assert x.dtype == y.dtype
-        np.testing.assert_array_equal(np.asarray(x).reshape(-1).view(np.uint8), np.asarray(y).reshape(-1).view(np.uint8))
+        np.testing.assert_array_equal(
+            np.asarray(x).reshape(-1).view(np.uint8), np.asarray(y).reshape(-1).view(np.uint8)
+        )
 
 
 FEED = {"source": "jsonl", "files": ["a.jsonl", "b.jsonl"], "offset": 12345, "epoch": 1,

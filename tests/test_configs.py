@@ -54,7 +54,9 @@ def _docstring_claim(name):
 
 
 def test_all_configs_present():
-    found = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py")))
+    found = sorted(
+        os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+    )
     assert set(NAMES) <= set(found)
 
 
@@ -85,12 +87,16 @@ def test_tiny_counts_by_hand():
     # V=256, D=64, L=2, H=4, Kv=2, Dh=16, E=8, K=2, F=32, untied.
     p = flops.param_counts(ModelConfig.from_config(_load("tiny_cpu").model))
     attn_layer = 64 * 4 * 16 + 2 * 64 * 2 * 16 + 4 * 16 * 64 + 2 * 16
-    assert p.total == 2 * 256 * 64 + 2 * attn_layer + 2 * 64 * 8 + 2 * 8 * 3 * 64 * 32 + (2 * 2 * 64 + 64)
+    assert p.total == 2 * 256 * 64 + 2 * attn_layer + 2 * 64 * 8 + 2 * 8 * 3 * 64 * 32 + (
+        2 * 2 * 64 + 64
+    )
     assert p.active == p.total - 2 * (8 - 2) * 3 * 64 * 32
     # 6N + causal attention: forward 2 * N_matmul + 4 * L * H * Dh * (S + 1) / 2.
     S = 128
     fwd = 2 * (p.active - 256 * 64 - (2 * 2 * 64 + 64)) + 4 * 2 * 4 * 16 * (S + 1) / 2
-    assert flops.train_flops_per_token(ModelConfig.from_config(_load("tiny_cpu").model), S) == 3 * fwd
+    assert (
+        flops.train_flops_per_token(ModelConfig.from_config(_load("tiny_cpu").model), S) == 3 * fwd
+    )
 
 
 @pytest.mark.parametrize("name", ["small", "qwen3_30b_a3b", "flash_310b", "pro_1t",
@@ -110,8 +116,16 @@ def test_counts_match_published_sizes(name):
     assert p.active == pytest.approx(active, rel=tol)
 
 
-@pytest.mark.parametrize("name,chips", [("qwen3_30b_a3b", 64), ("flash_310b", 512), ("pro_1t", 1024),
-                                        ("flash_310b_256k", 512), ("pro_1t_256k", 1024)])
+@pytest.mark.parametrize(
+    "name,chips",
+    [
+        ("qwen3_30b_a3b", 64),
+        ("flash_310b", 512),
+        ("pro_1t", 1024),
+        ("flash_310b_256k", 512),
+        ("pro_1t_256k", 1024),
+    ],
+)
 def test_pod_meshes_fill_their_slice_and_divide_shapes(name, chips):
     cfg = _load(name)
     sizes = {a: cfg.mesh[a] for a in ("data", "fsdp", "expert", "context", "tensor")}

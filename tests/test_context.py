@@ -34,7 +34,9 @@ ROWS = [[3, 17, 10, 0, 0], [14, 18]]
 
 
 def _mimo_cfg() -> ModelConfig:
-    spec = importlib.util.spec_from_file_location("tiny_mimo", os.path.join(ROOT, "configs", "tiny_mimo.py"))
+    spec = importlib.util.spec_from_file_location(
+        "tiny_mimo", os.path.join(ROOT, "configs", "tiny_mimo.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     cfg = ModelConfig.from_config(mod.get_config().model)
@@ -58,7 +60,9 @@ def _packed():
             start += n
     tokens = rng.integers(1, CFG.vocab_size, (B, S)).astype(np.int32)
     # Routing replay on about half the tokens (-1 = the router selects).
-    routed = rng.integers(0, CFG.num_experts, (B, S, CFG.num_moe_layers, CFG.top_k)).astype(np.int32)
+    routed = rng.integers(0, CFG.num_experts, (B, S, CFG.num_moe_layers, CFG.top_k)).astype(
+        np.int32
+    )
     routed[:, :, :, 1] = (routed[:, :, :, 0] + 1) % CFG.num_experts  # distinct ids per token
     routed = np.where(rng.random((B, S, 1, 1)) < 0.5, routed, -1)
     w = rng.standard_normal((3, B, S)).astype(np.float32)
@@ -142,7 +146,7 @@ def test_sliding_halo_and_full_gather_match_plain_attention():
     want = both(attention.plain_attention)
     with jax.set_mesh(_mesh(context=8)):
         for balance in (True, False):  # zig-zag query halves on full layers, or own queries
-            got = both(lambda *a, **kw: attention_context.attention(
+            got = both(lambda *a, balance=balance, **kw: attention_context.attention(
                 *a, impl="blockwise", block=2, balance=balance, **kw))
             assert_rel_close(jax.device_get(got), jax.device_get(want), name=f"balance={balance}")
 

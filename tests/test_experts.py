@@ -96,7 +96,11 @@ def test_grouped_bf16_close_to_fp32_dense(problem, reference):
 
 
 def _mesh(shape):
-    return sharding.make_mesh(types.SimpleNamespace(**dict(zip(("data", "fsdp", "expert", "tensor"), shape, strict=False))))
+    return sharding.make_mesh(
+        types.SimpleNamespace(
+            **dict(zip(("data", "fsdp", "expert", "tensor"), shape, strict=False))
+        )
+    )
 
 
 @pytest.mark.parametrize("shape", [(8, 1, 1, 1), (2, 1, 4, 1), (1, 2, 2, 2)])
@@ -173,7 +177,9 @@ def test_dropless_when_every_token_picks_one_expert(problem):
     idx = jnp.full((T, K), 3, jnp.int32)
     want = numpy_moe(x, g, u, d, np.asarray(idx), w)
     for backend in ("dense", "ragged", "grouped"):
-        y = jax.jit(lambda *a, b=backend: experts_registry.expert_ffn(*a, backend=b))(x, g, u, d, idx, w)
+        y = jax.jit(lambda *a, b=backend: experts_registry.expert_ffn(*a, backend=b))(
+            x, g, u, d, idx, w
+        )
         np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5, err_msg=backend)
     with jax.set_mesh(_mesh((2, 1, 4, 1))):
         y = jax.jit(lambda *a: experts_registry.expert_ffn(*a, backend="ep"))(x, g, u, d, idx, w)
@@ -212,7 +218,9 @@ def test_grouped_and_ragged_match_numpy_on_any_routing(problem, ids):
     np.testing.assert_allclose(_RAGGED(x, g, u, d, idx, w), want, atol=1e-5, rtol=1e-5)
 
 
-_GROUPED = jax.jit(lambda *a: experts_registry.expert_ffn(*a, backend="grouped", block=4, big_block=16))
+_GROUPED = jax.jit(
+    lambda *a: experts_registry.expert_ffn(*a, backend="grouped", block=4, big_block=16)
+)
 _RAGGED = jax.jit(lambda *a: experts_registry.expert_ffn(*a, backend="ragged"))
 
 

@@ -44,7 +44,11 @@ def reference(problem):
 
 
 def _mesh(shape):
-    return sharding.make_mesh(types.SimpleNamespace(**dict(zip(("data", "fsdp", "expert", "tensor"), shape, strict=False))))
+    return sharding.make_mesh(
+        types.SimpleNamespace(
+            **dict(zip(("data", "fsdp", "expert", "tensor"), shape, strict=False))
+        )
+    )
 
 
 def test_megablox_matches_dense_with_empty_experts(problem, reference):

@@ -27,8 +27,14 @@ def traj(tid, outcome, quality=None, hacked=False, n=10, routed=None, adjustment
 
 
 def group(gid, trajs, version=0, status="ok"):
-    return schema.Group(schema_version=1, group_id=gid, task_id="task-" + gid, policy_version=version,
-                        grading=schema.Grading(status=status), trajectories=trajs)
+    return schema.Group(
+        schema_version=1,
+        group_id=gid,
+        task_id="task-" + gid,
+        policy_version=version,
+        grading=schema.Grading(status=status),
+        trajectories=trajs,
+    )
 
 
 def drain(feed, step=0):
@@ -103,8 +109,17 @@ def test_dynamic_sampling_after_hack_zeroing_and_infra_exclusion(tmp_path):
 def test_keeps_pulling_until_groups_per_batch_mixed_groups(tmp_path):
     mixed = lambda i: group(f"m{i}", [traj("x", "pass"), traj("y", "fail")])  # noqa: E731
     uniform = lambda i: group(f"u{i}", [traj("x", "fail"), traj("y", "fail")])  # noqa: E731
-    items = [uniform(0), uniform(1), mixed(0), uniform(2), mixed(1), uniform(3), uniform(4), mixed(2),
-             mixed(3)]
+    items = [
+        uniform(0),
+        uniform(1),
+        mixed(0),
+        uniform(2),
+        mixed(1),
+        uniform(3),
+        uniform(4),
+        mixed(2),
+        mixed(3),
+    ]
     feed = Feed(CFG, tmp_path, **MODEL, source=IteratorSource(items))
     _, info = feed.next_batch(0)
     assert info.group_ids == ("m0", "m1", "m2")
@@ -113,7 +128,9 @@ def test_keeps_pulling_until_groups_per_batch_mixed_groups(tmp_path):
 
 def test_staleness(tmp_path):
     mk = lambda gid, v: group(gid, [traj("x", "pass"), traj("y", "fail")], version=v)  # noqa: E731
-    feed = Feed(CFG, tmp_path, **MODEL, source=IteratorSource([mk("old", 7), mk("ok", 8), mk("new", 11)]))
+    feed = Feed(
+        CFG, tmp_path, **MODEL, source=IteratorSource([mk("old", 7), mk("ok", 8), mk("new", 11)])
+    )
     # max_staleness = 2: at step 10, version 7 (lag 3) is dropped, version 8 (lag 2) kept.
     _, info = feed.next_batch(10)
     assert info.group_ids == ("ok", "new") and feed.ledger.filtered_stale == 1
@@ -186,8 +203,19 @@ def test_restore_with_buffered_groups_replays_identically(tmp_path):
 def test_multiprocess_feeds_agree(tmp_path, process_count):
     gs = synthetic.make_groups(12, seed=2)
     full = drain(Feed(CFG, tmp_path / "full", **MODEL, source=IteratorSource(gs)))
-    parts = [drain(Feed(CFG, tmp_path / f"p{p}", **MODEL, source=IteratorSource(gs), process_index=p,
-                        process_count=process_count)) for p in range(process_count)]
+    parts = [
+        drain(
+            Feed(
+                CFG,
+                tmp_path / f"p{p}",
+                **MODEL,
+                source=IteratorSource(gs),
+                process_index=p,
+                process_count=process_count,
+            )
+        )
+        for p in range(process_count)
+    ]
     assert not (tmp_path / "p1" / "ledger.json").exists()      # only process 0 writes files
     for k, (batch, info) in enumerate(full):
         for p in range(process_count):
@@ -195,7 +223,9 @@ def test_multiprocess_feeds_agree(tmp_path, process_count):
             np.testing.assert_array_equal(parts[p][k][0].factors_T, batch.factors_T)
             np.testing.assert_array_equal(parts[p][k][0].group_ids_T, batch.group_ids_T)
         np.testing.assert_array_equal(
-            np.concatenate([parts[p][k][0].tokens_BxS for p in range(process_count)]), batch.tokens_BxS)
+            np.concatenate([parts[p][k][0].tokens_BxS for p in range(process_count)]),
+            batch.tokens_BxS,
+        )
         np.testing.assert_array_equal(
             np.concatenate([parts[p][k][0].loss_mask_BxS for p in range(process_count)]),
             batch.loss_mask_BxS)
@@ -248,9 +278,22 @@ def test_feed_config_rejects_bad_values():
 
 
 def test_committed_sample_feed_matches_its_documented_command(tmp_path):
-    # docs/feed.md: python scripts/make_sample_feed.py --out data/sample_feed.jsonl --groups 96 --seed 0
+    # docs/feed.md:
+    #   python scripts/make_sample_feed.py --out data/sample_feed.jsonl --groups 96 --seed 0
     import subprocess
     out = tmp_path / "s.jsonl"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_sample_feed.py"), "--out", str(out),
-                    "--groups", "96", "--seed", "0"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "make_sample_feed.py"),
+            "--out",
+            str(out),
+            "--groups",
+            "96",
+            "--seed",
+            "0",
+        ],
+        check=True,
+        capture_output=True,
+    )
     assert out.read_bytes() == (ROOT / "data" / "sample_feed.jsonl").read_bytes()

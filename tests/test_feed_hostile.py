@@ -88,7 +88,9 @@ def test_endless_and_huge_lines_are_read_in_bounded_memory(tmp_path):
     tracemalloc.stop()
     assert peak < 4 * LIMIT + (1 << 20) + 2_000_000, peak   # never the whole line
     assert ledger.quarantined_by_reason == {Reason.RECORD_TOO_LARGE: 2}
-    entries = [json.loads(x) for x in (tmp_path / "w" / "dead_letter.jsonl").read_text().splitlines()]
+    entries = [
+        json.loads(x) for x in (tmp_path / "w" / "dead_letter.jsonl").read_text().splitlines()
+    ]
     import hashlib
     assert entries[0]["oversized"]["size"] == len(big)
     assert entries[0]["oversized"]["sha256"] == hashlib.sha256(big).hexdigest()

@@ -117,22 +117,47 @@ def test_bad_encodings_are_named():
     good = packed.pack(np.zeros((n_gen, 2, 2), np.int64), "uint8")
     assert _reject(good) is None
     cases = {
-        "wrong length": (msgspec.structs.replace(good, b64=good.b64[:-4]),
-                         Reason.BAD_ENCODING, "needs 28 bytes"),
-        "not padded": (msgspec.structs.replace(good, b64=good.b64[:-1]),
-                       Reason.BAD_ENCODING, "not a padded base64 length"),
+        "wrong length": (
+            msgspec.structs.replace(good, b64=good.b64[:-4]),
+            Reason.BAD_ENCODING,
+            "needs 28 bytes",
+        ),
+        "not padded": (
+            msgspec.structs.replace(good, b64=good.b64[:-1]),
+            Reason.BAD_ENCODING,
+            "not a padded base64 length",
+        ),
         "dtype": (msgspec.structs.replace(good, dtype="int8"), Reason.BAD_ENCODING, "int8"),
-        "uint16 bytes as uint8": (msgspec.structs.replace(good, dtype="uint16"),
-                                  Reason.BAD_ENCODING, "needs 56 bytes"),
-        "rank": (msgspec.structs.replace(good, shape=[n_gen, 4]), Reason.BAD_ENCODING, "is not 3-d"),
-        "shape vs model": (packed.pack(np.zeros((n_gen, 2, 3), np.int64)),
-                           Reason.ROUTED_EXPERTS, "expected [n, 2, 2]"),
-        "shape vs tokens": (packed.pack(np.zeros((n_gen + 1, 2, 2), np.int64)),
-                            Reason.ROUTED_EXPERTS, "n = 7 generated tokens or 12 tokens"),
-        "id >= E": (packed.pack(np.full((n_gen, 2, 2), 8)), Reason.ROUTED_EXPERTS,
-                    "at build: expert id 8 >= num_experts 8"),
-        "alphabet": (msgspec.structs.replace(good, b64="*" + good.b64[1:]),
-                     Reason.BAD_ENCODING, "at build: routed_experts: b64 is not valid base64"),
+        "uint16 bytes as uint8": (
+            msgspec.structs.replace(good, dtype="uint16"),
+            Reason.BAD_ENCODING,
+            "needs 56 bytes",
+        ),
+        "rank": (
+            msgspec.structs.replace(good, shape=[n_gen, 4]),
+            Reason.BAD_ENCODING,
+            "is not 3-d",
+        ),
+        "shape vs model": (
+            packed.pack(np.zeros((n_gen, 2, 3), np.int64)),
+            Reason.ROUTED_EXPERTS,
+            "expected [n, 2, 2]",
+        ),
+        "shape vs tokens": (
+            packed.pack(np.zeros((n_gen + 1, 2, 2), np.int64)),
+            Reason.ROUTED_EXPERTS,
+            "n = 7 generated tokens or 12 tokens",
+        ),
+        "id >= E": (
+            packed.pack(np.full((n_gen, 2, 2), 8)),
+            Reason.ROUTED_EXPERTS,
+            "at build: expert id 8 >= num_experts 8",
+        ),
+        "alphabet": (
+            msgspec.structs.replace(good, b64="*" + good.b64[1:]),
+            Reason.BAD_ENCODING,
+            "at build: routed_experts: b64 is not valid base64",
+        ),
     }
     for name, (routed, reason, words) in cases.items():
         got = _reject(routed)
@@ -255,7 +280,9 @@ def test_a_payload_that_fails_on_one_process_is_quarantined_on_all(tmp_path, fie
     assert ledger0.to_json() == ledger1.to_json()
     assert ledger0.quarantined_by_reason == {reason: 1} and ledger0.balanced
     assert ledger0.trained == 5
-    entries = [json.loads(x) for x in (tmp_path / "p0" / "dead_letter.jsonl").read_text().splitlines()]
+    entries = [
+        json.loads(x) for x in (tmp_path / "p0" / "dead_letter.jsonl").read_text().splitlines()
+    ]
     assert [(e["reason"], e["group_id"]) for e in entries] == [(reason, bad.group_id)]
     assert words in entries[0]["detail"]
     assert entries[0]["record"] == schema.to_builtins(bad)
@@ -317,7 +344,10 @@ def test_allgather_round_trips_in_one_process():
 def test_compact_tokens_and_logprobs_headers_are_checked_on_arrival():
     g = _group(None)
     t = g.trajectories[0]
-    tokens, logprobs = packed.pack_array(t.tokens, "int32"), packed.pack_array(t.logprobs, "float32")
+    tokens, logprobs = (
+        packed.pack_array(t.tokens, "int32"),
+        packed.pack_array(t.logprobs, "float32"),
+    )
     cfg, shape = FeedConfig(max_traj_tokens=128, seq_len=128), ModelShape(256, 2, 2, 8)
 
     def reason(**fields):

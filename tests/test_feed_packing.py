@@ -23,9 +23,18 @@ def _traj(i, n, rng):
     mask = (rng.random(n) < 0.6).astype(np.float32)
     mask[0] = 0.0
     return ParsedTrajectory(
-        trajectory_id=f"t{i}", tokens=rng.integers(1, 256, n).astype(np.int32), loss_mask=mask,
-        logprobs=-rng.random(n).astype(np.float32), routed=rng.integers(0, 8, (n, 2, 2)).astype(np.int32),
-        reward=1.0, hacked=False, tier=0, rank=0, factor=1.0, adjustment=0.0)
+        trajectory_id=f"t{i}",
+        tokens=rng.integers(1, 256, n).astype(np.int32),
+        loss_mask=mask,
+        logprobs=-rng.random(n).astype(np.float32),
+        routed=rng.integers(0, 8, (n, 2, 2)).astype(np.int32),
+        reward=1.0,
+        hacked=False,
+        tier=0,
+        rank=0,
+        factor=1.0,
+        adjustment=0.0,
+    )
 
 
 def test_ffd_by_hand():
@@ -79,8 +88,10 @@ def test_process_row_split_reassembles_the_global_rows(process_count):
     trajs = [_traj(i, n, rng) for i, n in enumerate(lengths)]
     plan = packing.first_fit_decreasing(lengths, B, S)
     full = packing.build_rows(plan, trajs, slice(0, B), S, (2, 2))
-    parts = [packing.build_rows(plan, trajs, packing.local_row_slice(B, p, process_count), S, (2, 2))
-             for p in range(process_count)]
+    parts = [
+        packing.build_rows(plan, trajs, packing.local_row_slice(B, p, process_count), S, (2, 2))
+        for p in range(process_count)
+    ]
     for name in ("tokens", "segment_ids", "positions", "traj_index", "loss_mask", "old_logprobs",
                  "routed"):
         np.testing.assert_array_equal(np.concatenate([getattr(p, name) for p in parts]),
@@ -151,7 +162,9 @@ def test_column_block_equals_the_slice_of_the_whole_build(lengths, seed, data):
         r, a, t = plan.row_T[i], plan.offset_T[i], plain[i]
         np.testing.assert_array_equal(whole.routed[r, a:a + t.length], routed)
         np.testing.assert_array_equal(whole.tokens[r, a:a + t.length], t.tokens)
-        np.testing.assert_array_equal(whole.old_logprobs[r, a:a + t.length], t.logprobs * t.loss_mask)
+        np.testing.assert_array_equal(
+            whole.old_logprobs[r, a : a + t.length], t.logprobs * t.loss_mask
+        )
 
 
 def test_column_block_decodes_only_overlapping_trajectories(monkeypatch):
@@ -246,7 +259,12 @@ def test_hosts_sharing_rows_reassemble_the_single_host_batch(tmp_path, devices, 
                & (one.segment_ids_BxS[:, c] > 0)).any() for c in bounds)
     assert (one.routed_experts_BxSxLxK >= 0).any()
     shapes = packing.global_shapes(one, 4, 64)
-    assert shapes.tokens_BxS.shape == (4, 64) and shapes.routed_experts_BxSxLxK.shape == (4, 64, 2, 2)
+    assert shapes.tokens_BxS.shape == (4, 64) and shapes.routed_experts_BxSxLxK.shape == (
+        4,
+        64,
+        2,
+        2,
+    )
     shardings = sharding.batch_shardings(shapes, mesh)
     for name in ("tokens_BxS", "segment_ids_BxS", "positions_BxS", "traj_index_BxS",
                  "loss_mask_BxS", "old_logprobs_BxS", "routed_experts_BxSxLxK"):

@@ -95,9 +95,20 @@ def test_crash_and_resume_consumes_every_shard_exactly_once(tmp_path):
 
 def test_example_producer_feeds_the_learner(tmp_path):
     for version in (0, 1):
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "example_producer.py"),
-                        "--spool", str(tmp_path), "--policy-version", str(version), "--groups", "3"],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "scripts" / "example_producer.py"),
+                "--spool",
+                str(tmp_path),
+                "--policy-version",
+                str(version),
+                "--groups",
+                "3",
+            ],
+            check=True,
+            capture_output=True,
+        )
     (tmp_path / DONE_MARKER).touch()
     feed = Feed(spool_cfg(tmp_path), tmp_path / "run", **MODEL)
     batches = []

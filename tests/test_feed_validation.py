@@ -52,7 +52,9 @@ def test_every_reason_is_dead_lettered_with_its_record(tmp_path):
     bad = synthetic.malformed_records(seed=0)
     good = synthetic.make_groups(1, seed=0)[0]
     good_mixed = msgspec.structs.replace(good, group_id="dup")
-    big = schema.encode(msgspec.structs.replace(good, group_id="huge", task_id="x" * 300_000), "json")
+    big = schema.encode(
+        msgspec.structs.replace(good, group_id="huge", task_id="x" * 300_000), "json"
+    )
     too_large = msgspec.structs.replace(  # 5 x 120 tokens cannot pack into 4 rows of 128
         good, group_id="too-large", trajectories=[
             schema.Trajectory(trajectory_id=f"t{i}", tokens=[1] * 120, loss_mask=[0] + [1] * 119,
@@ -72,7 +74,9 @@ def test_every_reason_is_dead_lettered_with_its_record(tmp_path):
     # invalid_record is the catch-all for failures no rule names (tested by injection).
     assert set(Reason.all()) - {Reason.INVALID} == {e["reason"] for e in entries}, \
         "a reason is never exercised"
-    for e, (payload, enc) in zip(entries, [r for r, x in zip(records, expected, strict=False) if x], strict=False):
+    for e, (payload, enc) in zip(
+        entries, [r for r, x in zip(records, expected, strict=False) if x], strict=False
+    ):
         if e["reason"] == Reason.RECORD_TOO_LARGE:   # bounded: prefix + size + sha256
             assert e["oversized"] == {
                 "prefix_base64": base64.b64encode(payload[:deadletter.PREFIX_BYTES]).decode(),

@@ -1,4 +1,6 @@
-"""Tier / rank -> factor mapping: hand-worked values, ties, the table's validation, a loop reference."""
+"""Tier / rank -> factor mapping: hand-worked values, ties, the table's validation, \
+a loop reference."""
+
 import math
 
 import ml_collections
@@ -91,14 +93,16 @@ def test_tier_code_and_input_errors():
 
 def _loop_reference(tiers, ranks, gids, table):
     out = []
-    for i, (t, r, g) in enumerate(zip(tiers, ranks, gids, strict=False)):
+    for _i, (t, r, g) in enumerate(zip(tiers, ranks, gids, strict=False)):
         same = [ranks[j] for j in range(len(tiers)) if tiers[j] == t and gids[j] == g]
         if t == STRONG:
             out.append(table.strong_best if r == min(same) else table.strong_other)
         elif t == INTERMEDIATE:
             lo, hi = min(same), max(same)
             x = 0.0 if hi == lo else (r - lo) / (hi - lo)
-            out.append(table.intermediate_best - (table.intermediate_best - table.intermediate_worst) * x)
+            out.append(
+                table.intermediate_best - (table.intermediate_best - table.intermediate_worst) * x
+            )
         elif t == DEFECTIVE:
             out.append(table.defective)
         else:

@@ -37,7 +37,9 @@ def torch_model():
     m = Qwen3MoeForCausalLM(_hf_config()).eval()
     with torch.no_grad():  # HF's 0.02 init gives near-uniform logits: use larger weights
         for name, p in m.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+            p.copy_(
+                1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p)
+            )
     return m
 
 

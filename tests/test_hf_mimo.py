@@ -28,14 +28,38 @@ LAYER_TYPES = ["full_attention", "sliding_attention", "sliding_attention", "full
 
 def _hf_config():
     return MiMoV2FlashConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=7,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=12, v_head_dim=8,
-        moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
-        topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, sliding_window=3,
-        layer_types=LAYER_TYPES, attention_value_scale=0.707, rms_norm_eps=1e-5,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=7,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=12,
+        v_head_dim=8,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        sliding_window=3,
+        layer_types=LAYER_TYPES,
+        attention_value_scale=0.707,
+        rms_norm_eps=1e-5,
         rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.334},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0, "partial_rotary_factor": 0.334}})
+            "full_attention": {
+                "rope_type": "default",
+                "rope_theta": 1000.0,
+                "partial_rotary_factor": 0.334,
+            },
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": 50.0,
+                "partial_rotary_factor": 0.334,
+            },
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +119,11 @@ def test_config_reads_every_feature(loaded):
     assert cfg.layer_types == ("full", "sliding", "sliding", "full", "sliding", "sliding", "full")
     assert (cfg.sliding_window, cfg.num_kv_heads, cfg.sliding_kv_heads) == (3, 1, 2)
     assert (cfg.head_dim, cfg.value_head_dim, cfg.rotary_dim) == (12, 8, 4)
-    assert (cfg.rope_theta, cfg.sliding_rope_theta, cfg.attention_value_scale) == (1000.0, 50.0, 0.707)
+    assert (cfg.rope_theta, cfg.sliding_rope_theta, cfg.attention_value_scale) == (
+        1000.0,
+        50.0,
+        0.707,
+    )
     assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) == (4, 2, 2.5)
     assert cfg.router == "sigmoid_bias" and cfg.attention_sinks and not cfg.qk_norm
     assert cfg.num_dense_layers == 1 and hf_families.resolve_family(cfg) == "mimo_v2_flash"
@@ -135,13 +163,18 @@ def test_fp32_round_trip_is_exact(loaded, tmp_path):
     model, _, _, ours = loaded
     hf.save_pretrained(model, str(tmp_path))
     again, _ = hf.from_pretrained(str(tmp_path), **FAST)
-    for a, b in zip(jax.tree.leaves(nnx.state(again)), jax.tree.leaves(nnx.state(model)), strict=False):
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(again)), jax.tree.leaves(nnx.state(model)), strict=False
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_fused_layout_in_memory_names_and_mtp_skipped(torch_model, hf_dir, loaded, tmp_path):
     state = {k: v.contiguous() for k, v in torch_model.state_dict().items()}
-    assert "model.layers.1.mlp.experts.gate_up_proj" in state and "model.layers.1.self_attn.sinks" in state
+    assert (
+        "model.layers.1.mlp.experts.gate_up_proj" in state
+        and "model.layers.1.self_attn.sinks" in state
+    )
     state["model.mtp.layers.0.proj.weight"] = torch.randn(4, 4)  # multi-token prediction: skipped
     save_file(state, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(open(os.path.join(hf_dir, "config.json")).read())
@@ -226,8 +259,12 @@ def test_block_fp8_checkpoint_loads(loaded, tmp_path):
             out[name] = deq[name] = w
     hf.write_safetensors(str(tmp_path / "model.safetensors"), out)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                     "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic",
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     fp8, _ = hf.from_pretrained(str(tmp_path), **FAST)
     ref = tmp_path / "ref"
@@ -235,7 +272,9 @@ def test_block_fp8_checkpoint_loads(loaded, tmp_path):
     hf.write_safetensors(str(ref / "model.safetensors"), deq)
     (ref / "config.json").write_text((src / "config.json").read_text())
     want, _ = hf.from_pretrained(str(ref), **FAST)
-    for a, b in zip(jax.tree.leaves(nnx.state(fp8)), jax.tree.leaves(nnx.state(want)), strict=False):
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(fp8)), jax.tree.leaves(nnx.state(want)), strict=False
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not np.array_equal(deq["model.layers.1.self_attn.q_proj.weight"],
                               tensors("model.layers.1.self_attn.q_proj.weight"))  # really rounded
@@ -246,7 +285,9 @@ def test_unexpressible_configs_are_refused():
     from gagar_jax.model.transformer import ModelConfig
     base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                 head_dim=8, moe_intermediate_size=16, intermediate_size=48, num_experts=4, top_k=2)
-    with pytest.raises(ValueError, match="hf_family='qwen3_moe' cannot express.*router='sigmoid_bias'"):
+    with pytest.raises(
+        ValueError, match="hf_family='qwen3_moe' cannot express.*router='sigmoid_bias'"
+    ):
         resolve_family(ModelConfig(**base, router="sigmoid_bias", hf_family="qwen3_moe"))
     with pytest.raises(ValueError, match="mimo_v2_flash' cannot express.*qk_norm=True"):
         resolve_family(ModelConfig(**base, router="sigmoid_bias", hf_family="mimo_v2_flash"))
@@ -260,10 +301,14 @@ def test_unexpressible_configs_are_refused():
     with pytest.raises(ValueError, match="cannot be exported"):
         hf.config_to_hf(orphan)
     assert resolve_family(ModelConfig(**base)) == "qwen3_moe"
-    assert resolve_family(ModelConfig(**base, router="sigmoid_bias", qk_norm=False)) == "mimo_v2_flash"
+    assert (
+        resolve_family(ModelConfig(**base, router="sigmoid_bias", qk_norm=False)) == "mimo_v2_flash"
+    )
 
 
-def test_unexportable_config_with_publishing_exits_2_before_compiling(capsys, tmp_path, monkeypatch):
+def test_unexportable_config_with_publishing_exits_2_before_compiling(
+    capsys, tmp_path, monkeypatch
+):
     from gagar_jax.run import cli, train
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     calls = []
@@ -320,7 +365,9 @@ def test_init_from_refuses_a_checkpoint_of_another_router(tmp_path):
     from gagar_jax.run.step import StepConfig
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config_file(os.path.join(root, "configs", "tiny_cpu.py"))
-    hf.save_pretrained(Transformer(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(0)), str(tmp_path))
+    hf.save_pretrained(
+        Transformer(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(0)), str(tmp_path)
+    )
     with cfg.unlocked():
         cfg.model.router = "sigmoid_bias"
     with pytest.raises(ConfigError, match="does not match.*router='softmax'"):

@@ -85,7 +85,9 @@ def test_logits_bytes_by_hand():
 
 
 def test_entropy_of_uniform_is_log_v():
-    lp, ent = chunked_logprobs_entropy(jnp.zeros((3, 4)), jnp.ones((4, 10)), jnp.array([0, 3, 9]), 4)
+    lp, ent = chunked_logprobs_entropy(
+        jnp.zeros((3, 4)), jnp.ones((4, 10)), jnp.array([0, 3, 9]), 4
+    )
     np.testing.assert_allclose(ent, np.log(10.0) * np.ones(3), rtol=1e-6)
     np.testing.assert_allclose(lp, -np.log(10.0) * np.ones(3), rtol=1e-6)
 
@@ -133,13 +135,23 @@ def test_chunked_never_holds_full_logits():
     N, D = 2048, 32
 
     def temp(fn, V):
-        args = (jax.ShapeDtypeStruct((N, D), jnp.float32), jax.ShapeDtypeStruct((D, V), jnp.float32),
-                jax.ShapeDtypeStruct((N,), jnp.int32))
+        args = (
+            jax.ShapeDtypeStruct((N, D), jnp.float32),
+            jax.ShapeDtypeStruct((D, V), jnp.float32),
+            jax.ShapeDtypeStruct((N,), jnp.int32),
+        )
 
         def loss(h, w, t):
             lp, ent = fn(h, w, t)
             return jnp.sum(lp) + jnp.sum(ent)
-        return jax.jit(jax.grad(loss, (0, 1))).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+        return (
+            jax.jit(jax.grad(loss, (0, 1)))
+            .lower(*args)
+            .compile()
+            .memory_analysis()
+            .temp_size_in_bytes
+        )
 
     chunked = lambda h, w, t: chunked_logprobs_entropy(h, w, t, 512)  # noqa: E731
     small, large = temp(chunked, 8192), temp(chunked, 32768)

@@ -87,7 +87,9 @@ def jit_pg_loss(logp, ent, inputs, cfg):
 # ---------------------------------------------------------------- hand-worked values
 def test_surrogate_hand_values():
     """Four tokens, one trajectory each, seq-mean-token-sum with N = 4 (weights 1/4)."""
-    cfg = L.LossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0, aggregation="seq-mean-token-sum")
+    cfg = L.LossConfig(
+        clip_low=0.2, clip_high=0.28, dual_clip=3.0, aggregation="seq-mean-token-sum"
+    )
     ratio = np.array([[1.5, 0.5, 5.0, 1.1]], np.float32)
     adv = np.array([[1.0, -1.0, -1.0, 0.5]], np.float32)
     mask = np.ones((1, 4), np.float32)
@@ -100,7 +102,12 @@ def test_surrogate_hand_values():
     logp = jnp.log(jnp.asarray(ratio))
     loss, aux = jit_pg_loss(logp, jnp.zeros_like(logp), inp, cfg)
     np.testing.assert_allclose(loss, expected, rtol=1e-6)
-    assert (aux.clip_high_count, aux.clip_low_count, aux.dual_clip_count, aux.tokens) == (1, 1, 1, 4)
+    assert (aux.clip_high_count, aux.clip_low_count, aux.dual_clip_count, aux.tokens) == (
+        1,
+        1,
+        1,
+        4,
+    )
     grad = jax.grad(lambda lp: L.pg_loss(lp, jnp.zeros_like(lp), inp, cfg)[0])(logp)
     # Only the unclipped token moves: d/dlogp (-A r / 4) = -0.5 * 1.1 / 4.
     np.testing.assert_allclose(grad, [[0.0, 0.0, 0.0, -0.5 * 1.1 / 4]], rtol=1e-6, atol=1e-7)
@@ -151,7 +158,7 @@ def test_loss_matches_numpy_in_each_mode(agg, K):
     for k in range(K):
         got = 0.0
         for j in range(2):
-            sub = jax.tree.map(lambda x: x[k, j], split)
+            sub = jax.tree.map(lambda x, k=k, j=j: x[k, j], split)
             got += float(jit_pg_loss(lp[k, j], jnp.zeros_like(lp[k, j]), sub, cfg)[0])
         np.testing.assert_allclose(got, want_K[k], rtol=2e-5, atol=1e-7)
 
@@ -208,7 +215,7 @@ def test_uniform_advantages_give_zero_gradient():
     inp = inputs_from(np.zeros_like(mask), mask, mask / 12, old)
     for agg in AGGS:
         cfg = L.LossConfig(aggregation=agg, dual_clip=3.0)
-        g = jax.grad(lambda lp: L.pg_loss(lp, jnp.zeros_like(lp), inp, cfg)[0])(logp)
+        g = jax.grad(lambda lp, cfg=cfg: L.pg_loss(lp, jnp.zeros_like(lp), inp, cfg)[0])(logp)
         np.testing.assert_array_equal(g, 0.0)
 
 

@@ -67,7 +67,9 @@ def test_sha256_matches_independent_definition():
         units = [arr] if arr.ndim == 0 else list(arr)
         for u, unit in enumerate(units):
             header = json.dumps([name, arr.dtype.name, list(arr.shape), u]).encode()
-            body = hashlib.sha256(np.asarray(unit).astype("<" + arr.dtype.str[1:]).tobytes()).digest()
+            body = hashlib.sha256(
+                np.asarray(unit).astype("<" + arr.dtype.str[1:]).tobytes()
+            ).digest()
             h.update(struct.pack("<Q", len(header)) + header + body)
             total += float(np.sum(np.asarray(unit, np.float64) ** 2))
     assert metrics.params_sha256(params) == h.hexdigest()
@@ -309,11 +311,11 @@ def test_writer_jsonl_tensorboard_and_groups(tmp_path):
     writer.write_groups(metrics.group_records(**_audit_inputs()))
     writer.close()
 
-    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert lines[0] == {"step": 1, "time": 100.0, "loss": 0.5, "lam/mean": 1.25}
     assert lines[1]["step"] == 2 and lines[1]["loss"] is None
     assert lines[1]["nonfinite"] == ["loss"] and lines[1]["tokens_per_s"] == 1000.0
-    assert [json.loads(l) for l in open(tmp_path / "groups.jsonl")] == EXPECTED_GROUPS
+    assert [json.loads(line) for line in open(tmp_path / "groups.jsonl")] == EXPECTED_GROUPS
     tb = _read_tb_scalars(tmp_path / "tensorboard")
     assert tb["loss"] == [(1, 0.5)]  # the inf is not sent to TensorBoard
     assert tb["lam/mean"] == [(1, 1.25), (2, 1.0)]
@@ -323,7 +325,7 @@ def test_writer_jsonl_tensorboard_and_groups(tmp_path):
     writer = metrics.MetricsWriter(tmp_path, tensorboard=False)
     writer.write(3, {"loss": 0.25})
     writer.close()
-    assert [json.loads(l)["step"] for l in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
 
 def test_writer_disabled_writes_nothing(tmp_path):

@@ -61,7 +61,8 @@ def test_shapes_aux_and_router_bias_is_not_a_param(model):
 
 def test_causal_no_gradient_from_later_tokens(model):
     t = 11
-    tokens = jnp.concatenate([jnp.arange(12), 100 + jnp.arange(12)])[None]  # later ids unseen before
+    tokens = jnp.concatenate([jnp.arange(12), 100 + jnp.arange(12)])[None]  # later ids unseen
+                                                                            # before
     seg, pos = jnp.ones((1, 24), jnp.int32), jnp.arange(24)[None]
 
     def f(m):
@@ -75,7 +76,9 @@ def test_causal_no_gradient_from_later_tokens(model):
 def test_packed_row_equals_each_sequence_alone(model):
     packed, _ = forward(model, TOKENS, SEG, POS)
     for lo, hi in ((0, 10), (10, 20)):
-        alone, _ = forward(model, TOKENS[:1, lo:hi], jnp.ones((1, 10), jnp.int32), jnp.arange(10)[None])
+        alone, _ = forward(
+            model, TOKENS[:1, lo:hi], jnp.ones((1, 10), jnp.int32), jnp.arange(10)[None]
+        )
         assert_rel_close(packed[0, lo:hi], alone[0])
 
 
@@ -84,7 +87,7 @@ def _unrolled_logits(m, tokens, seg, pos):
     x = m.embedding[...][tokens]
     graphdef, state = nnx.split(m.moe_layers)
     for i in range(CFG.num_moe_layers):
-        layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+        layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
         x, _ = layer(x, seg, pos, None)
     return m.final_norm(x) @ m.output_kernel_DxV()
 
@@ -204,10 +207,16 @@ def test_layer_pattern_scanned_and_program_size_flat_with_depth():
                                    sliding_window=4, sliding_num_kv_heads=4, attention_sinks=True)
 
     assert [(s.name, len(s.pattern), s.repeats) for s in layer_stacks(cfg_of(48))] == [
-        ("dense_layers", 1, 1), ("moe_layers", 6, 7), ("moe_layers_1", 1, 4), ("moe_layers_2", 1, 1)]
+        ("dense_layers", 1, 1),
+        ("moe_layers", 6, 7),
+        ("moe_layers_1", 1, 4),
+        ("moe_layers_2", 1, 1),
+    ]
 
     def hlo_size(n):
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg_of(n), rngs=nnx.Rngs(0))))
+        graphdef, state = nnx.split(
+            nnx.eval_shape(lambda: Transformer(cfg_of(n), rngs=nnx.Rngs(0)))
+        )
         fn = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t)[0])
         return len(fn.lower(state, TOKENS).as_text())
 

@@ -8,7 +8,7 @@ import gagar_jax
 
 
 def test_every_export_resolves_to_its_defining_module():
-    for name, module in gagar_jax._EXPORTS.items():
+    for name, _module in gagar_jax._EXPORTS.items():
         obj = getattr(gagar_jax, name)
         assert getattr(obj, "__name__", name) == name, name
         assert obj.__module__.startswith("gagar_jax"), (name, obj.__module__)
@@ -18,7 +18,7 @@ def test_every_export_resolves_to_its_defining_module():
 
 def test_unknown_name_is_an_attribute_error():
     try:
-        gagar_jax.no_such_name
+        gagar_jax.no_such_name  # noqa: B018 -- the lookup itself must raise AttributeError
     except AttributeError as err:
         assert "no_such_name" in str(err)
     else:

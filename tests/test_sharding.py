@@ -42,11 +42,15 @@ def test_make_mesh_fill_and_errors(devices):
 
 def test_logical_to_spec_rules_and_divisibility():
     mesh = mesh_of(2, 1, 4, 1)
-    assert sharding.logical_to_spec(("batch", None), (8, 16), mesh) == P(("data", "fsdp", "expert"), None)
+    assert sharding.logical_to_spec(("batch", None), (8, 16), mesh) == P(
+        ("data", "fsdp", "expert"), None
+    )
     # 6 rows: data (2) divides, data*expert (8) does not -> expert dropped.
     assert sharding.logical_to_spec(("batch",), (6,), mesh) == P(("data", "fsdp"))
     wide = mesh_of(1, 1, 1, 8)
-    assert sharding.logical_to_spec(("embed", "kv_heads", None), (64, 2, 16), wide) == P("fsdp", None, None)
+    assert sharding.logical_to_spec(("embed", "kv_heads", None), (64, 2, 16), wide) == P(
+        "fsdp", None, None
+    )
     with pytest.raises(KeyError, match="unknown logical axis"):
         sharding.logical_to_spec(("nope",))
 
@@ -103,7 +107,9 @@ def _loss_and_grads(cfg, state_sharding=None, mesh=None):
         return fn(state, TOKENS)
     with jax.set_mesh(mesh):
         state = jax.device_put(state, sharding.state_shardings(state, mesh))
-        tokens = jax.device_put(TOKENS, sharding.named_sharding(mesh, ("batch", None), TOKENS.shape))
+        tokens = jax.device_put(
+            TOKENS, sharding.named_sharding(mesh, ("batch", None), TOKENS.shape)
+        )
         return fn(state, tokens)
 
 

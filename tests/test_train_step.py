@@ -33,7 +33,9 @@ FACTORS = [1.0, 0.4, 1, 1,   0.9, 1, 1, 1,   1.0, 0.85, 0.4, 1,   0.2, 0.2, 1, 1
 
 
 def tiny_cfg(**over):
-    spec = importlib.util.spec_from_file_location("tiny_cpu", os.path.join(ROOT, "configs", "tiny_cpu.py"))
+    spec = importlib.util.spec_from_file_location(
+        "tiny_cpu", os.path.join(ROOT, "configs", "tiny_cpu.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     c = mod.get_config()
@@ -172,7 +174,9 @@ def test_step_metrics_and_state(cfg, ref_out, batch, init):
     assert 0.0 <= float(m.clip_frac_high) < 0.5 and float(m.entropy) > 0.0
     assert np.isfinite(m.loss) and float(m.grad_norm) > 0
     np.testing.assert_allclose(m.learning_rate, 1e-2)
-    np.testing.assert_allclose(m.pos_credit_before, np.asarray(adv.pos_credit_before).sum(), rtol=1e-6)
+    np.testing.assert_allclose(
+        m.pos_credit_before, np.asarray(adv.pos_credit_before).sum(), rtol=1e-6
+    )
     np.testing.assert_allclose(m.expert_load_LxE.sum(-1), 1.0, rtol=1e-5)
     changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), new.params, host.params)
     assert all(jax.tree.leaves(changed)[:3])
@@ -207,7 +211,9 @@ def test_nonfinite_skips_update(step1, init, batch):
 
 def test_uniform_batch_gives_zero_policy_gradient(step1, init, batch):
     host, _, shardings = init
-    uniform = batch.replace(rewards_T=jnp.asarray([1] * 4 + [0] * 4 + [1] * 4 + [0] * 4, jnp.float32))
+    uniform = batch.replace(
+        rewards_T=jnp.asarray([1] * 4 + [0] * 4 + [1] * 4 + [0] * 4, jnp.float32)
+    )
     new, m = step1(fresh(host, shardings), uniform)
     assert float(m.mixed_groups) == 0 and float(m.grad_norm) == 0.0 and float(m.pg_loss) == 0.0
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(new).params, host.params)
@@ -246,7 +252,9 @@ def test_sharded_accumulated_step_matches_single_device(shape, micro, cfg, init,
     bsh = shd.batch_shardings(batch, mesh)
     step = TS.make_train_step(c, mesh, shardings, bsh, graphdef)
     new, m = step(state, jax.device_put(batch, bsh))
-    gate = [x for p, x in jax.tree_util.tree_leaves_with_path(new.params) if "expert_gate" in str(p)][0]
+    gate = [
+        x for p, x in jax.tree_util.tree_leaves_with_path(new.params) if "expert_gate" in str(p)
+    ][0]
     if len(shape) == 5:  # the rows really are split along S, the parameters over fsdp x context
         assert bsh.tokens_BxS.spec[1] == "context"
         assert "context" in str(gate.sharding.spec)
@@ -340,7 +348,9 @@ def test_training_moves_logprobs_by_advantage(cfg, init, forward, mesh1, step1, 
     host, graphdef, shardings = init
     assert cfg.loss.mode == "sum_preserving"
     binary = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, mode="binary"))
-    step_bin = TS.make_train_step(binary, mesh1, shardings, shd.batch_shardings(batch, mesh1), graphdef)
+    step_bin = TS.make_train_step(
+        binary, mesh1, shardings, shd.batch_shardings(batch, mesh1), graphdef
+    )
     d_sp, adv_sp = _train_gaps(step1, init, forward)
     d_bin, adv_bin = _train_gaps(step_bin, init, forward)
     for d, adv in ((d_sp, adv_sp), (d_bin, adv_bin)):

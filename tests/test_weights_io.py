@@ -48,12 +48,16 @@ def _save_random(hf_cfg: dict, path, seed: int = 0) -> None:
     """A random checkpoint written with NumPy (no JAX init): names and shapes from the family."""
     cfg = hf.config_from_hf(hf_cfg, **FAST)
     _, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-    leaves = {sharding.leaf_path(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    leaves = {
+        sharding.leaf_path(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(abstract)[0]
+    }
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, t in hf_save.plan_save(leaves, cfg, 1, "float32").tensors.items():
         w = rng.standard_normal(t.shape, dtype=np.float32)
-        tensors[name] = 1.0 + 0.1 * w if "norm" in name else w * np.float32(0.6 / np.sqrt(t.shape[-1]))
+        tensors[name] = (
+            1.0 + 0.1 * w if "norm" in name else w * np.float32(0.6 / np.sqrt(t.shape[-1]))
+        )
     write_safetensors(os.path.join(path, "model.safetensors"), tensors)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf.config_to_hf(cfg, "float32"), f)
@@ -106,7 +110,9 @@ def test_fp8_box_dequantizes_only_its_blocks(tmp_path):
     src = hf_load.Source(tmp_path, (128, 128))
     assert src.names == {"w"}
     for box in ([(0, 300), (0, 260)], [(127, 129), (250, 260)], [(130, 300), (5, 140)]):
-        np.testing.assert_array_equal(src.read("w", box), full[box[0][0]:box[0][1], box[1][0]:box[1][1]])
+        np.testing.assert_array_equal(
+            src.read("w", box), full[box[0][0] : box[0][1], box[1][0] : box[1][1]]
+        )
 
 
 def test_views_match_numpy_transforms(tmp_path):
@@ -148,12 +154,16 @@ def test_streaming_load_on_a_mesh_equals_an_independent_reader(small_ckpt, devic
     raw = load_file(str(small_ckpt / "model.safetensors"))   # the safetensors package's reader
     wq = model.moe_layers.attn.wq[...]
     assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-    np.testing.assert_array_equal(np.asarray(wq[1]), raw["model.layers.2.self_attn.q_proj.weight"].T.reshape(32, 4, 8))
+    np.testing.assert_array_equal(
+        np.asarray(wq[1]), raw["model.layers.2.self_attn.q_proj.weight"].T.reshape(32, 4, 8)
+    )
     np.testing.assert_array_equal(np.asarray(model.moe_layers.attn.wo[0]),
                                   raw["model.layers.1.self_attn.o_proj.weight"].T.reshape(4, 8, 32))
     np.testing.assert_array_equal(np.asarray(model.moe_layers.mlp.expert_down[1, 3]),
                                   raw["model.layers.2.mlp.experts.3.down_proj.weight"].T)
-    np.testing.assert_array_equal(np.asarray(model.embedding[...]), raw["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(
+        np.asarray(model.embedding[...]), raw["model.embed_tokens.weight"]
+    )
     # The same bytes from an object store, reading no more than the checkpoint holds.
     files = ("config.json", "model.safetensors")
     for name in files:
@@ -163,7 +173,9 @@ def test_streaming_load_on_a_mesh_equals_an_independent_reader(small_ckpt, devic
     before = memory_store["read"]
     remote, _ = hf.from_pretrained("gs://t/small", mesh=mesh, **FAST)
     assert memory_store["read"] - before <= os.path.getsize(small_ckpt / "model.safetensors") + 4096
-    for a, b in zip(jax.tree.leaves(nnx.state(remote)), jax.tree.leaves(nnx.state(model)), strict=False):
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(remote)), jax.tree.leaves(nnx.state(model)), strict=False
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -179,10 +191,15 @@ def test_units_reshard_to_their_owner(devices):
     for u, w in units.items():
         np.testing.assert_array_equal(w, x.reshape(8, 6, 8)[u].astype(ml_dtypes.bfloat16))
     # Two processes' plan: every unit has exactly one owner, bytes balanced within one unit.
-    two = param_units.plan({"a/embedding": jax.ShapeDtypeStruct((64, 32), np.float32),
-                            "moe_layers/mlp/expert_gate": jax.ShapeDtypeStruct((3, 4, 32, 16), np.float32),
-                            "moe_layers/attn/wq": jax.ShapeDtypeStruct((3, 32, 4, 8), np.float32)},
-                           2, lambda n, v: "float32")
+    two = param_units.plan(
+        {
+            "a/embedding": jax.ShapeDtypeStruct((64, 32), np.float32),
+            "moe_layers/mlp/expert_gate": jax.ShapeDtypeStruct((3, 4, 32, 16), np.float32),
+            "moe_layers/attn/wq": jax.ShapeDtypeStruct((3, 32, 4, 8), np.float32),
+        },
+        2,
+        lambda n, v: "float32",
+    )
     load = np.zeros(2)
     for lu in two.values():
         for u in range(lu.units):
@@ -203,7 +220,9 @@ def test_publish_to_an_object_store_without_rename_or_append(small_ckpt, memory_
     assert publish.published_steps("gs://t/work") == [2]     # keep=1 pruned step 1
     assert [s for s, _ in seen] == [1, 2] and "model.embed_tokens.weight" in seen[0][1]
     again, _ = hf.from_pretrained("gs://t/work/published/step_00000002", **FAST)
-    for a, b in zip(jax.tree.leaves(nnx.state(again)), jax.tree.leaves(nnx.state(model)), strict=False):
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(again)), jax.tree.leaves(nnx.state(model)), strict=False
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -230,8 +249,11 @@ def test_next_publish_waits_for_the_write_in_flight(small_ckpt, tmp_path, device
     assert publish.read_latest(tmp_path)["step"] == 2 and calls == [1, 2]
     pub.publish(model, 3)
     with pytest.raises(RuntimeError, match="sync failed"):
-        pub.close()                  # a failed background write surfaces here
-    assert publish.read_latest(tmp_path)["step"] == 2 and publish.published_steps(tmp_path) == [1, 2]
+        pub.close()  # a failed background write surfaces here
+    assert publish.read_latest(tmp_path)["step"] == 2 and publish.published_steps(tmp_path) == [
+        1,
+        2,
+    ]
 
 
 # -- the 2-process run --------------------------------------------------------------------------
@@ -256,9 +278,24 @@ def test_two_processes_load_and_publish_their_shares(tmp_path):
         e = env(ndev)
         e.update(GAGAR_TEST_STORE_ROOT=str(store),
                  PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
-        procs.append(subprocess.Popen(
-            [sys.executable, worker, "gs://bkt/ckpt", str(tmp_path), str(nproc), str(pid), str(port)],
-            cwd=REPO, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    worker,
+                    "gs://bkt/ckpt",
+                    str(tmp_path),
+                    str(nproc),
+                    str(pid),
+                    str(port),
+                ],
+                cwd=REPO,
+                env=e,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     for p in procs:
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
@@ -274,7 +311,9 @@ def test_two_processes_load_and_publish_their_shares(tmp_path):
     published = store / "bkt" / "work" / "published" / "step_00000007"
     pointer = json.loads((store / "bkt" / "work" / "published" / "latest").read_text())
     assert pointer == {"step": 7, "policy_version": 7, "path": "gs://bkt/work/published/step_00000007"}
-    total = sum(os.path.getsize(published / f) for f in os.listdir(published) if f.endswith(".safetensors"))
+    total = sum(
+        os.path.getsize(published / f) for f in os.listdir(published) if f.endswith(".safetensors")
+    )
     for r in two:
         assert 0.3 * total <= r["written"] <= 0.7 * total, (r["written"], total)
     assert sum(r["publisher_bytes"] for r in two) == total

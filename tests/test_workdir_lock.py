@@ -61,8 +61,10 @@ def test_lock_wait_s_waits_out_the_predecessor(tmp_path):
 
 
 def test_sigkilled_holder_never_blocks_a_restart(tmp_path):
-    code = ("import sys; from gagar_jax.run import workdir_lock; workdir_lock.acquire(sys.argv[1]); "
-            "print('held', flush=True); import time; time.sleep(60)")
+    code = (
+        "import sys; from gagar_jax.run import workdir_lock; workdir_lock.acquire(sys.argv[1]); "
+        "print('held', flush=True); import time; time.sleep(60)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE,
                             text=True)

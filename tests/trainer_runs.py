@@ -29,8 +29,17 @@ def env(devices: int = 8) -> dict:
 
 
 def cmd(workdir, *extra) -> list:
-    return [sys.executable, "-m", "gagar_jax.run.cli", "--config", os.path.join(REPO, "configs", "tiny_cpu.py"),
-            "--workdir", str(workdir), *COMMON, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "gagar_jax.run.cli",
+        "--config",
+        os.path.join(REPO, "configs", "tiny_cpu.py"),
+        "--workdir",
+        str(workdir),
+        *COMMON,
+        *extra,
+    ]
 
 
 def run(workdir, *extra, devices: int = 8, timeout: int = 600) -> dict:

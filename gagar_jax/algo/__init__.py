@@ -1,1 +1,2 @@
-"""The Gagar math as pure functions: grading (tier/rank -> factor), advantages, the loss, step metrics."""
+"""The Gagar math as pure functions: grading (tier/rank -> factor), advantages, the loss, \
+step metrics."""

@@ -40,7 +40,8 @@ _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 def configure_libtpu_env() -> None:
     """Environment that lets libtpu build compile-only topologies on a host without TPUs."""
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")        # no GCE metadata server here
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")  # silences the "could not determine" probe
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")  # silences the "could not determine"
+                                                            # probe
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_WORKER_ID", "0")
     # Compile-only use needs no exclusive TPU: let several processes (tests, scripts) load libtpu.
@@ -156,21 +157,37 @@ class AotReport:
     def table(self) -> str:
         """Human-readable table of the figures (GiB per device)."""
         g = _fmt_bytes
-        rows = [("config", " ".join((self.config,) + tuple(self.overrides))),
-                ("topology", f"{self.topology} ({self.num_devices} chips)"),
-                ("mesh", " ".join(f"{k}={v}" for k, v in self.mesh.items())),
-                ("batch", " ".join(f"{k}={v}" for k, v in self.batch.items())),
-                ("params total / active", f"{self.params_total / 1e9:.2f}B / {self.params_active / 1e9:.2f}B")]
+        rows = [
+            ("config", " ".join((self.config,) + tuple(self.overrides))),
+            ("topology", f"{self.topology} ({self.num_devices} chips)"),
+            ("mesh", " ".join(f"{k}={v}" for k, v in self.mesh.items())),
+            ("batch", " ".join(f"{k}={v}" for k, v in self.batch.items())),
+            (
+                "params total / active",
+                f"{self.params_total / 1e9:.2f}B / {self.params_active / 1e9:.2f}B",
+            ),
+        ]
         if self.memory is not None:
             m = self.memory
             rows += [("arguments", g(m.arguments)), ("outputs", g(m.outputs)),
                      ("aliases", g(m.aliases)), ("temporaries", g(m.temporaries)),
                      ("code", g(m.code))]
-        rows += [("per device (total)", g(self.per_device_bytes)), ("HBM per chip", g(self.hbm_bytes)),
-                 ("fits", str(self.fits)),
-                 ("paper: state / activations", f"{g(self.paper['state_bytes'])} / {g(self.paper['activation_bytes'])}")]
+        rows += [
+            ("per device (total)", g(self.per_device_bytes)),
+            ("HBM per chip", g(self.hbm_bytes)),
+            ("fits", str(self.fits)),
+            (
+                "paper: state / activations",
+                f"{g(self.paper['state_bytes'])} / {g(self.paper['activation_bytes'])}",
+            ),
+        ]
         if self.flops_per_device is not None:
-            rows += [("FLOPs per step (compiler, all chips)", f"{self.flops_per_device * self.num_devices:.3e}")]
+            rows += [
+                (
+                    "FLOPs per step (compiler, all chips)",
+                    f"{self.flops_per_device * self.num_devices:.3e}",
+                )
+            ]
         rows += [("model FLOPs per step (6N + attn)", f"{self.model_flops_per_step:.3e}")]
         rows += [(f"{op} ops", str(n)) for op, n in self.collectives.items()]
         rows += [(f"{op} bytes per step", g(n)) for op, n in self.collective_bytes.items()
@@ -241,14 +258,21 @@ def lower_train_step(cfg: ml_collections.ConfigDict,
     sizes = dict(mesh.shape)
     batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     micro_rows = f.rows_per_batch // (step_cfg.mini_batches * step_cfg.micro_batches)
-    meta = {"model_config": mc, "mesh": {k: int(v) for k, v in sizes.items()},
-            "batch": {"rows": f.rows_per_batch, "seq_len": f.seq_len,
-                      "mini_batches": step_cfg.mini_batches,
-                      "micro_batches": step_cfg.micro_batches,
-                      "rows_per_shard": max(1, micro_rows // batch_shards),
-                      "expert_backend": mc.expert_backend, "remat": mc.remat,
-                      # as compiled: "auto" resolved for the mesh's devices
-                      "attention": f"{attention_registry.resolve(mc.attention, mesh)}/{mc.attn_block}"}}
+    meta = {
+        "model_config": mc,
+        "mesh": {k: int(v) for k, v in sizes.items()},
+        "batch": {
+            "rows": f.rows_per_batch,
+            "seq_len": f.seq_len,
+            "mini_batches": step_cfg.mini_batches,
+            "micro_batches": step_cfg.micro_batches,
+            "rows_per_shard": max(1, micro_rows // batch_shards),
+            "expert_backend": mc.expert_backend,
+            "remat": mc.remat,
+            # as compiled: "auto" resolved for the mesh's devices
+            "attention": f"{attention_registry.resolve(mc.attention, mesh)}/{mc.attn_block}",
+        },
+    }
     return lowered, meta
 
 

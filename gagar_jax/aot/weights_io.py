@@ -33,7 +33,9 @@ def _local_elements(shape: tuple, where: jax.sharding.Sharding) -> dict:
     """process index -> elements of the distinct boxes its devices hold."""
     boxes = collections.defaultdict(set)
     for dev, index in where.devices_indices_map(tuple(shape)).items():
-        boxes[dev.process_index].add(tuple(sl.indices(n)[:2] for sl, n in zip(index, shape, strict=False)))
+        boxes[dev.process_index].add(
+            tuple(sl.indices(n)[:2] for sl, n in zip(index, shape, strict=False))
+        )
     return {p: sum(int(np.prod([b - a for a, b in box])) for box in bs) for p, bs in boxes.items()}
 
 
@@ -56,7 +58,9 @@ def weights_io_report(cfg: ml_collections.ConfigDict, topology: str, *,
     shs = ts.state_shardings(abstract, mesh, step_cfg)
     leaves, where_of = {}, {}
     for tree, where in ((abstract.params, shs.params), (abstract.router_bias, shs.router_bias)):
-        for (kp, x), w in zip(jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(where), strict=False):
+        for (kp, x), w in zip(
+            jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(where), strict=False
+        ):
             leaves[sharding.leaf_path(kp)], where_of[sharding.leaf_path(kp)] = x, w
     procs = len({d.process_index for d in devices})
     read = collections.Counter()
@@ -87,7 +91,9 @@ def weights_io_report(cfg: ml_collections.ConfigDict, topology: str, *,
         pmesh = param_units.process_mesh(devices)
         worst, seconds = None, 0.0
         for name, lu in plan.units.items():
-            x = jax.ShapeDtypeStruct(leaves[name].shape, leaves[name].dtype, sharding=where_of[name])
+            x = jax.ShapeDtypeStruct(
+                leaves[name].shape, leaves[name].dtype, sharding=where_of[name]
+            )
             t0 = time.perf_counter()
             res = aot.compile_lowered(param_units.resharder(lu, pmesh).lower(x))
             seconds += time.perf_counter() - t0

@@ -166,8 +166,14 @@ class Feed:
 
     def _fits_alone(self, pg: ParsedGroup) -> Optional[str]:
         if len(pg.trajectories) > self.cfg.max_trajectories:
-            return f"{len(pg.trajectories)} trajectories > max_trajectories {self.cfg.max_trajectories}"
-        if packing.first_fit_decreasing(pg.lengths, self.cfg.rows_per_batch, self.cfg.seq_len) is None:
+            return (
+                f"{len(pg.trajectories)} trajectories > max_trajectories "
+                f"{self.cfg.max_trajectories}"
+            )
+        if (
+            packing.first_fit_decreasing(pg.lengths, self.cfg.rows_per_batch, self.cfg.seq_len)
+            is None
+        ):
             return (f"{sum(pg.lengths)} tokens do not pack into {self.cfg.rows_per_batch} rows of "
                     f"{self.cfg.seq_len}")
         return None
@@ -355,12 +361,21 @@ class Feed:
                         if cfg.routing_replay else None)
         rows = packing.build_rows(plan, trajs, self.rows, cfg.seq_len, routed_shape, self.cols)
         batch = batch_lib.Batch(
-            tokens_BxS=rows.tokens, segment_ids_BxS=rows.segment_ids, positions_BxS=rows.positions,
-            traj_index_BxS=rows.traj_index, loss_mask_BxS=rows.loss_mask,
-            old_logprobs_BxS=rows.old_logprobs, group_ids_T=group_ids_T, rewards_T=reward_T,
-            valid_T=valid_T, hacked_T=hacked_T,
-            factors_T=factors_T, adjustments_T=per_traj([t.adjustment for t in trajs], np.float32, 0.0),
-            grading_ok_G=grading_ok_G, routed_experts_BxSxLxK=rows.routed)
+            tokens_BxS=rows.tokens,
+            segment_ids_BxS=rows.segment_ids,
+            positions_BxS=rows.positions,
+            traj_index_BxS=rows.traj_index,
+            loss_mask_BxS=rows.loss_mask,
+            old_logprobs_BxS=rows.old_logprobs,
+            group_ids_T=group_ids_T,
+            rewards_T=reward_T,
+            valid_T=valid_T,
+            hacked_T=hacked_T,
+            factors_T=factors_T,
+            adjustments_T=per_traj([t.adjustment for t in trajs], np.float32, 0.0),
+            grading_ok_G=grading_ok_G,
+            routed_experts_BxSxLxK=rows.routed,
+        )
         num_tokens = int(sum(t.length for t in trajs))
         offsets = np.cumsum([0] + [len(pg.trajectories) for pg in groups])
         info = BatchInfo(
@@ -404,7 +419,8 @@ class Feed:
         return self.ledger
 
     def state(self) -> dict:
-        """JSON-able resume state: source position, ledger, buffered groups, dead-letter position."""
+        """JSON-able resume state: source position, ledger, buffered groups, \
+dead-letter position."""
         return {
             "version": STATE_VERSION, "source": self.source.state(),
             "ledger": self.ledger.to_json(),

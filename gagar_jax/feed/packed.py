@@ -127,8 +127,11 @@ def array_error(packed: schema.PackedArray, field: str, dtypes: tuple,
     got = _b64_bytes(packed.b64)
     if got != want:
         size = "not a padded base64 length" if got is None else f"{got} bytes"
-        return PayloadError(ENCODING, f"{field}: b64 holds {size} ({len(packed.b64)} "
-                            f"characters), shape {list(shape)} of {packed.dtype} needs {want} bytes")
+        return PayloadError(
+            ENCODING,
+            f"{field}: b64 holds {size} ({len(packed.b64)} "
+            f"characters), shape {list(shape)} of {packed.dtype} needs {want} bytes",
+        )
     return None
 
 
@@ -146,8 +149,11 @@ def header_error(packed: schema.PackedArray, n_tokens: int, n_generated: int,
         return err
     shape = tuple(packed.shape)
     if shape[1:] != (layers, top_k) or shape[0] not in (n_tokens, n_generated):
-        return PayloadError(SHAPE, f"routed_experts shape {list(shape)}, expected [n, {layers}, "
-                            f"{top_k}] with n = {n_generated} generated tokens or {n_tokens} tokens")
+        return PayloadError(
+            SHAPE,
+            f"routed_experts shape {list(shape)}, expected [n, {layers}, "
+            f"{top_k}] with n = {n_generated} generated tokens or {n_tokens} tokens",
+        )
     return None
 
 

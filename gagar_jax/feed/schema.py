@@ -4,7 +4,8 @@ The msgspec Structs below are the single definition of the wire format. They dec
 encodings (JSON Lines and msgpack) with type validation, and `json_schema()` exports the same
 definition as a JSON Schema document (`docs/feed_schema.json`) for grader authors.
 
-Field names are documented in docs/feed.md; extend freely (unknown fields are ignored), never rename.
+Field names are documented in docs/feed.md; extend freely (unknown fields are ignored), \
+never rename.
 """
 from __future__ import annotations
 

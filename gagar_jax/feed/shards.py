@@ -2,7 +2,8 @@
 
 A JSONL line over `max_record_bytes` is handed out as an `Oversized` summary (prefix, size,
 sha256) without being read whole: memory per line is at most about twice max_record_bytes (its
-pieces and the joined line) plus a read buffer of at most 16 MiB. A shard that is not a regular file (a
+pieces and the joined line) plus a read buffer of at most 16 MiB. \
+A shard that is not a regular file (a
 directory, a symlink to /dev/zero, a FIFO) or cannot be read is skipped and reported through
 `SourceEvents`, never raised.
 """

@@ -106,12 +106,18 @@ def make_group(rng: np.random.Generator, index: int,
             else:
                 quality = schema.Quality(tier=TIERS[int(rng.choice(3, p=[0.4, 0.4, 0.2]))],
                                          rank=int(rng.integers(1, 4)))
-            t = msgspec.structs.replace(t, quality=quality, hacked=bool(rng.random() < spec.p_hacked))
+            t = msgspec.structs.replace(
+                t, quality=quality, hacked=bool(rng.random() < spec.p_hacked)
+            )
         trajs.append(t)
     failed = rng.random() < spec.p_grading_failed
     grading = schema.Grading(
-        status="failed" if failed else "ok", grader="synthetic-grader-v1",
-        evidence="grader timed out" if failed else {"summary": f"ranked {outcomes.count('pass')} passes"})
+        status="failed" if failed else "ok",
+        grader="synthetic-grader-v1",
+        evidence="grader timed out"
+        if failed
+        else {"summary": f"ranked {outcomes.count('pass')} passes"},
+    )
     return schema.Group(
         schema_version=schema.SCHEMA_VERSION, group_id=f"g{index:06d}",
         task_id=f"task-{int(rng.integers(0, 10_000)):05d}",

@@ -76,7 +76,8 @@ class ParsedTrajectory:
     # int32 [n, L, K] (token t as the input), a `packed.RoutedPayload` decoded only when its
     # row is built (`routed_rows`), or None.
     routed: Any
-    reward: float                   # 1.0 pass, 0.0 fail (hacked passes keep 1: the loss zeroes them)
+    reward: float                   # 1.0 pass, 0.0 fail (hacked passes keep 1: the loss zeroes
+                                    # them)
     hacked: bool
     tier: int                       # schema.TIER_CODES, or -1 (factor sent directly / missing)
     rank: int
@@ -162,7 +163,8 @@ class ParsedGroup:
 
     @property
     def mixed(self) -> bool:
-        """0 < passes < valid members, with hacked passes counted as failures (docs/advantage.md rules 2, 3)."""
+        """0 < passes < valid members, with hacked passes counted as failures \
+(docs/advantage.md rules 2, 3)."""
         k = sum(1 for t in self.trajectories if t.reward > 0 and not t.hacked)
         return 0 < k < len(self.trajectories)
 

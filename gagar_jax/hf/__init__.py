@@ -1,1 +1,2 @@
-"""Hugging Face checkpoints both ways: config.json, family tables, sharded load, parallel save, safetensors."""
+"""Hugging Face checkpoints both ways: config.json, family tables, sharded load, \
+parallel save, safetensors."""

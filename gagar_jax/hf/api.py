@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out, for every family of `hf_families` (Qwen3-MoE, MiMo-V2-Flash).
+"""Hugging Face checkpoints in and out, for every family of `hf_families` \
+(Qwen3-MoE, MiMo-V2-Flash).
 
 `from_pretrained(path)` reads config.json (`model_type` picks the family; see `hf_config.py`) and
 safetensors weights (one file or sharded with `model.safetensors.index.json`), in the Hub's

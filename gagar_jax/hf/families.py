@@ -43,7 +43,8 @@ class Family:
     model_type: str
     architecture: str
     top: tuple                 # TensorSpecs outside the layers
-    layer: tuple               # TensorSpecs of layer {i} (a spec applies where our parameter exists)
+    layer: tuple               # TensorSpecs of layer {i} (a spec applies where our parameter
+                               # exists)
     zero_if_absent: tuple = ()  # our layer parameters the family does not store (filled with 0)
     carried_prefixes: tuple = ()  # skipped on load, copied into published directories (MTP)
 
@@ -115,7 +116,9 @@ def _qwen3_moe_refusals(cfg: Any) -> list:
 def _mimo_v2_flash_refusals(cfg: Any) -> list:
     out = []
     if cfg.router != "sigmoid_bias":
-        out.append(f"router={cfg.router!r} (MiMo-V2-Flash routes by sigmoid with a correction bias)")
+        out.append(
+            f"router={cfg.router!r} (MiMo-V2-Flash routes by sigmoid with a correction bias)"
+        )
     if cfg.qk_norm:
         out.append("qk_norm=True (MiMo-V2-Flash has no q/k norm)")
     if cfg.has_sliding and not cfg.attention_sinks:

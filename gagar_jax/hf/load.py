@@ -65,9 +65,14 @@ def view_of(transform: str, stored: tuple, ours: tuple) -> View:
         v = View(stored, ((0,), (1,), (2,)), (0, 2, 1))
     else:
         raise ValueError(f"unknown transform {transform!r}")
-    ok = (len(stored) == len(v.groups)
-          and all(int(np.prod([v.shape[a] for a in g])) == s for g, s in zip(v.groups, stored, strict=False))
-          and tuple(v.shape[a] for a in v.axes) == tuple(ours))
+    ok = (
+        len(stored) == len(v.groups)
+        and all(
+            int(np.prod([v.shape[a] for a in g])) == s
+            for g, s in zip(v.groups, stored, strict=False)
+        )
+        and tuple(v.shape[a] for a in v.axes) == tuple(ours)
+    )
     if not ok:
         raise ValueError(f"checkpoint shape {tuple(stored)} cannot become {tuple(ours)} "
                          f"by {transform}")
@@ -132,7 +137,9 @@ class Source:
     def read_view(self, name: str, view: View, box: list) -> np.ndarray:
         """Our box (per our dim) of tensor `name` seen through `view`."""
         ours = [view.shape[a] for a in view.axes]
-        if len(box) != len(ours) or any(not 0 <= a <= b <= n for (a, b), n in zip(box, ours, strict=False)):
+        if len(box) != len(ours) or any(
+            not 0 <= a <= b <= n for (a, b), n in zip(box, ours, strict=False)
+        ):
             raise ValueError(f"{name}: box {list(box)} does not fit shape {tuple(ours)}")
         vbox = [None] * len(view.shape)
         for j, a in enumerate(view.axes):
@@ -257,8 +264,15 @@ def load_leaf(src: Source, plan: LeafPlan, dtype: np.dtype,
     for index in where.addressable_devices_indices_map(plan.shape).values():
         boxes.setdefault(_box(index, plan.shape), None)
     with concurrent.futures.ThreadPoolExecutor(min(READ_THREADS, len(boxes))) as pool:
-        arrays = dict(zip(boxes, pool.map(
-            lambda b: read_leaf_box(src, plan, list(b)).astype(dtype, copy=False), boxes), strict=False))
+        arrays = dict(
+            zip(
+                boxes,
+                pool.map(
+                    lambda b: read_leaf_box(src, plan, list(b)).astype(dtype, copy=False), boxes
+                ),
+                strict=False,
+            )
+        )
     return jax.make_array_from_callback(plan.shape, where,
                                         lambda index: arrays[_box(index, plan.shape)])
 
@@ -286,5 +300,7 @@ def load_state(path: epath.PathLike, hf_cfg: dict, cfg: ModelConfig, abstract: n
         wheres = [one] * len(flat)
     else:
         wheres = jax.tree_util.tree_leaves(shardings)
-    leaves = [load_leaf(src, p, x.dtype, w) for p, (_, x), w in zip(plans, flat, wheres, strict=False)]
+    leaves = [
+        load_leaf(src, p, x.dtype, w) for p, (_, x), w in zip(plans, flat, wheres, strict=False)
+    ]
     return jax.tree_util.tree_unflatten(treedef, leaves)

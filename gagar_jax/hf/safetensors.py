@@ -111,7 +111,9 @@ class Checkpoint:
         e, start, fname = self.entry(name)
         shape = tuple(e["shape"])
         box = [(0, n) for n in shape] if box is None else [(int(a), int(b)) for a, b in box]
-        if len(box) != len(shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(box, shape, strict=False)):
+        if len(box) != len(shape) or any(
+            not 0 <= a <= b <= n for (a, b), n in zip(box, shape, strict=False)
+        ):
             raise ValueError(f"{name}: box {box} does not fit shape {shape}")
         dt = np.dtype(ST_DTYPES[e["dtype"]]).newbyteorder("<")
         out_shape = tuple(b - a for a, b in box)
@@ -171,7 +173,8 @@ def dequantize_block_fp8(q: np.ndarray, scale_inv: np.ndarray, block: tuple = (1
 
 
 def write_safetensors(fname: epath.PathLike, tensors: dict, metadata: dict | None = None) -> int:
-    """Writes numpy arrays as one safetensors file (streamed, one tensor at a time); returns bytes."""
+    """Writes numpy arrays as one safetensors file (streamed, one tensor at a time); \
+returns bytes."""
     names = {np.dtype(v): k for k, v in ST_DTYPES.items()}
     header, offset = {}, 0
     for name in sorted(tensors):

@@ -63,7 +63,9 @@ class LeafUnits:
 
     def unit_index(self, u: int) -> tuple:
         """The leading-axis indices of unit u (e.g. (layer, expert))."""
-        return tuple(int(i) for i in np.unravel_index(u, self.shape[:self.lead])) if self.lead else ()
+        return (
+            tuple(int(i) for i in np.unravel_index(u, self.shape[: self.lead])) if self.lead else ()
+        )
 
 
 def unit_lead(name: str, ndim: int) -> int:

@@ -52,7 +52,10 @@ def _best_run(kinds: list) -> tuple:
 def layer_stacks(cfg: Any) -> tuple:
     """The `LayerStack`s of `cfg` in layer order (dense ones first)."""
     out = []
-    for moe, lo, hi in ((False, 0, cfg.num_dense_layers), (True, cfg.num_dense_layers, cfg.num_layers)):
+    for moe, lo, hi in (
+        (False, 0, cfg.num_dense_layers),
+        (True, cfg.num_dense_layers, cfg.num_layers),
+    ):
         kinds, i = [cfg.is_sliding(j) for j in range(lo, hi)], 0
         base = "moe_layers" if moe else "dense_layers"
         while i < len(kinds):

@@ -112,10 +112,10 @@ class DenseMLP(nnx.Module):
     """SwiGLU MLP: down(silu(x @ gate) * (x @ up))."""
 
     def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
-        D, I, pd = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype
-        self.mlp_gate = nnx.Param(normal_init(rngs, (D, I), D, pd))
-        self.mlp_up = nnx.Param(normal_init(rngs, (D, I), D, pd))
-        self.mlp_down = nnx.Param(normal_init(rngs, (I, D), I, pd))
+        D, F, pd = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype
+        self.mlp_gate = nnx.Param(normal_init(rngs, (D, F), D, pd))
+        self.mlp_up = nnx.Param(normal_init(rngs, (D, F), D, pd))
+        self.mlp_down = nnx.Param(normal_init(rngs, (F, D), F, pd))
 
     def __call__(self, x_BxSxD: jax.Array):
         dt = x_BxSxD.dtype

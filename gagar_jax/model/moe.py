@@ -66,16 +66,29 @@ class MoE(nnx.Module):
                                 self.router[...].astype(jnp.float32))
         bias = self.router_bias[...] if cfg.router == "sigmoid_bias" else None
         out = router_lib.route(
-            logits_TxE, top_k=cfg.top_k, router=cfg.router, norm_topk_prob=cfg.norm_topk_prob,
-            bias_E=bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
-            routed_scaling_factor=cfg.routed_scaling_factor, token_mask_T=token_mask_BxS.reshape(B * S),
-            replay_idx_TxK=None if routed_BxSxK is None else routed_BxSxK.reshape(B * S, cfg.top_k))
+            logits_TxE,
+            top_k=cfg.top_k,
+            router=cfg.router,
+            norm_topk_prob=cfg.norm_topk_prob,
+            bias_E=bias,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+            token_mask_T=token_mask_BxS.reshape(B * S),
+            replay_idx_TxK=None if routed_BxSxK is None else routed_BxSxK.reshape(B * S, cfg.top_k),
+        )
         # Padding tokens get expert id -1 ("no expert"): they cost no expert FLOPs.
         idx_TxK = jnp.where(token_mask_BxS.reshape(B * S, 1), out.idx_TxK, -1)
-        y_TxD = expert_ffn(x_TxD, self.expert_gate[...].astype(dt), self.expert_up[...].astype(dt),
-                           self.expert_down[...].astype(dt), idx_TxK, out.weights_TxK.astype(dt),
-                           backend=cfg.expert_backend,
-                           **({"local": cfg.ep_local_ffn} if cfg.expert_backend == "ep_a2a" else {}))
+        y_TxD = expert_ffn(
+            x_TxD,
+            self.expert_gate[...].astype(dt),
+            self.expert_up[...].astype(dt),
+            self.expert_down[...].astype(dt),
+            idx_TxK,
+            out.weights_TxK.astype(dt),
+            backend=cfg.expert_backend,
+            **({"local": cfg.ep_local_ffn} if cfg.expert_backend == "ep_a2a" else {}),
+        )
         y = constrain(y_TxD.reshape(B, S, D), "batch", "seq", None)
         stats = MoEStats(aux_loss=out.aux_loss, z_loss=out.z_loss, expert_load_E=out.load_E,
                          routed_BxSxK=out.idx_TxK.reshape(B, S, cfg.top_k))

@@ -1,1 +1,2 @@
-"""The trainer: CLI, the visible loop, the jitted step, optimizer, start-up checks, checkpoints, publishing, metrics."""
+"""The trainer: CLI, the visible loop, the jitted step, optimizer, start-up checks, \
+checkpoints, publishing, metrics."""

@@ -15,7 +15,8 @@ Directory layout (``directory`` is ``<workdir>/checkpoints`` in the trainer)::
         config/metadata                JSON: the run's config (ConfigDict.to_dict())
         audit/metadata                 JSON: positions of metrics.jsonl / groups.jsonl (optional)
       <step>.orbax-checkpoint-tmp-*/   a save in flight (or killed mid-save): never read
-      <step>.corrupt-<unix time>/      a step that failed to restore, moved aside (kept for forensics;
+      <step>.corrupt-<unix time>/      a step that failed to restore, moved aside \
+(kept for forensics;
                                        on an object store, which has no rename, it is deleted)
 
 Saves are asynchronous: `save` returns once the arrays are copied off the devices, and the files

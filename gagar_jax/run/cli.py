@@ -169,7 +169,9 @@ def _init_distributed(fv: flags.FlagValues) -> None:
 
     env = os.environ
     addr = fv.coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
-    nproc = fv.num_processes or (int(env["JAX_NUM_PROCESSES"]) if "JAX_NUM_PROCESSES" in env else None)
+    nproc = fv.num_processes or (
+        int(env["JAX_NUM_PROCESSES"]) if "JAX_NUM_PROCESSES" in env else None
+    )
     pid = fv.process_id if fv.process_id is not None else (
         int(env["JAX_PROCESS_ID"]) if "JAX_PROCESS_ID" in env else None)
     if not (addr or fv.distributed):

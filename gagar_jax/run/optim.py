@@ -58,8 +58,10 @@ class OptimConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"optim.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.schedule == "cosine" and self.decay_steps <= self.warmup_steps:
-            raise ValueError(f"optim.decay_steps ({self.decay_steps}) must exceed optim.warmup_steps "
-                             f"({self.warmup_steps}) for the cosine schedule")
+            raise ValueError(
+                f"optim.decay_steps ({self.decay_steps}) must exceed optim.warmup_steps "
+                f"({self.warmup_steps}) for the cosine schedule"
+            )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.weight_decay < 0 or self.grad_clip_norm < 0:

@@ -3,7 +3,8 @@
 Inside ONE jitted function (see docs/loss.md for the semantics; M mini-batches, U micro-batches):
   1. optionally the learner's pre-update log-probs and the reference log-probs (no gradient);
   2. Gagar advantages, their token broadcast and every mini-batch's loss denominators, once;
-  3. `lax.scan` over epochs, `lax.scan` over the M mini-batches (one optimizer update each), and inside
+  3. `lax.scan` over epochs, `lax.scan` over the M mini-batches (one optimizer update each), \
+and inside
      each update a `lax.scan` accumulating gradients over U micro-batches (exactly the single-shot
      gradient, since each micro-batch loss is a weighted sum with mini-batch-global weights);
   4. the aux-loss-free router bias update from the step's expert load (router = sigmoid_bias).
@@ -310,7 +311,9 @@ def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef,
         chex.assert_trees_all_equal(
             jnp.all(jnp.isfinite(inputs.weight_BxS)), jnp.array(True),
             custom_message="loss weights are finite")
-    update = functools.partial(_optimizer_update, bias=state.router_bias, graphdef=graphdef, cfg=cfg)
+    update = functools.partial(
+        _optimizer_update, bias=state.router_bias, graphdef=graphdef, cfg=cfg
+    )
 
     def epoch(carry: tuple, _: None):
         return jax.lax.scan(update, carry, (tok_MxU, split(inputs)))

@@ -121,8 +121,10 @@ def _load_hf_params(path: str, step_cfg: StepConfig, like: Any, shardings: Any,
     # Same shapes are not enough: a softmax checkpoint must not load into a sigmoid config.
     differ = [f for f in ARCHITECTURE_FIELDS if getattr(ckpt_cfg, f) != getattr(model_cfg, f)]
     if differ:
-        raise ConfigError(f"{path}: checkpoint architecture does not match the config's model "
-                          f"section: checkpoint has {', '.join(f'{f}={getattr(ckpt_cfg, f)!r}' for f in differ)}")
+        raise ConfigError(
+            f"{path}: checkpoint architecture does not match the config's model "
+            f"section: checkpoint has {', '.join(f'{f}={getattr(ckpt_cfg, f)!r}' for f in differ)}"
+        )
     from gagar_jax.run.step import split_model
     _, params, bias = split_model(model)
     want = jax.tree.map(lambda x: (x.shape, x.dtype), like)
@@ -312,7 +314,9 @@ class _Run:
                                          self.state.router_bias), self.step)
 
 
-def _setup(cfg: ConfigDict, workdir: str, source: Any, preemption: _Preemption, res: _Resources) -> _Run:
+def _setup(
+    cfg: ConfigDict, workdir: str, source: Any, preemption: _Preemption, res: _Resources
+) -> _Run:
     """Checks the config, builds the mesh, state, feed and writers; restores a checkpoint."""
     rc = RunConfig.from_config(cfg)
     wd = epath.Path(workdir)

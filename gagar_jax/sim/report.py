@@ -138,7 +138,7 @@ def markdown_table(runs: dict) -> str:
         for arm, seeds in arms.items():
             first = [series(r, key)[0] for r in seeds.values()]
             last = [last_window(r, key) for r in seeds.values()]
-            cell = lambda x: _ci(t_ci(x), fmt)  # noqa: E731
+            cell = lambda x, fmt=fmt: _ci(t_ci(x), fmt)  # noqa: E731
             diff = ""
             if arm != "sum_preserving" and "sum_preserving" in arms:
                 diff = cell(list(_paired(arms, arm, "sum_preserving", key, last_window).values()))

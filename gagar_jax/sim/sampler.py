@@ -100,7 +100,11 @@ def _attend(attn: Attention, x_BxNxD: jax.Array, positions_BxN: jax.Array, k_BxC
 def _blocks(model: Transformer, spec: LayerStack):
     """The Block stacks of a `LayerStack`, one per pattern position."""
     mod = getattr(model, spec.name)
-    return [mod] if len(spec.pattern) == 1 else [getattr(mod, f"p{k}") for k in range(len(spec.pattern))]
+    return (
+        [mod]
+        if len(spec.pattern) == 1
+        else [getattr(mod, f"p{k}") for k in range(len(spec.pattern))]
+    )
 
 
 def _run_stack(model: Transformer, spec: LayerStack, x_BxNxD: jax.Array, positions_BxN: jax.Array,
@@ -121,7 +125,9 @@ def _run_stack(model: Transformer, spec: LayerStack, x_BxNxD: jax.Array, positio
                                   v_cs[pos], write_BxN)
             h = x + a
             if block.is_moe:
-                y, stats = block.mlp(block.mlp_norm(h), mask_BxN, None if routed is None else routed[pos])
+                y, stats = block.mlp(
+                    block.mlp_norm(h), mask_BxN, None if routed is None else routed[pos]
+                )
                 x = h + y
                 ids.append(stats.routed_BxSxK)
             else:
@@ -163,8 +169,10 @@ def _empty_caches(model: Transformer, B: int, C: int):
     caches = {}
     for spec in model.stacks:
         kv = [cfg.sliding_kv_heads if sl else cfg.num_kv_heads for sl in spec.pattern]
-        caches[spec.name] = ([jnp.zeros((spec.repeats, B, C, n, cfg.head_dim), dt) for n in kv],
-                             [jnp.zeros((spec.repeats, B, C, n, cfg.value_head_dim), dt) for n in kv])
+        caches[spec.name] = (
+            [jnp.zeros((spec.repeats, B, C, n, cfg.head_dim), dt) for n in kv],
+            [jnp.zeros((spec.repeats, B, C, n, cfg.value_head_dim), dt) for n in kv],
+        )
     return caches
 
 
@@ -386,4 +394,7 @@ def rollout(model: Transformer, episodes: Sequence[Any], key: jax.Array, *, cach
     for ep in episodes:
         if not ep.done:
             ep.step([])  # out of turns: the environment ends it (an empty turn is a truncation)
-    return [Rollout(ep, lp, ex, en) for ep, lp, ex, en in zip(episodes, lps, experts, ents, strict=False)]
+    return [
+        Rollout(ep, lp, ex, en)
+        for ep, lp, ex, en in zip(episodes, lps, experts, ents, strict=False)
+    ]

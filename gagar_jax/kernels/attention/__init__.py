@@ -1,1 +1,2 @@
-"""Attention kernels: blockwise (flash-style, any platform), splash (Pallas TPU), the context-parallel wrapper."""
+"""Attention kernels: blockwise (flash-style, any platform), splash (Pallas TPU), \
+the context-parallel wrapper."""

@@ -185,7 +185,8 @@ def _bwd_blocks(q: jax.Array, k: jax.Array, v: jax.Array, seg_q: jax.Array, seg_
     nq, B, Kv, G = q.shape[:4]
     nk = k.shape[0]
     scale = q.shape[-1] ** -0.5
-    delta = jnp.sum(do * o, axis=-1)  # [Nq, B, Kv, G, blk]: rowsum(dO * O), the softmax-jacobian term
+    delta = jnp.sum(do * o, axis=-1)  # [Nq, B, Kv, G, blk]: rowsum(dO * O), the softmax-jacobian
+                                      # term
 
     def key_block(j: jax.Array, dq_all: jax.Array):
         k_j, v_j = k[j], v[j]

@@ -1,6 +1,7 @@
 """Argument checks shared by every attention path (plain, blockwise, splash, splash per shard).
 
-One place for the shape contract, so the paths cannot drift apart: q [B, S, H, Dh], k [B, K, Kv, Dh],
+One place for the shape contract, so the paths cannot drift apart: \
+q [B, S, H, Dh], k [B, K, Kv, Dh],
 v [B, K, Kv, Dv] with H a multiple of Kv; K = S unless the keys carry segment ids of their own
 (a context shard's queries against gathered keys). Window rules differ per path and stay there.
 """

@@ -49,7 +49,8 @@ def _specs(q: jax.Array, k: jax.Array, mesh: jax.sharding.Mesh | jax.sharding.Ab
     ctx = sharding.mesh_axes("seq", mesh)
     if len(ctx) != 1 or q_spec[1] != ctx[0] or k_spec[1] != ctx[0]:
         return None
-    if q_spec[2] != k_spec[2]:  # heads split but KV heads not (or vice versa): keep GQA groups whole
+    if q_spec[2] != k_spec[2]:  # heads split but KV heads not (or vice versa): keep GQA groups
+                                # whole
         q_spec = P(q_spec[0], q_spec[1], None, None)
         k_spec = P(k_spec[0], k_spec[1], None, None)
     return q_spec, k_spec

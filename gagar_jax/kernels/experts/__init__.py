@@ -1,1 +1,2 @@
-"""Expert FFN kernels: one shard (local), expert parallelism (ep), megablox (Pallas TPU), the shared dispatch plan."""
+"""Expert FFN kernels: one shard (local), expert parallelism (ep), megablox (Pallas TPU), \
+the shared dispatch plan."""

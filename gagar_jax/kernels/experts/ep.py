@@ -23,7 +23,8 @@ is an all-to-all dispatch, `ep_a2a_ffn` (backend `ep_a2a`): sort each device's a
 destination device, exchange the per-device counts, send every row only to the device owning
 its expert with `jax.lax.ragged_all_to_all`, run the local grouped matmul on the received rows,
 and send the results back with a second ragged all-to-all. Its local FFN is the megablox
-kernel when compiling for TPU (`experts_megablox.py`), the grouped matmul elsewhere. It moves about K / n_expert of the
+kernel when compiling for TPU (`experts_megablox.py`), the grouped matmul elsewhere. \
+It moves about K / n_expert of the
 gathered traffic. Being dropless it sizes its receive buffer for the worst case (every row
 sent to one device: n_expert * T_local * K rows), so it exchanges the local tokens in n_expert
 chunks, one after another, each chunk's buffers rematerialized in the backward pass: the
@@ -75,7 +76,10 @@ class _Layout:
         args = (x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK.astype(jnp.int32), weights_TxK)
         if any(t == jax.sharding.AxisType.Explicit for t in self.mesh.axis_types):
             # Explicit-sharding meshes make layout changes visible: move inputs to the specs.
-            args = tuple(jax.reshard(a, NamedSharding(self.mesh, s)) for a, s in zip(args, specs, strict=False))
+            args = tuple(
+                jax.reshard(a, NamedSharding(self.mesh, s))
+                for a, s in zip(args, specs, strict=False)
+            )
         return fn(*args)
 
 
@@ -178,17 +182,29 @@ def _local_ffn(local: str, platform: str, block: int, big_block: int,
         raise ValueError(f"ep_a2a local={local!r}; expected one of {LOCAL_FFNS} (an 'auto' is "
                          f"resolved by kernels.experts.registry.resolve_local)")
     if local == "megablox":
-        return functools.partial(experts_megablox.local_ffn,
-                                 interpret=platform != "tpu" if interpret is None else interpret), True
+        return functools.partial(
+            experts_megablox.local_ffn,
+            interpret=platform != "tpu" if interpret is None else interpret,
+        ), True
     return functools.partial(experts.grouped_ffn, block=block, big_block=big_block), False
 
 
-def ep_a2a_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array, down_ExFxD: jax.Array,
-               idx_TxK: jax.Array, weights_TxK: jax.Array, *,
-               mesh: Optional[jax.sharding.Mesh | jax.sharding.AbstractMesh] = None,
-               block: int = 32, big_block: int = 256, chunks: Optional[int] = None,
-               exchange: Callable[..., jax.Array] = jax.lax.ragged_all_to_all, local: str = "grouped",
-               interpret: Optional[bool] = None) -> jax.Array:
+def ep_a2a_ffn(
+    x_TxD: jax.Array,
+    gate_ExDxF: jax.Array,
+    up_ExDxF: jax.Array,
+    down_ExFxD: jax.Array,
+    idx_TxK: jax.Array,
+    weights_TxK: jax.Array,
+    *,
+    mesh: Optional[jax.sharding.Mesh | jax.sharding.AbstractMesh] = None,
+    block: int = 32,
+    big_block: int = 256,
+    chunks: Optional[int] = None,
+    exchange: Callable[..., jax.Array] = jax.lax.ragged_all_to_all,
+    local: str = "grouped",
+    interpret: Optional[bool] = None,
+) -> jax.Array:
     """Expert-parallel routed SwiGLU, all-to-all design (TPU/GPU; see the module docstring).
 
     Each device's tokens go through the exchange in `chunks` slices, one after another (a

@@ -27,7 +27,8 @@ class ExpertKernel:
     """One routed-SwiGLU backend: y_TxD = sum_k w_tk * FFN_{idx_tk}(x_t)."""
     name: str
     fn: Callable[..., jax.Array]      # (x_TxD, gate, up, down, idx_TxK, weights_TxK, **options)
-    platforms: tuple[str, ...]        # where it is native (elsewhere: slow, emulated or interpreted)
+    platforms: tuple[str, ...]        # where it is native (elsewhere: slow, emulated or
+                                      # interpreted)
     expert_parallel: bool = False     # shards over the mesh's `expert` axis (shard_map)
     exact: bool = True                # dropless (capacity drops overflow tokens)
     options: tuple[str, ...] = ()
@@ -49,7 +50,8 @@ def register(kernel: ExpertKernel) -> ExpertKernel:
 
 
 _ALL = ("cpu", "gpu", "tpu")
-register(ExpertKernel("dense", local.dense_ffn, _ALL))          # every expert on every token: the oracle
+register(ExpertKernel("dense", local.dense_ffn, _ALL))          # every expert on every token: the
+                                                                # oracle
 register(ExpertKernel("ragged", local.ragged_ffn, ("gpu", "tpu")))   # jax.lax.ragged_dot
 register(ExpertKernel("grouped", local.grouped_ffn, ("cpu",), options=("block", "big_block")))
 register(ExpertKernel("capacity", _capacity_y, _ALL, exact=False, options=("capacity_factor",)))
