@@ -5,14 +5,17 @@ and the train step aggregate the same way (see docs/loss.md, "Aggregation modes"
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def aggregation_weights(mask_BxS, traj_index_BxS, num_trajectories: int, cfg,
-                        mini_batches: int = 1, aggregation: str | None = None):
+def aggregation_weights(mask_BxS: jax.Array, traj_index_BxS: jax.Array, num_trajectories: int,
+                        cfg: Any, mini_batches: int = 1,
+                        aggregation: str | None = None) -> jax.Array:
     """Per-token weights w such that each mini-batch's loss is sum_t w_t * loss_t.
 
     Denominators are global over a mini-batch (row b in mini-batch b % mini_batches).
@@ -39,7 +42,7 @@ def aggregation_weights(mask_BxS, traj_index_BxS, num_trajectories: int, cfg,
 
     mini_B = jnp.arange(mask_BxS.shape[0]) % mini_batches  # the mini-batch of each row
 
-    def per_mini(x_BxS):  # mini-batch totals broadcast back to [B, S]
+    def per_mini(x_BxS: jax.Array) -> jax.Array:  # mini-batch totals broadcast back to [B, S]
         tot_M = jax.ops.segment_sum(x_BxS.sum(axis=1), mini_B, num_segments=mini_batches)
         return tot_M[mini_B][:, None]
 
@@ -58,7 +61,8 @@ def aggregation_weights(mask_BxS, traj_index_BxS, num_trajectories: int, cfg,
     raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {agg!r}")
 
 
-def rows_as_sequences(mask_BxS, traj_index_BxS=None, num_trajectories=None):
+def rows_as_sequences(mask_BxS: jax.Array, traj_index_BxS: jax.Array | None = None,
+                      num_trajectories: int | None = None) -> tuple[jax.Array, int]:
     """(traj_index_BxS, T): the given packing, or one sequence per row (verl's layout)."""
     if traj_index_BxS is None:
         B, S = mask_BxS.shape

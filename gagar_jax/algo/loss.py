@@ -215,7 +215,8 @@ class Prepared:
 
 
 def prepare_batch(batch: Batch, cfg: LossConfig, *, mini_batches: int = 1,
-                  learner_old_logprobs_BxS=None, ref_logprobs_BxS=None) -> Prepared:
+                  learner_old_logprobs_BxS: jax.Array | None = None,
+                  ref_logprobs_BxS: jax.Array | None = None) -> Prepared:
     """Once-per-batch loss inputs: advantages, denominators, ratio denominator, IS weight, masks.
 
     Args:
@@ -280,7 +281,8 @@ def kl_penalty(logprobs_BxS: jax.Array, ref_logprobs_BxS: jax.Array, estimator: 
     raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
-def pg_loss(logprobs_BxS, entropy_BxS, inputs: LossInputs, cfg: LossConfig):
+def pg_loss(logprobs_BxS: jax.Array, entropy_BxS: jax.Array, inputs: LossInputs,
+            cfg: LossConfig) -> tuple[jax.Array, LossAux]:
     """The objective of one micro-batch as a weighted sum (see module docstring).
 
     Args:

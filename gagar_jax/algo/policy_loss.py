@@ -19,11 +19,18 @@ mean over a micro-batch's rows is the whole trajectory's.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from gagar_jax.algo.aggregation import aggregation_weights, rows_as_sequences
+
+if TYPE_CHECKING:   # loss.py imports this module
+    from gagar_jax.algo.loss import LossConfig
+
+Seq = tuple[jax.Array, int]   # (traj_index_BxS, number of trajectories)
 
 SAFETY_BOUND = 20.0        # |log ratio| clamp before exp (verl: PPO, CISPO, rollout IS / RS)
 GSPO_LOG_RATIO_MAX = 10.0  # GSPO clamps its combined log ratio from above only (verl)
@@ -39,13 +46,14 @@ class TokenTerms:
     log_ratio_BxS: jax.Array   # token log ratio l - l_old (stop-gradient; for approx_kl)
 
 
-def _clip_flags(ratio, adv, mask, cfg):
+def _clip_flags(ratio: jax.Array, adv: jax.Array, mask: jax.Array, cfg: LossConfig):
     low = ((adv < 0) & (ratio < 1.0 - cfg.clip_low)).astype(jnp.float32) * mask
     high = ((adv > 0) & (ratio > 1.0 + cfg.clip_high)).astype(jnp.float32) * mask
     return low, high
 
 
-def ppo_terms(logp, old, adv, mask, cfg, seq) -> TokenTerms:
+def ppo_terms(logp: jax.Array, old: jax.Array, adv: jax.Array, mask: jax.Array,
+              cfg: LossConfig, seq: Seq) -> TokenTerms:
     """Clipped surrogate with clip-higher and the optional dual clip (verl `vanilla`)."""
     del seq
     # Zero the log-ratio off the mask, so garbage there can never overflow exp.
@@ -62,7 +70,8 @@ def ppo_terms(logp, old, adv, mask, cfg, seq) -> TokenTerms:
     return TokenTerms(pg * mask, low, high, sg(dual), sg(log_ratio))
 
 
-def gspo_terms(logp, old, adv, mask, cfg, seq) -> TokenTerms:
+def gspo_terms(logp: jax.Array, old: jax.Array, adv: jax.Array, mask: jax.Array,
+               cfg: LossConfig, seq: Seq) -> TokenTerms:
     """GSPO-token (verl `gspo`): the sequence's geometric-mean ratio, clipped per sequence."""
     traj, T = seq
     sg = jax.lax.stop_gradient
@@ -78,7 +87,8 @@ def gspo_terms(logp, old, adv, mask, cfg, seq) -> TokenTerms:
     return TokenTerms(pg * mask, low, high, jnp.zeros_like(mask), sg(log_ratio))
 
 
-def cispo_terms(logp, old, adv, mask, cfg, seq) -> TokenTerms:
+def cispo_terms(logp: jax.Array, old: jax.Array, adv: jax.Array, mask: jax.Array,
+                cfg: LossConfig, seq: Seq) -> TokenTerms:
     """CISPO (verl `cispo`, MiniMax-M1): REINFORCE with a clipped, stop-gradient IS weight."""
     del seq
     sg = jax.lax.stop_gradient
@@ -97,13 +107,15 @@ OBJECTIVES = {"ppo": ppo_terms, "gspo": gspo_terms, "cispo": cispo_terms}
 POLICY_LOSSES = tuple(OBJECTIVES)
 
 
-def policy_aggregation(cfg) -> str:
+def policy_aggregation(cfg: LossConfig) -> str:
     """The aggregation of the policy term: verl forces seq-mean-token-mean for GSPO."""
     return "seq-mean-token-mean" if cfg.policy_loss == "gspo" else cfg.aggregation
 
 
-def token_terms(logprobs_BxS, old_logprobs_BxS, advantages_BxS, mask_BxS, cfg, *,
-                traj_index_BxS=None, num_trajectories=None) -> TokenTerms:
+def token_terms(logprobs_BxS: jax.Array, old_logprobs_BxS: jax.Array,
+                advantages_BxS: jax.Array, mask_BxS: jax.Array, cfg: LossConfig, *,
+                traj_index_BxS: jax.Array | None = None,
+                num_trajectories: int | None = None) -> TokenTerms:
     """Per-token terms of `cfg.policy_loss` (rows as sequences unless traj_index is given)."""
     seq = rows_as_sequences(mask_BxS, traj_index_BxS, num_trajectories)
     mask = mask_BxS.astype(jnp.float32)
@@ -111,8 +123,10 @@ def token_terms(logprobs_BxS, old_logprobs_BxS, advantages_BxS, mask_BxS, cfg, *
                                        mask, cfg, seq)
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, cfg, *, is_weights=None,
-                traj_index_BxS=None, num_trajectories=None):
+def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
+                mask: jax.Array, cfg: LossConfig, *, is_weights: jax.Array | None = None,
+                traj_index_BxS: jax.Array | None = None, num_trajectories: int | None = None,
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The objective of one mini-batch on padded [B, S] arrays.
 
     Args:

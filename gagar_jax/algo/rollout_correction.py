@@ -20,6 +20,7 @@ aggregation denominator, entropy and KL then use it), as in verl. Sequences are 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import flax.struct
 import jax
@@ -27,6 +28,9 @@ import jax.numpy as jnp
 
 from gagar_jax.algo.aggregation import rows_as_sequences
 from gagar_jax.algo.policy_loss import SAFETY_BOUND
+
+if TYPE_CHECKING:   # loss.py imports this module
+    from gagar_jax.algo.loss import LossConfig
 
 IS_LEVELS = ("token", "sequence", "geometric")
 _K = ("k1", "k2", "k3")
@@ -47,7 +51,7 @@ class RolloutCorrMetrics:
     is_weight_max: jax.Array
 
 
-def rs_options(rollout_rs, threshold) -> tuple:
+def rs_options(rollout_rs: str | None, threshold: Any) -> tuple:
     """Parses verl's `rollout_rs` / `rollout_rs_threshold` into ((option, lo, hi), ...).
 
     A threshold is "lo_hi" (k1 only) or a number x (k1: hi = x, lo = 1/x; k2 / k3: hi = x); a single
@@ -67,7 +71,7 @@ def rs_options(rollout_rs, threshold) -> tuple:
     if len(ths) != len(opts):
         raise ValueError(f"loss.rollout_rs_threshold: {len(ths)} thresholds for {len(opts)} options")
     out = []
-    for o, t in zip(opts, ths):
+    for o, t in zip(opts, ths, strict=True):
         if isinstance(t, str) and "_" in t:
             if not o.endswith("k1"):
                 raise ValueError(f"loss.rollout_rs_threshold: {o} takes one upper bound, got {t!r}")
@@ -81,20 +85,21 @@ def rs_options(rollout_rs, threshold) -> tuple:
     return tuple(out)
 
 
-def is_level(cfg):
+def is_level(cfg: LossConfig) -> tuple[str | None, float]:
     """(level or None, cap): `rollout_is`, or the older `tis_cap` (= token level)."""
     if cfg.tis_cap is not None:
         return "token", float(cfg.tis_cap)
     return cfg.rollout_is, float(cfg.rollout_is_threshold)
 
 
-def corrects(cfg) -> bool:
+def corrects(cfg: LossConfig) -> bool:
     """Whether any weight or mask of this module is on."""
     return (is_level(cfg)[0] is not None or cfg.rollout_rs is not None
             or cfg.icepop_low is not None)
 
 
-def _rs_stat(opt, stat_BxS, m, traj, T, n_T):
+def _rs_stat(opt: str, stat_BxS: jax.Array, m: jax.Array, traj: jax.Array, T: int,
+             n_T: jax.Array) -> jax.Array:
     if opt.startswith("token"):
         return stat_BxS
     flat = traj.reshape(-1)
@@ -108,8 +113,10 @@ def _rs_stat(opt, stat_BxS, m, traj, T, n_T):
     return jnp.where(n_T > 0, mx, 0.0)[traj]
 
 
-def rollout_correction(old_logprobs, rollout_logprobs, mask, cfg, *, traj_index_BxS=None,
-                       num_trajectories=None):
+def rollout_correction(old_logprobs: jax.Array, rollout_logprobs: jax.Array, mask: jax.Array,
+                       cfg: LossConfig, *, traj_index_BxS: jax.Array | None = None,
+                       num_trajectories: int | None = None,
+                       ) -> tuple[jax.Array, jax.Array, RolloutCorrMetrics]:
     """IS weights, rejection mask and diagnostics (pure; padded [B, S] arrays).
 
     Args:

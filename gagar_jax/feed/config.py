@@ -6,7 +6,6 @@ from typing import Any
 
 from gagar_jax.config import section_dict
 
-
 STALENESS_FROM = ("oldest", "newest", "mean")
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 from gagar_jax.rollout.pointer import read_latest
 
@@ -39,7 +40,7 @@ def checkpoint_files(path: str) -> list:
     return [os.path.join(path, "model.safetensors")]
 
 
-def _expert_modules(model):
+def _expert_modules(model: Any) -> list:
     """Modules holding packed fused experts (vLLM's RoutedExperts: w13_weight + a kernel)."""
     out = []
     for name, mod in model.named_modules():
@@ -50,7 +51,7 @@ def _expert_modules(model):
     return out
 
 
-def _routers(model):
+def _routers(model: Any) -> list:
     """(name, router) of every experts runner whose router takes a capture hook (MoERunner)."""
     return [(name, mod.router) for name, mod in model.named_modules()
             if hasattr(getattr(mod, "router", None), "set_capture_fn")]
@@ -124,7 +125,7 @@ class GagarWorkerExtension:
         return out
 
 
-def reload_latest(llm, workdir: str) -> dict:
+def reload_latest(llm: Any, workdir: str) -> dict:
     """Engine side: every worker reloads `latest`, then the prefix cache is reset.
 
     Returns the first worker's answer (pointer, tensor count, repacked experts, copied names).

@@ -202,11 +202,12 @@ def _logprobs(graphdef: nnx.GraphDef, params: nnx.State, bias: nnx.State, tok: T
                           tok.routed_experts_BxSxLxK)
 
 
-def _forward_only(graphdef, params, bias, tok_MxU: TokenInputs, routes: bool = False):
+def _forward_only(graphdef: nnx.GraphDef, params: nnx.State, bias: nnx.State,
+                  tok_MxU: TokenInputs, routes: bool = False):
     """Log-probs of the whole batch, chunked like the micro-batches (no gradient).
 
     With `routes`, also the experts every token used, [M, U, b, S, L, K] like `tok_MxU` (R2)."""
-    def body(_, t):
+    def body(_: None, t: TokenInputs):
         lp, _, aux = _logprobs(graphdef, params, bias, t)
         return None, (lp, aux.routed_experts_BxSxLxK if routes else None)
     flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tok_MxU)
@@ -217,7 +218,9 @@ def _forward_only(graphdef, params, bias, tok_MxU: TokenInputs, routes: bool = F
     return lp, ids.reshape(tok_MxU.tokens_BxS.shape + ids.shape[-2:])
 
 
-def replay_inputs(graphdef, params, bias, tok_MxU: TokenInputs, cfg: StepConfig):
+def replay_inputs(graphdef: nnx.GraphDef, params: nnx.State, bias: nnx.State,
+                  tok_MxU: TokenInputs, cfg: StepConfig,
+                  ) -> tuple[jax.Array | None, TokenInputs]:
     """(learner_old or None, TokenInputs for the updates): R2 records the pre-update pass's own
     top-k and replays it in every update (the feed's routed_experts are dropped); R3 replays the
     feed's routed_experts where the batch has them."""
