@@ -41,7 +41,8 @@ def get_config() -> ml_collections.ConfigDict:
     # MiMo-V2-Flash family features (docs/model.md); these defaults are the Qwen3-MoE layout.
     m.layer_types = ()              # per layer "full" | "sliding"; () = all full
     m.sliding_window = 0            # sliding layers: a query sees W keys counting itself
-    m.sliding_window_convention = "vllm"  # Hub sliding_window_size N = W (vllm) | W - 1 (transformers)
+    # Hub sliding_window_size N = W (vllm) | W - 1 (transformers)
+    m.sliding_window_convention = "vllm"
     m.sliding_num_kv_heads = 0      # KV heads of sliding layers (0 = num_kv_heads)
     m.attention_sinks = False       # per-head sink logit on sliding layers
     m.v_head_dim = 0                # value head width (0 = head_dim)
@@ -62,14 +63,16 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh.tensor = 1
 
     t = c.train = ml_collections.ConfigDict()
-    t.steps = 6                     # train steps (one step = one feed batch); a finite feed may end sooner
+    # train steps (one step = one feed batch); a finite feed may end sooner
+    t.steps = 6
     t.checkpoint_every = 2          # orbax save interval, in steps
     t.keep_checkpoints = 3          # keep the last K checkpoints
     t.publish_every = 0             # publish HF-format weights every N steps (0 = never)
     t.keep_published = 2            # keep the last K published weight sets
     t.publish_dtype = "bfloat16"    # published weights' dtype (router + its bias stay fp32 in MiMo)
     t.log_every = 1                 # metrics.jsonl / TensorBoard interval, in steps
-    t.init_from = ""                # HF Qwen3-MoE / MiMo-V2-Flash directory to start from ("" = random init)
+    # HF Qwen3-MoE / MiMo-V2-Flash directory to start from ("" = random init)
+    t.init_from = ""
     t.reference_from = ""           # KL reference policy directory ("" = the initial weights)
 
     # Steps inside one train step (gagar_jax/run/step.py): epochs x mini_batches optimizer
@@ -82,23 +85,31 @@ def get_config() -> ml_collections.ConfigDict:
     lo = c.loss = ml_collections.ConfigDict()   # see docs/loss.md
     lo.clip_low = 0.2               # ratio >= 1 - clip_low for negative advantages
     lo.clip_high = 0.28             # clip-higher (DAPO): ratio <= 1 + clip_high for positive ones
-    lo.dual_clip = None             # None, or c > 1: caps a negative-advantage token's loss at c*|A|
-    lo.tis_cap = None               # truncated IS weight cap (needs recompute_old_logprobs); None = off
+    # None, or c > 1: caps a negative-advantage token's loss at c*|A|
+    lo.dual_clip = None
+    # truncated IS weight cap (needs recompute_old_logprobs); None = off
+    lo.tis_cap = None
     lo.kl_coef = 0.0                # KL to the frozen reference policy; 0 = off (Dr. GRPO)
     lo.kl_estimator = "k3"          # k1 | k2 | k3
-    lo.aggregation = "seq-mean-token-sum-norm"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    lo.aggregation = "seq-mean-token-sum-norm"
     lo.max_response_len = 128       # constant normalizer of seq-mean-token-sum-norm (Dr. GRPO)
     lo.lam_cap = 1.5                # Gagar lambda cap (>= 1)
     lo.mode = "sum_preserving"      # sum_preserving | downweight_only | binary
-    lo.recompute_old_logprobs = False  # learner recomputes pre-update log-probs as the ratio denominator
+    # learner recomputes pre-update log-probs as the ratio denominator
+    lo.recompute_old_logprobs = False
     lo.policy_loss = "ppo"          # ppo | gspo | cispo (verl's vanilla / gspo / cispo)
     lo.entropy_coef = 0.0           # entropy bonus, aggregated like the loss; 0 = off
     # Rollout-mismatch correction (verl's rollout_corr names; need recompute_old_logprobs):
-    lo.rollout_is = ml_collections.config_dict.placeholder(str)  # None | token | sequence | geometric IS weight
+    # None | token | sequence | geometric IS weight
+    lo.rollout_is = ml_collections.config_dict.placeholder(str)
     lo.rollout_is_threshold = 2.0   # its cap (truncated above)
-    lo.rollout_rs = ml_collections.config_dict.placeholder(str)  # None, or e.g. "seq_mean_k1" (geo-mask), "token_k1,seq_max_k3"
-    lo.rollout_rs_threshold = ml_collections.config_dict.placeholder(str)  # "lo_hi" or a number, one for all options or one each
-    lo.icepop_low = ml_collections.config_dict.placeholder(float)  # IcePop band on the token ratio (both or neither)
+    # None, or e.g. "seq_mean_k1" (geo-mask), "token_k1,seq_max_k3"
+    lo.rollout_rs = ml_collections.config_dict.placeholder(str)
+    # "lo_hi" or a number, one for all options or one each
+    lo.rollout_rs_threshold = ml_collections.config_dict.placeholder(str)
+    # IcePop band on the token ratio (both or neither)
+    lo.icepop_low = ml_collections.config_dict.placeholder(float)
     lo.icepop_high = ml_collections.config_dict.placeholder(float)
     lo.routing_replay = "r3"        # r3: replay the feed's routed_experts | r2: the learner's own
     # Router aux/z loss weights come from model.router_aux_loss_coef / router_z_loss_coef.
@@ -116,19 +127,22 @@ def get_config() -> ml_collections.ConfigDict:
     o.grad_clip_norm = 1.0          # global-norm clip; 0 = off
 
     f = c.feed = ml_collections.ConfigDict()   # see docs/feed.md
-    f.path = "data/sample_feed.jsonl"   # file or glob of *.jsonl / *.arrayrecord shards ("" = use spool_dir)
+    # file or glob of *.jsonl / *.arrayrecord shards ("" = use spool_dir)
+    f.path = "data/sample_feed.jsonl"
     f.spool_dir = ""                # live spool directory (atomic shard publish); "" = none
     f.spool_poll_s = 1.0            # seconds between listings of an idle spool
     f.spool_timeout_s = 0.0         # idle spool: end the feed after this long (0 = wait forever)
     f.spool_log_every_s = 30.0      # seconds between "waiting for the feed" lines
-    f.spool_settle_s = 2.0          # read a shard once its size+mtime are this old unchanged (0 = off)
+    # read a shard once its size+mtime are this old unchanged (0 = off)
+    f.spool_settle_s = 2.0
     f.rows_per_batch = 16           # B, packed rows per global batch
     f.seq_len = 128                 # S, tokens per row
     f.tokens_per_batch = 0          # B x S: > 0 sizes the batch in tokens (rows_per_batch = 0)
     f.max_trajectories = 40         # T, trajectory slots per batch
     f.groups_per_batch = 6          # G, mixed groups per batch
     f.max_staleness = 4             # drop groups whose policy_version lags the step by more
-    f.staleness_from = "oldest"     # partial rollouts: oldest | newest | mean generated-token version
+    # partial rollouts: oldest | newest | mean generated-token version
+    f.staleness_from = "oldest"
     f.max_traj_tokens = 128         # longest trajectory (<= seq_len)
     f.truncate_long = False         # truncate longer trajectories instead of rejecting the group
     f.max_record_bytes = 4_000_000  # largest encoded record

@@ -88,17 +88,20 @@ def _std_ddof1(values):
 # --------------------------------------------------------------------------
 # 4. loss aggregation (agg_loss)
 # --------------------------------------------------------------------------
-def agg_loss_coeffs(mask, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None):
+def agg_loss_coeffs(
+    mask, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None
+):
     """agg_loss is linear in the loss matrix: loss = sum_{b,t} c[b,t] * L[b,t].
 
     Returns the coefficient matrix c for one micro-batch on one rank.
 
-    token-mean:              c = m / N_tok * dp            N_tok = batch_num_tokens (global over dp,
-                                                           all micro-batches of the mini-batch) or local sum(m)
-    seq-mean-token-sum:      c = m / N_seq * dp            N_seq = global_batch_size or #local rows with sum(m)>0
+    token-mean:              c = m / N_tok * dp
+        N_tok = batch_num_tokens (global over dp, all micro-batches of the mini-batch) or sum(m)
+    seq-mean-token-sum:      c = m / N_seq * dp
+        N_seq = global_batch_size or #local rows with sum(m)>0
     seq-mean-token-mean:     c = m / (n_b + 1e-8) / N_seq * dp   n_b = sum_t m[b,t]
-    seq-mean-token-sum-norm: c = m / K                     K = loss_scale_factor or S (padded length);
-                                                           NOTE: no division by #sequences, no dp factor.
+    seq-mean-token-sum-norm: c = m / K
+        K = loss_scale_factor or S (padded length); NOTE: no division by #sequences, no dp factor.
     """
     B, S = mask.shape
     c = np.zeros((B, S), dtype=np.float64)
@@ -225,7 +228,9 @@ def ppo_loss(old_logp, logp, adv, mask, clip_low=0.2, clip_high=0.2, clip_c=3.0,
 # --------------------------------------------------------------------------
 # 1. GSPO (GSPO-token form), aggregation forced to seq-mean-token-mean
 # --------------------------------------------------------------------------
-def gspo_loss(old_logp, logp, adv, mask, clip_low=3e-4, clip_high=4e-4, is_weights=None, agg_kwargs=None):
+def gspo_loss(
+    old_logp, logp, adv, mask, clip_low=3e-4, clip_high=4e-4, is_weights=None, agg_kwargs=None
+):
     """verl loss_mode='gspo'.
 
     seq log ratio  : lbar_b = sum_t m (logp - old_logp) / max(n_b, 1)     (NO +-20 clamp here)
@@ -252,7 +257,9 @@ def gspo_loss(old_logp, logp, adv, mask, clip_low=3e-4, clip_high=4e-4, is_weigh
         lbar /= n_b
         for t in range(S):
             lam = _clip(lbar, None, GSPO_LOG_RATIO_MAX)
-            dlam = _clip_grad(lbar, None, GSPO_LOG_RATIO_MAX)  # d lam / d logp_bt (stop-grad elsewhere)
+            dlam = _clip_grad(
+                lbar, None, GSPO_LOG_RATIO_MAX
+            )  # d lam / d logp_bt (stop-grad elsewhere)
             s = math.exp(lam)
             ds = s * dlam
             A = adv[b, t]
@@ -284,7 +291,8 @@ def cispo_loss(old_logp, logp, adv, mask, clip_low=10.0, clip_high=0.2, loss_agg
     """verl loss_mode='cispo'.
 
     d  = clamp(logp - old_logp, -20, 20); r = exp(d)
-    rc = clip(r, 1-eps_lo, 1+eps_hi)         (both sides; verl example uses eps_lo=10 => no lower clip)
+    rc = clip(r, 1-eps_lo, 1+eps_hi)
+        (both sides; verl example uses eps_lo=10 => no lower clip)
     loss_t = -sg(rc) * A * logp              (gradient -rc*A for EVERY token, clipped or not)
     loss_t *= w if given; aggregated with loss_agg_mode (default token-mean).
     metrics: pg_clipfrac = masked_mean[r != rc]; ppo_kl = masked_mean[-d]; pg_clipfrac_lower = 0.
@@ -316,7 +324,9 @@ def cispo_loss(old_logp, logp, adv, mask, clip_low=10.0, clip_high=0.2, loss_agg
     return loss, c * dL, metrics
 
 
-def reinforce_is_loss(rollout_logp, logp, adv, mask, is_weights=None, loss_agg_mode="token-mean", agg_kwargs=None):
+def reinforce_is_loss(
+    rollout_logp, logp, adv, mask, is_weights=None, loss_agg_mode="token-mean", agg_kwargs=None
+):
     """bypass_mode + loss_type='reinforce': loss_t = -A * logp * w (w detached)."""
     agg_kwargs = agg_kwargs or {}
     B, S = logp.shape
@@ -330,7 +340,11 @@ def reinforce_is_loss(rollout_logp, logp, adv, mask, is_weights=None, loss_agg_m
             dL[b, t] = -adv[b, t] * w
             kl[b, t] = rollout_logp[b, t] - logp[b, t]
     c = agg_loss_coeffs(mask, loss_agg_mode, **agg_kwargs)
-    return agg_loss(L, mask, loss_agg_mode, **agg_kwargs), c * dL, {"actor/ppo_kl": masked_mean_all(kl, mask)}
+    return (
+        agg_loss(L, mask, loss_agg_mode, **agg_kwargs),
+        c * dL,
+        {"actor/ppo_kl": masked_mean_all(kl, mask)},
+    )
 
 
 # --------------------------------------------------------------------------
@@ -360,7 +374,9 @@ def kl_low_var(logp, ref_logp):
     return out
 
 
-def actor_total_loss(pg_loss, entropy, kld, mask, loss_agg_mode, entropy_coeff=0.0, kl_loss_coef=0.0):
+def actor_total_loss(
+    pg_loss, entropy, kld, mask, loss_agg_mode, entropy_coeff=0.0, kl_loss_coef=0.0
+):
     """policy_loss = pg_loss - entropy_coeff * agg(H) + kl_loss_coef * agg(kl), same agg mode
     (config.loss_agg_mode, even for GSPO whose pg part is forced to seq-mean-token-mean)."""
     total = pg_loss
@@ -405,8 +421,17 @@ def dapo_overlong_penalty(resp_len, max_resp_len, buffer_len, penalty_factor=1.0
 # --------------------------------------------------------------------------
 # 5. rollout correction: IS weights
 # --------------------------------------------------------------------------
-def rollout_is_weights(old_logp, rollout_logp, mask, level="token", threshold=2.0, batch_normalize=False,
-                       mode="truncate", threshold_lower=None, veto_threshold=None):
+def rollout_is_weights(
+    old_logp,
+    rollout_logp,
+    mask,
+    level="token",
+    threshold=2.0,
+    batch_normalize=False,
+    mode="truncate",
+    threshold_lower=None,
+    veto_threshold=None,
+):
     """IS weight w = pi_old / pi_rollout (decoupled) [pass logp of pi_theta as old_logp for bypass].
 
     level (HEAD supports token|sequence; 'geometric' only in the Oct-2025 API):
@@ -517,8 +542,12 @@ def is_metrics(w, lr_for_metrics, mask, level, threshold):
         m["rollout_is_max"] = math.exp(min(max(lr_for_metrics), SAFETY_BOUND))
         m["rollout_is_min"] = math.exp(min(lr_for_metrics))
         m["rollout_is_mean"] = masked_mean_all(w, mask)
-        m["rollout_is_ratio_fraction_high"] = sum(1.0 for v in lr_for_metrics if v > math.log(threshold)) / B
-        m["rollout_is_ratio_fraction_low"] = sum(1.0 for v in lr_for_metrics if v < math.log(lower)) / B
+        m["rollout_is_ratio_fraction_high"] = (
+            sum(1.0 for v in lr_for_metrics if v > math.log(threshold)) / B
+        )
+        m["rollout_is_ratio_fraction_low"] = (
+            sum(1.0 for v in lr_for_metrics if v < math.log(lower)) / B
+        )
     wc = np.zeros((B, S))
     for b in range(B):
         for t in range(S):
@@ -562,7 +591,7 @@ def parse_rs_thresholds(options, spec):
         parts = parts * len(options)
     assert len(parts) == len(options)
     out = {}
-    for opt, p in zip(options, parts):
+    for opt, p in zip(options, parts, strict=True):
         if opt.endswith("k1"):
             if "_" in p:
                 lo, hi = p.split("_", 1)
@@ -577,14 +606,18 @@ def parse_rs_thresholds(options, spec):
     return out
 
 
-def rollout_rejection_mask(old_logp, rollout_logp, mask, rollout_rs="token_k1", threshold="0.5_2.0"):
+def rollout_rejection_mask(
+    old_logp, rollout_logp, mask, rollout_rs="token_k1", threshold="0.5_2.0"
+):
     """HEAD (post Dec-2025) divergence-based rejection.
 
-    lr = clamp(old_logp - rollout_logp, +-20) per token;  k1 = -lr ; k2 = lr^2/2 ; k3 = exp(lr)-1-lr.
+    lr = clamp(old_logp - rollout_logp, +-20) per token;
+    k1 = -lr ; k2 = lr^2/2 ; k3 = exp(lr)-1-lr.
     token_kX   : per-token statistic
-    seq_sum_kX : sum_t m kX ;  seq_mean_kX : sum_t m kX / (n_b+1e-8) ;  seq_max_kX : max_t over valid (0 if none)
+    seq_sum_kX : sum_t m kX ;  seq_mean_kX : sum_t m kX / (n_b+1e-8) ;
+    seq_max_kX : max_t over valid (0 if none)
     keep rule  : k1: log(lo) <= stat <= log(hi)    (NB: stat = -lr, so ratio-space keep is
-                                                    1/hi <= r <= 1/lo; identical to [lo,hi] only if lo=1/hi)
+                 1/hi <= r <= 1/lo; identical to [lo,hi] only if lo=1/hi)
                  k2/k3: stat <= hi
     sequence options keep/reject whole rows. Multiple comma-separated options are AND-ed.
     new_mask = mask * keep. Returns (new_mask, metrics without prefix).
@@ -666,22 +699,34 @@ def _rs_option_metrics(opt, per_tok, per_seq, mask, seq_valid, level, hi, lo, us
     B, S = per_tok.shape
     p = f"rollout_rs_{opt}"
     m = {}
-    seq_vals = list(per_seq) if per_seq is not None else [masked_mean_row(per_tok, mask, b) for b in range(B)]
-    seq_vals = [v for v, ok in zip(seq_vals, seq_valid) if ok]
+    seq_vals = (
+        list(per_seq)
+        if per_seq is not None
+        else [masked_mean_row(per_tok, mask, b) for b in range(B)]
+    )
+    seq_vals = [v for v, ok in zip(seq_vals, seq_valid, strict=True) if ok]
     m[f"{p}_mean"] = masked_mean_all(per_tok, mask)
     valid_tok = [per_tok[b, t] for b in range(B) for t in range(S) if mask[b, t] != 0]
     if level == "sequence" and seq_vals:
         m[f"{p}_max"], m[f"{p}_min"] = max(seq_vals), min(seq_vals)
         m[f"{p}_fraction_high"] = sum(1.0 for v in seq_vals if v > hi) / len(seq_vals)
-        m[f"{p}_fraction_low"] = sum(1.0 for v in seq_vals if v < lo) / len(seq_vals) if use_lo else 0.0
+        m[f"{p}_fraction_low"] = (
+            sum(1.0 for v in seq_vals if v < lo) / len(seq_vals) if use_lo else 0.0
+        )
     else:
         m[f"{p}_max"], m[f"{p}_min"] = max(valid_tok), min(valid_tok)
-        hi_ind = np.array([[1.0 if per_tok[b, t] > hi else 0.0 for t in range(S)] for b in range(B)])
-        lo_ind = np.array([[1.0 if per_tok[b, t] < lo else 0.0 for t in range(S)] for b in range(B)])
+        hi_ind = np.array(
+            [[1.0 if per_tok[b, t] > hi else 0.0 for t in range(S)] for b in range(B)]
+        )
+        lo_ind = np.array(
+            [[1.0 if per_tok[b, t] < lo else 0.0 for t in range(S)] for b in range(B)]
+        )
         m[f"{p}_fraction_high"] = masked_mean_all(hi_ind, mask)
         m[f"{p}_fraction_low"] = masked_mean_all(lo_ind, mask) if use_lo else 0.0
     if len(valid_tok) > 1:
-        c = np.array([[_clip(per_tok[b, t], lo if use_lo else 0.0, hi) for t in range(S)] for b in range(B)])
+        c = np.array(
+            [[_clip(per_tok[b, t], lo if use_lo else 0.0, hi) for t in range(S)] for b in range(B)]
+        )
         mu = masked_mean_all(c, mask)
         m[f"{p}_std"] = math.sqrt(max(masked_mean_all(c * c, mask) - mu * mu, 0.0))
     else:
@@ -733,7 +778,8 @@ def icepop(old_logp, rollout_logp, mask, alpha=0.5, beta=2.0):
     """IcePop (Ring-1T, arXiv:2510.18855) -- NOT implemented in verl.
     k_bt = pi_old/pi_rollout = exp(lr);  M(k) = k if alpha <= k <= beta else 0.
     Returns (weights M(k)*m, kept mask, metrics). verl equivalent: rollout_is='token' with
-    rollout_is_threshold >= beta plus rollout_rs='token_k1', rollout_rs_threshold=f'{1/beta}_{1/alpha}'
+    rollout_is_threshold >= beta plus rollout_rs='token_k1',
+    rollout_rs_threshold=f'{1/beta}_{1/alpha}'
     (sign convention of k1, see rollout_rejection_mask)."""
     B, S = old_logp.shape
     w = np.zeros((B, S))
@@ -762,7 +808,7 @@ def offpolicy_metrics(old_logp, rollout_logp, mask):
     m["k3_kl"] = masked_mean_all(np.exp(lr) - lr - 1.0, mask)  # unclamped
     m["rollout_ppl"] = sum(math.exp(-v) for v in mean_ro) / B
     m["rollout_log_ppl"] = sum(-v for v in mean_ro) / B
-    diff = [r - t for r, t in zip(mean_ro, mean_tr)]
+    diff = [r - t for r, t in zip(mean_ro, mean_tr, strict=True)]
     m["log_ppl_diff"] = sum(diff) / B
     m["log_ppl_abs_diff"] = sum(abs(v) for v in diff) / B
     m["log_ppl_diff_max"] = max(diff)
@@ -773,13 +819,27 @@ def offpolicy_metrics(old_logp, rollout_logp, mask):
         for t in range(S):
             sq[b, t] = math.exp(2.0 * _clip(lr[b, t], -SAFETY_BOUND, SAFETY_BOUND))
     m["chi2_token"] = masked_mean_all(sq, mask) - 1.0
-    m["chi2_seq"] = sum(math.exp(2.0 * _clip(masked_sum_row(lr, mask, b), -SAFETY_BOUND, SAFETY_BOUND))
-                        for b in range(B)) / B - 1.0
+    m["chi2_seq"] = (
+        sum(
+            math.exp(2.0 * _clip(masked_sum_row(lr, mask, b), -SAFETY_BOUND, SAFETY_BOUND))
+            for b in range(B)
+        )
+        / B
+        - 1.0
+    )
     return m
 
 
-def rollout_correction(old_logp, rollout_logp, mask, rollout_is=None, rollout_is_threshold=2.0,
-                       rollout_is_batch_normalize=False, rollout_rs=None, rollout_rs_threshold=None):
+def rollout_correction(
+    old_logp,
+    rollout_logp,
+    mask,
+    rollout_is=None,
+    rollout_is_threshold=2.0,
+    rollout_is_batch_normalize=False,
+    rollout_rs=None,
+    rollout_rs_threshold=None,
+):
     """HEAD pipeline: IS weights (on the ORIGINAL mask) + RS mask + diagnostics; all metric keys
     get the 'rollout_corr/' prefix. The RS mask replaces response_mask (used for advantages,
     pg/entropy/KL aggregation); IS weights multiply only the per-token policy loss."""
@@ -791,7 +851,9 @@ def rollout_correction(old_logp, rollout_logp, mask, rollout_is=None, rollout_is
         metrics.update(mi)
     new_mask = mask.copy()
     if rollout_rs is not None:
-        new_mask, mr = rollout_rejection_mask(old_logp, rollout_logp, mask, rollout_rs, rollout_rs_threshold)
+        new_mask, mr = rollout_rejection_mask(
+            old_logp, rollout_logp, mask, rollout_rs, rollout_rs_threshold
+        )
         metrics.update(mr)
     metrics.update(offpolicy_metrics(old_logp, rollout_logp, mask))
     return w, new_mask, {f"rollout_corr/{k}": v for k, v in metrics.items()}

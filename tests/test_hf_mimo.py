@@ -392,20 +392,43 @@ def test_published_config_carries_the_hub_keys_engines_read(loaded, tmp_path):
     assert not [k for k in HUB_KEYS if k not in c]
     assert c["hybrid_layer_pattern"] == [0, 1, 1, 0, 1, 1, 0]
     assert c["moe_layer_freq"] == [0, 1, 1, 1, 1, 1, 1]
-    assert (c["swa_num_attention_heads"], c["swa_num_key_value_heads"], c["num_key_value_heads"]) == (4, 2, 1)
-    assert (c["swa_head_dim"], c["swa_v_head_dim"], c["head_dim"], c["v_head_dim"]) == (12, 8, 12, 8)
-    assert (c["rope_theta"], c["swa_rope_theta"], c["partial_rotary_factor"]) == (1000.0, 50.0, 0.334)
+    assert (
+        c["swa_num_attention_heads"],
+        c["swa_num_key_value_heads"],
+        c["num_key_value_heads"],
+    ) == (4, 2, 1)
+    assert (c["swa_head_dim"], c["swa_v_head_dim"], c["head_dim"], c["v_head_dim"]) == (
+        12,
+        8,
+        12,
+        8,
+    )
+    assert (c["rope_theta"], c["swa_rope_theta"], c["partial_rotary_factor"]) == (
+        1000.0,
+        50.0,
+        0.334,
+    )
     assert c["add_swa_attention_sink_bias"] is True and c["layernorm_epsilon"] == 1e-5
     # the Hub dialect alone (what vLLM reads) gives the same model
     hub_only = {k: v for k, v in c.items() if k not in (
         "layer_types", "mlp_layer_types", "rope_parameters", "rms_norm_eps", "sliding_window")}
-    assert hf.config_from_hf(hub_only) == hf.config_from_hf(c) == dataclasses.replace(
-        cfg, param_dtype="float32", compute_dtype="float32", expert_backend="auto", attention="auto")
+    assert (
+        hf.config_from_hf(hub_only)
+        == hf.config_from_hf(c)
+        == dataclasses.replace(
+            cfg,
+            param_dtype="float32",
+            compute_dtype="float32",
+            expert_backend="auto",
+            attention="auto",
+        )
+    )
 
 
 @pytest.mark.parametrize("convention", ["vllm", "transformers"])
-def test_window_convention_round_trips_and_matches_transformers(loaded, torch_model, tmp_path, caplog,
-                                                                 convention):
+def test_window_convention_round_trips_and_matches_transformers(
+    loaded, torch_model, tmp_path, caplog, convention
+):
     """W=3 < S: each convention publishes sliding_window_size so that its engine sees W."""
     model, _, want, ours = loaded
     m = _ablate(model, sliding_window_convention=convention)
@@ -414,7 +437,10 @@ def test_window_convention_round_trips_and_matches_transformers(loaded, torch_mo
     c = json.loads((tmp_path / "config.json").read_text())
     assert c["sliding_window"] == 3 and c["gagar_sliding_window_convention"] == convention
     assert c["sliding_window_size"] == {"vllm": 3, "transformers": 2}[convention]
-    other = {"vllm": "transformers 5.24 reads it as W=4", "transformers": "vLLM 0.32 reads it as W=2"}
+    other = {
+        "vllm": "transformers 5.24 reads it as W=4",
+        "transformers": "vLLM 0.32 reads it as W=2",
+    }
     assert other[convention] in caplog.text
     again, cfg = hf.from_pretrained(str(tmp_path), **FAST)  # the file's convention is kept
     assert (cfg.sliding_window, cfg.sliding_window_convention) == (3, convention)
@@ -440,12 +466,20 @@ def test_hub_checkpoint_window_and_configs_keep_their_meaning():
     from gagar_jax.model.transformer import ModelConfig
     assert window_of({"sliding_window_size": 128}, "vllm") == 128
     assert window_of({"sliding_window_size": 128}, "transformers") == 129
-    assert window_of({"sliding_window": 7}, "vllm") == window_of({"sliding_window": 7}, "transformers") == 7
+    assert (
+        window_of({"sliding_window": 7}, "vllm")
+        == window_of({"sliding_window": 7}, "transformers")
+        == 7
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    flash = ModelConfig.from_config(load_config_file(os.path.join(root, "configs", "flash_310b.py")).model)
+    flash = ModelConfig.from_config(
+        load_config_file(os.path.join(root, "configs", "flash_310b.py")).model
+    )
     assert (flash.sliding_window, flash.sliding_window_convention) == (129, "transformers")
     assert hf.config_to_hf(flash)["sliding_window_size"] == 128  # the Hub checkpoint's value
-    tiny = ModelConfig.from_config(load_config_file(os.path.join(root, "configs", "tiny_mimo.py")).model)
+    tiny = ModelConfig.from_config(
+        load_config_file(os.path.join(root, "configs", "tiny_mimo.py")).model
+    )
     assert (tiny.sliding_window, hf.config_to_hf(tiny)["sliding_window_size"]) == (32, 32)
     with pytest.raises(ValueError, match="sliding_window_convention"):
         dataclasses.replace(tiny, sliding_window_convention="sglang")

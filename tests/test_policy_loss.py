@@ -60,7 +60,8 @@ def test_objective_matches_verl_loop(objective, agg):
     f = jax.jit(functools.partial(gagar_jax.policy_loss, cfg=cfg))
     args = [jnp.asarray(x, jnp.float32) for x in (logp, old, adv, mask)]
     (loss, met), grad = jax.value_and_grad(
-        lambda lp: f(lp, *args[1:], is_weights=jnp.asarray(w_is, jnp.float32)), has_aux=True)(args[0])
+        lambda lp: f(lp, *args[1:], is_weights=jnp.asarray(w_is, jnp.float32)), has_aux=True
+    )(args[0])
     np.testing.assert_allclose(loss, want, rtol=2e-5, atol=1e-7)
     np.testing.assert_allclose(grad, dwant, rtol=2e-4, atol=1e-6)
     clipfrac = float(met["clip_frac_low"] + met["clip_frac_high"])
@@ -83,7 +84,9 @@ def test_cispo_clipped_tokens_keep_gradient_and_dr_grpo_norm():
     cfg = cfg_for("ppo", "seq-mean-token-sum-norm")
     want = R.ppo_loss(old, logp, adv, mask, 0.2, 0.28, 3.0, "seq-mean-token-sum-norm",
                       agg_kwargs=dict(loss_scale_factor=9))[0] / (mask.sum(1) > 0).sum()
-    got = gagar_jax.policy_loss(*(jnp.asarray(x, jnp.float32) for x in (logp, old, adv, mask)), cfg)[0]
+    got = gagar_jax.policy_loss(
+        *(jnp.asarray(x, jnp.float32) for x in (logp, old, adv, mask)), cfg
+    )[0]
     np.testing.assert_allclose(got, want, rtol=2e-5)
 
 
@@ -127,8 +130,12 @@ def test_packed_micro_batches_equal_single_shot_and_loop(objective, agg):
 
     def micro_sum(lp_, k):
         lps, ins = split(lp_), split(inp)
-        return sum(L.pg_loss(lps[k, j], jnp.zeros_like(lps[k, j]), jax.tree.map(lambda a: a[k, j], ins),
-                             cfg)[0] for j in range(J))
+        return sum(
+            L.pg_loss(
+                lps[k, j], jnp.zeros_like(lps[k, j]), jax.tree.map(lambda a, j=j: a[k, j], ins), cfg
+            )[0]
+            for j in range(J)
+        )
 
     def single(lp_, k):
         lps, ins = split(lp_, K, 1), split(inp, K, 1)
@@ -160,10 +167,14 @@ def test_entropy_bonus_aggregated_like_the_loss():
                        ref_logprobs_BxS=jnp.zeros_like(w))
     ent = f32(np.random.default_rng(0).uniform(0.5, 2.0, mask.shape))
     base = L.pg_loss(f32(logp), ent, inp, dataclasses.replace(cfg, entropy_coef=0.0))[0]
-    (loss, aux), g = jax.value_and_grad(lambda e: L.pg_loss(f32(logp), e, inp, cfg), has_aux=True)(ent)
+    (loss, aux), g = jax.value_and_grad(lambda e: L.pg_loss(f32(logp), e, inp, cfg), has_aux=True)(
+        ent
+    )
     # Loop: mean over trajectories of each one's mean entropy.
-    per = [np.mean([ent[b, s] for b in range(4) for s in range(12) if traj[b, s] == t and mask[b, s]])
-           for t in range(8)]
+    per = [
+        np.mean([ent[b, s] for b in range(4) for s in range(12) if traj[b, s] == t and mask[b, s]])
+        for t in range(8)
+    ]
     np.testing.assert_allclose(aux.entropy_loss, np.mean(per), rtol=1e-5)
     np.testing.assert_allclose(loss, base - 0.01 * np.mean(per), rtol=1e-5)
     np.testing.assert_allclose(g, -0.01 * np.asarray(w), rtol=1e-5, atol=1e-9)

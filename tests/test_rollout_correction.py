@@ -60,7 +60,9 @@ def test_rejection_matches_verl_loop(rs, th):
     assert 0 < want.sum() < mask.sum()
     np.testing.assert_allclose(met.masked_token_frac, wm["rollout_rs_masked_fraction"], rtol=1e-5)
     # every row has trained tokens here, so verl's all-rows fraction is ours
-    np.testing.assert_allclose(met.masked_traj_frac, wm["rollout_rs_seq_masked_fraction"], rtol=1e-6)
+    np.testing.assert_allclose(
+        met.masked_traj_frac, wm["rollout_rs_seq_masked_fraction"], rtol=1e-6
+    )
     np.testing.assert_array_equal(w, 1.0)
 
 

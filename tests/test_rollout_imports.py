@@ -10,7 +10,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_rollout_package_imports_without_jax(tmp_path):
     fake = tmp_path / "fakejax"
     (fake / "jax").mkdir(parents=True)
-    (fake / "jax" / "__init__.py").write_text("raise ImportError('jax must not be imported here')\n")
+    (fake / "jax" / "__init__.py").write_text(
+        "raise ImportError('jax must not be imported here')\n"
+    )
     code = ("import sys, gagar_jax.rollout, gagar_jax.rollout.vllm_extension as v; "
             "assert 'jax' not in sys.modules and 'vllm' not in sys.modules, sorted(sys.modules); "
             "assert callable(v.GagarWorkerExtension.gagar_reload_latest); print('ok')")

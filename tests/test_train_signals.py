@@ -28,10 +28,15 @@ def test_sigterm_while_training_then_while_idle_checkpoints_and_exits_zero(tmp_p
     spool = tmp_path / "spool"
     spool.mkdir()
     shutil.copy(os.path.join(REPO, "data", "sample_feed.jsonl"), spool / "000-sample.jsonl")
-    live = ["--config.feed.path=", f"--config.feed.spool_dir={spool}", "--config.feed.spool_poll_s=0.1",
-            "--config.feed.spool_log_every_s=0.2",
-            "--config.feed.spool_settle_s=0",   # the shard is complete before the start
-            "--config.train.steps=100", "--config.train.checkpoint_every=0"]
+    live = [
+        "--config.feed.path=",
+        f"--config.feed.spool_dir={spool}",
+        "--config.feed.spool_poll_s=0.1",
+        "--config.feed.spool_log_every_s=0.2",
+        "--config.feed.spool_settle_s=0",  # the shard is complete before the start
+        "--config.train.steps=100",
+        "--config.train.checkpoint_every=0",
+    ]
     stderr = tmp_path / "stderr.txt"   # the feed logs there; stdout keeps the JSON summary
 
     def start():

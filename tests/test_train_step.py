@@ -480,7 +480,9 @@ def test_r2_replays_recorded_routing(expert, cfg, init, batch, devices):
         if "router" in str(p) else x, state.params)
     trained = np.asarray(batch.loss_mask_BxS) > 0
     with jax.set_mesh(mesh):
-        old, lp, rec, used, free = jax.device_get(probe(state.params, state.params, state.router_bias))
+        old, lp, rec, used, free = jax.device_get(
+            probe(state.params, state.params, state.router_bias)
+        )
         np.testing.assert_array_equal(used, rec)
         assert np.abs(np.exp(lp - old) - 1)[trained].max() <= 1e-5
         _, lp2, rec2, used2, free2 = jax.device_get(probe(noisy, state.params, state.router_bias))
@@ -498,7 +500,9 @@ def test_sequence_level_options_under_context_parallelism(gspo_step, init, devic
     dcfg, off, _, _, (ref_state, ref_m) = gspo_step
     # chexify's checks do not trace inside the context attention's shard_map: checks off here.
     dcfg = dataclasses.replace(dcfg, debug_checks=False)
-    mesh = make_mesh(type("M", (), dict(zip(shd.MESH_AXES, (1, 1, 1, 4, 1)))), devices[:4])
+    mesh = make_mesh(
+        type("M", (), dict(zip(shd.MESH_AXES, (1, 1, 1, 4, 1), strict=True))), devices[:4]
+    )
     graphdef = TS.abstract_train_state(dcfg, mesh)[1]
     shardings = TS.state_shardings(fresh(host, None), mesh, dcfg)
     bsh = shd.batch_shardings(off, mesh)

@@ -10,7 +10,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGGREGATIONS = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
 
 
 def aggregation_weights(mask_BxS: jax.Array, traj_index_BxS: jax.Array, num_trajectories: int,

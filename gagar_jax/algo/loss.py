@@ -112,9 +112,13 @@ class LossConfig:
         if self.kl_coef < 0.0:
             raise ValueError(f"loss.kl_coef must be >= 0, got {self.kl_coef}")
         if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+            raise ValueError(
+                f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}"
+            )
         if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"loss.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+            raise ValueError(
+                f"loss.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}"
+            )
         if self.max_response_len <= 0:
             raise ValueError(f"loss.max_response_len must be > 0, got {self.max_response_len}")
         if self.lam_cap < 1.0:
@@ -127,7 +131,9 @@ class LossConfig:
             raise ValueError(f"loss.rollout_is must be None or one of {rc.IS_LEVELS}, "
                              f"got {self.rollout_is!r}")
         if self.rollout_is_threshold <= 0.0:
-            raise ValueError(f"loss.rollout_is_threshold must be > 0, got {self.rollout_is_threshold}")
+            raise ValueError(
+                f"loss.rollout_is_threshold must be > 0, got {self.rollout_is_threshold}"
+            )
         rc.rs_options(self.rollout_rs, self.rollout_rs_threshold)   # raises on a bad option
         if (self.icepop_low is None) != (self.icepop_high is None) or (
                 self.icepop_low is not None and not 0 <= self.icepop_low <= self.icepop_high):
@@ -195,7 +201,9 @@ def split_rows(x: jax.Array, mini_batches: int, micro_batches: int) -> jax.Array
     M, U = mini_batches, micro_batches
     B = x.shape[0]
     if B % (M * U):
-        raise ValueError(f"batch rows B={B} must be divisible by mini_batches * micro_batches = {M * U}")
+        raise ValueError(
+            f"batch rows B={B} must be divisible by mini_batches * micro_batches = {M * U}"
+        )
     y = x.reshape((B // (M * U), U, M) + x.shape[1:])
     return jnp.moveaxis(y, (0, 1, 2), (2, 1, 0))
 
@@ -292,7 +300,8 @@ def pg_loss(logprobs_BxS: jax.Array, entropy_BxS: jax.Array, inputs: LossInputs,
       inputs: this micro-batch's rows of `prepare`'s LossInputs.
       cfg: loss settings.
     Returns:
-      (loss, LossAux) with loss = sum_t pw_t w^IS_t pg_t + sum_t w_t [kl_coef kl_t - entropy_coef H_t]
+      (loss, LossAux) with
+        loss = sum_t pw_t w^IS_t pg_t + sum_t w_t [kl_coef kl_t - entropy_coef H_t]
       (pw = w except for GSPO, whose policy term is seq-mean-token-mean).
     """
     mask, w = inputs.mask_BxS, inputs.weight_BxS

@@ -69,7 +69,9 @@ def rs_options(rollout_rs: str | None, threshold: Any) -> tuple:
     if len(ths) == 1:
         ths = ths * len(opts)
     if len(ths) != len(opts):
-        raise ValueError(f"loss.rollout_rs_threshold: {len(ths)} thresholds for {len(opts)} options")
+        raise ValueError(
+            f"loss.rollout_rs_threshold: {len(ths)} thresholds for {len(opts)} options"
+        )
     out = []
     for o, t in zip(opts, ths, strict=True):
         if isinstance(t, str) and "_" in t:

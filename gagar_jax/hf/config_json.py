@@ -23,8 +23,16 @@ MIMO_DEFAULTS = dict(
     routed_scaling_factor=1.0, n_group=1, topk_group=1, norm_topk_prob=True, head_dim=192,
     v_head_dim=128, sliding_window=129, attention_value_scale=0.707, max_position_embeddings=131072)
 MIMO_ROPE_DEFAULTS = {
-    "full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.334},
-    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.334},
+    "full_attention": {
+        "rope_type": "default",
+        "rope_theta": 5_000_000.0,
+        "partial_rotary_factor": 0.334,
+    },
+    "sliding_attention": {
+        "rope_type": "default",
+        "rope_theta": 10_000.0,
+        "partial_rotary_factor": 0.334,
+    },
 }
 _TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
@@ -45,7 +53,9 @@ def _dense_prefix(is_moe: list, why: str) -> int:
 
 def _qwen3_from_hf(hf: dict) -> dict:
     if hf.get("use_sliding_window", False):
-        raise ValueError("config.json use_sliding_window=true is not supported by the Qwen3-MoE port")
+        raise ValueError(
+            "config.json use_sliding_window=true is not supported by the Qwen3-MoE port"
+        )
     rope = hf.get("rope_parameters") or {}
     if (rope.get("rope_type") or "default") != "default" or hf.get("rope_scaling"):
         raise ValueError(f"only default RoPE is supported, got rope_parameters={rope}, "
@@ -58,19 +68,26 @@ def _qwen3_from_hf(hf: dict) -> dict:
     is_moe = [i not in mlp_only and (i + 1) % step == 0 for i in range(n_layers)]
     heads = hf["num_attention_heads"]
     return dict(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=n_layers,
-        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=n_layers,
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        moe_intermediate_size=hf["moe_intermediate_size"], intermediate_size=hf["intermediate_size"],
-        num_dense_layers=_dense_prefix(is_moe, f"mlp_only_layers={sorted(mlp_only)}, "
-                                               f"decoder_sparse_step={step}"),
-        num_experts=num_experts, top_k=hf["num_experts_per_tok"],
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_dense_layers=_dense_prefix(
+            is_moe, f"mlp_only_layers={sorted(mlp_only)}, decoder_sparse_step={step}"
+        ),
+        num_experts=num_experts,
+        top_k=hf["num_experts_per_tok"],
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 1e-3)),
-        hf_family="qwen3_moe")
+        hf_family="qwen3_moe",
+    )
 
 
 def _hub_pattern(hf: dict, key: str, n: int) -> list | None:
@@ -133,8 +150,11 @@ def _mimo_from_hf(hf: dict, convention: str = "vllm") -> dict:
     has_sliding = "sliding_attention" in types
     kv = h["num_key_value_heads"]
     swa_kv = h.get("swa_num_key_value_heads", 2 * kv)  # transformers: twice, hard-coded
-    for key, full in (("swa_num_attention_heads", "num_attention_heads"), ("swa_head_dim", "head_dim"),
-                      ("swa_v_head_dim", "v_head_dim")):
+    for key, full in (
+        ("swa_num_attention_heads", "num_attention_heads"),
+        ("swa_head_dim", "head_dim"),
+        ("swa_v_head_dim", "v_head_dim"),
+    ):
         if has_sliding and h.get(key) is not None and h[key] != h[full]:
             raise ValueError(f"config.json {key}={h[key]} != {full}={h[full]} is not supported")
     if has_sliding and hf.get("add_swa_attention_sink_bias") is False:
@@ -187,13 +207,20 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
 
 def _qwen3_to_hf(cfg: ModelConfig) -> dict:
     return {
-        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "num_local_experts": cfg.num_experts, "num_experts": cfg.num_experts,
-        "num_experts_per_tok": cfg.top_k, "norm_topk_prob": cfg.norm_topk_prob,
-        "mlp_only_layers": list(range(cfg.num_dense_layers)), "decoder_sparse_step": 1,
+        "intermediate_size": cfg.intermediate_size,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "num_local_experts": cfg.num_experts,
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "mlp_only_layers": list(range(cfg.num_dense_layers)),
+        "decoder_sparse_step": 1,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_theta": cfg.rope_theta, "use_sliding_window": False, "max_position_embeddings": 32768,
+        "rope_theta": cfg.rope_theta,
+        "use_sliding_window": False,
+        "max_position_embeddings": 32768,
         "router_aux_loss_coef": cfg.router_aux_loss_coef,
     }
 
@@ -211,33 +238,45 @@ def _mimo_to_hf(cfg: ModelConfig) -> dict:
     types = [cfg.is_sliding(i) for i in range(cfg.num_layers)]
     swa_theta = cfg.sliding_rope_theta or cfg.rope_theta
     return {
-        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "v_head_dim": cfg.value_head_dim, "n_routed_experts": cfg.num_experts,
-        "num_experts_per_tok": cfg.top_k, "norm_topk_prob": cfg.norm_topk_prob,
-        "n_group": cfg.n_group, "topk_group": cfg.topk_group,
+        "intermediate_size": cfg.intermediate_size,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "v_head_dim": cfg.value_head_dim,
+        "n_routed_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "n_group": cfg.n_group,
+        "topk_group": cfg.topk_group,
         "routed_scaling_factor": cfg.routed_scaling_factor,
         "layer_types": ["sliding_attention" if t else "full_attention" for t in types],
         "mlp_layer_types": ["dense"] * cfg.num_dense_layers + ["sparse"] * cfg.num_moe_layers,
         "sliding_window": cfg.sliding_window or MIMO_DEFAULTS["sliding_window"],
         "attention_value_scale": cfg.attention_value_scale,
-        "rope_parameters": {"full_attention": rope(cfg.rope_theta),
-                            "sliding_attention": rope(swa_theta)},
+        "rope_parameters": {
+            "full_attention": rope(cfg.rope_theta),
+            "sliding_attention": rope(swa_theta),
+        },
         "max_position_embeddings": MIMO_DEFAULTS["max_position_embeddings"],
         # The Hub checkpoint's keys (vLLM 0.32 mimo_v2.py, SGLang); transformers ignores them,
         # except sliding_window_size, which transformers 5.24 reads as N + 1 (`window_of`).
         "hybrid_layer_pattern": [int(t) for t in types],
         "moe_layer_freq": [0] * cfg.num_dense_layers + [1] * cfg.num_moe_layers,
-        "swa_num_attention_heads": cfg.num_heads, "swa_num_key_value_heads": cfg.sliding_kv_heads,
-        "swa_head_dim": cfg.head_dim, "swa_v_head_dim": cfg.value_head_dim,
+        "swa_num_attention_heads": cfg.num_heads,
+        "swa_num_key_value_heads": cfg.sliding_kv_heads,
+        "swa_head_dim": cfg.head_dim,
+        "swa_v_head_dim": cfg.value_head_dim,
         "sliding_window_size": hub_window_size(cfg),
         CONVENTION_KEY: cfg.sliding_window_convention,
         "add_swa_attention_sink_bias": bool(cfg.has_sliding and cfg.attention_sinks),
         "add_full_attention_sink_bias": False,
         "layernorm_epsilon": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "swa_rope_theta": swa_theta,
+        "rope_theta": cfg.rope_theta,
+        "swa_rope_theta": swa_theta,
         "partial_rotary_factor": cfg.partial_rotary_factor,
-        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_shared_experts": None,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "n_shared_experts": None,
         "moe_router_dtype": "float32",
     }
 

@@ -144,9 +144,20 @@ class ModelConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "moe_intermediate_size", "intermediate_size", "num_experts", "top_k",
-                     "attn_block", "logprob_vocab_chunk"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "moe_intermediate_size",
+            "intermediate_size",
+            "num_experts",
+            "top_k",
+            "attn_block",
+            "logprob_vocab_chunk",
+        ):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
         if self.logprob_keep_logits_mib < 0:
@@ -158,17 +169,26 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim must be even (RoPE), got {self.head_dim}")
         if self.top_k > self.num_experts:
-            raise ValueError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}")
+            raise ValueError(
+                f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}"
+            )
         if not 0 <= self.num_dense_layers <= self.num_layers:
             raise ValueError(f"model.num_dense_layers must be in [0, num_layers], "
                              f"got {self.num_dense_layers}")
-        checks = {"router": ("softmax", "sigmoid_bias"), "param_dtype": DTYPES, "compute_dtype": DTYPES,
-                  "remat": tuple(REMAT_POLICIES), "attention": attention_registry.names(),
-                  "expert_backend": expert_registry.names(),
-                  "ep_local_ffn": ("auto",) + expert_registry.LOCAL_FFNS}
+        checks = {
+            "router": ("softmax", "sigmoid_bias"),
+            "param_dtype": DTYPES,
+            "compute_dtype": DTYPES,
+            "remat": tuple(REMAT_POLICIES),
+            "attention": attention_registry.names(),
+            "expert_backend": expert_registry.names(),
+            "ep_local_ffn": ("auto",) + expert_registry.LOCAL_FFNS,
+        }
         for name, allowed in checks.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}"
+                )
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError("model.rope_theta and model.rms_norm_eps must be > 0")
         self._check_family_features()
@@ -180,12 +200,18 @@ class ModelConfig:
                                  f"num_layers={self.num_layers}")
             bad = sorted(set(self.layer_types) - {"full", "sliding"})
             if bad:
-                raise ValueError(f"model.layer_types entries must be 'full' or 'sliding', got {bad}")
+                raise ValueError(
+                    f"model.layer_types entries must be 'full' or 'sliding', got {bad}"
+                )
         if self.sliding_window_convention not in SLIDING_WINDOW_CONVENTIONS:
-            raise ValueError(f"model.sliding_window_convention must be one of "
-                             f"{SLIDING_WINDOW_CONVENTIONS}, got {self.sliding_window_convention!r}")
+            raise ValueError(
+                f"model.sliding_window_convention must be one of "
+                f"{SLIDING_WINDOW_CONVENTIONS}, got {self.sliding_window_convention!r}"
+            )
         if self.has_sliding and self.sliding_window < 1:
-            raise ValueError("model.sliding_window must be >= 1 when layer_types has sliding layers")
+            raise ValueError(
+                "model.sliding_window must be >= 1 when layer_types has sliding layers"
+            )
         for name in ("sliding_window", "sliding_num_kv_heads", "v_head_dim"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model.{name} must be >= 0, got {getattr(self, name)}")
@@ -208,14 +234,18 @@ class ModelConfig:
             raise ValueError("model.n_group > 1 needs >= 2 experts per group (groups are scored "
                              "by their two best experts)")
         if not 1 <= self.topk_group <= self.n_group:
-            raise ValueError(f"model.topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+            raise ValueError(
+                f"model.topk_group={self.topk_group} must be in [1, n_group={self.n_group}]"
+            )
         if self.top_k > self.topk_group * (self.num_experts // self.n_group):
             raise ValueError(f"model.top_k={self.top_k} exceeds the experts of topk_group="
                              f"{self.topk_group} groups")
         if self.routed_scaling_factor <= 0:
             raise ValueError("model.routed_scaling_factor must be > 0")
         if not isinstance(self.hf_family, str) or not self.hf_family:
-            raise ValueError(f"model.hf_family must be 'auto' or a family name, got {self.hf_family!r}")
+            raise ValueError(
+                f"model.hf_family must be 'auto' or a family name, got {self.hf_family!r}"
+            )
 
     # Derived shapes and layer kinds.
     @property
@@ -301,8 +331,9 @@ class PatternStack(nnx.Module):
             setattr(self, f"p{k}", _stack(cfg, spec.moe, spec.repeats, rngs, sliding))
 
 
-def resolve_kernels(cfg: ModelConfig,
-                    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None) -> ModelConfig:
+def resolve_kernels(
+    cfg: ModelConfig, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
+) -> ModelConfig:
     """`cfg` with every "auto" kernel choice resolved for the mesh's devices (default: the
     ambient mesh): attention, expert backend, ep_a2a's local FFN. The dispatchers reject "auto",
     so this runs once, where the model or the train state is built."""
@@ -353,9 +384,14 @@ class Transformer(nnx.Module):
 
         def one(k: int):
             def apply(x: jax.Array, layer_state: nnx.State, routed: jax.Array | None):
-                return nnx.merge(graphdefs[k], layer_state)(x, segment_ids_BxS, positions_BxS, routed)
+                return nnx.merge(graphdefs[k], layer_state)(
+                    x, segment_ids_BxS, positions_BxS, routed
+                )
+
             if self.cfg.remat != "none":
-                apply = jax.checkpoint(apply, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+                apply = jax.checkpoint(
+                    apply, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False
+                )
             return apply
 
         applies = [one(k) for k in range(p)]

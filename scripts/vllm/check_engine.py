@@ -18,6 +18,7 @@ EXT = "gagar_jax.rollout.vllm_extension.GagarWorkerExtension"
 
 def run(mode, workdir, out):
     from vllm import LLM, SamplingParams
+
     from gagar_jax.rollout.vllm_extension import reload_latest
     pub = os.path.join(workdir, "published")
     start = os.path.join(pub, "step_00000002" if mode == "fresh" else "step_00000001")
@@ -50,10 +51,12 @@ def main(workdir):
         subprocess.run([sys.executable, __file__, mode, workdir, out], check=True)
         got[mode] = json.load(open(out))
     for mode, r in got.items():
-        agree = sum(a == b for a, b in zip(r["greedy"], ref["greedy"]))
+        agree = sum(a == b for a, b in zip(r["greedy"], ref["greedy"], strict=True))
         n = min(agree + 1, len(ref["greedy"]))  # logprobs compared up to the first disagreement
-        dgen = max(abs(a - b) for a, b in zip(r["gen_logprobs"][:n], ref["gen_logprobs"][:n]))
-        dprompt = max(abs(a - b) for a, b in zip(r["prompt_logprobs"], ref["prompt_logprobs"]))
+        dgen = max(abs(a - b) for a, b in zip(r["gen_logprobs"][:n], ref["gen_logprobs"][:n],
+                                              strict=True))
+        dprompt = max(abs(a - b) for a, b in zip(r["prompt_logprobs"], ref["prompt_logprobs"],
+                                                 strict=True))
         print(f"RESULT {workdir} {mode}: tokens agree {agree}/{len(ref['greedy'])}, "
               f"max|dlogprob| generated {dgen:.2e} prompt {dprompt:.2e}; "
               f"routed layers hooked {r['routed_layers']}, route calls {len(r['routes'])}")

@@ -22,17 +22,48 @@ from gagar_jax.run import publish
 
 PROMPT = [5, 17, 33, 101, 7, 9, 200, 3, 44, 12, 250, 61]
 GEN, LEN = 8, 20
-BASE = dict(vocab_size=256, hidden_size=128, num_heads=4, head_dim=64, moe_intermediate_size=64,
-            intermediate_size=192, num_experts=4, top_k=2, expert_backend="dense", attention="plain")
+BASE = dict(
+    vocab_size=256,
+    hidden_size=128,
+    num_heads=4,
+    head_dim=64,
+    moe_intermediate_size=64,
+    intermediate_size=192,
+    num_experts=4,
+    top_k=2,
+    expert_backend="dense",
+    attention="plain",
+)
 CONFIGS = {
-    "qwen": ModelConfig(**BASE, num_layers=2, num_kv_heads=2, num_dense_layers=0, rope_theta=1e4,
-                        hf_family="qwen3_moe"),
+    "qwen": ModelConfig(
+        **BASE,
+        num_layers=2,
+        num_kv_heads=2,
+        num_dense_layers=0,
+        rope_theta=1e4,
+        hf_family="qwen3_moe",
+    ),
     # MiMo: sliding window 5 < 20 tokens, sinks, head_dim = v_head_dim = 64 (vLLM CPU needs it)
-    "mimo": ModelConfig(**BASE, num_layers=3, num_kv_heads=1, num_dense_layers=1,
-                        router="sigmoid_bias", qk_norm=False, layer_types=("sliding", "full", "sliding"),
-                        sliding_window=5, sliding_num_kv_heads=2, attention_sinks=True, v_head_dim=64,
-                        attention_value_scale=0.707, partial_rotary_factor=0.5, rope_theta=1e4,
-                        sliding_rope_theta=100.0, n_group=2, topk_group=1, hf_family="mimo_v2_flash"),
+    "mimo": ModelConfig(
+        **BASE,
+        num_layers=3,
+        num_kv_heads=1,
+        num_dense_layers=1,
+        router="sigmoid_bias",
+        qk_norm=False,
+        layer_types=("sliding", "full", "sliding"),
+        sliding_window=5,
+        sliding_num_kv_heads=2,
+        attention_sinks=True,
+        v_head_dim=64,
+        attention_value_scale=0.707,
+        partial_rotary_factor=0.5,
+        rope_theta=1e4,
+        sliding_rope_theta=100.0,
+        n_group=2,
+        topk_group=1,
+        hf_family="mimo_v2_flash",
+    ),
 }
 
 
@@ -79,7 +110,7 @@ def main(out, convention="vllm"):
             model = Transformer(cfg, rngs=nnx.Rngs(step))
             randomize(model, step)
             ref = answers(model)
-            def save(m, d):
+            def save(m, d, ref=ref):
                 hf.save_pretrained(m, d)
                 with open(os.path.join(d, "ref.json"), "w") as f:
                     json.dump(ref, f)
