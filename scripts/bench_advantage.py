@@ -17,6 +17,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")   # libtpu is installed; this benc
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from benchutil import best_of  # noqa: E402
 
 from gagar_jax.algo.advantage import gagar_advantages  # noqa: E402
 
@@ -65,22 +66,13 @@ def loop_advantages(rewards, group_ids, factors, valid, hacked, grading_ok, lam_
     return adv
 
 
-def time_it(fn, repeats):
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def bench(num_traj: int, group_size: int, loop_est_s: float | None):
     batch, num_groups = make_batch(num_traj, group_size)
     fn = jax.jit(functools.partial(gagar_advantages, num_groups=num_groups))
     dev = {k: jax.device_put(v) for k, v in batch.items()}
     run = lambda: jax.block_until_ready(fn(**dev).advantages)  # noqa: E731
     run()   # compile
-    t_vec = time_it(run, repeats=20 if num_traj <= 65536 else 5)
+    t_vec = best_of(run, repeats=20 if num_traj <= 65536 else 5)
 
     vec = np.asarray(run())
     if loop_est_s is None or loop_est_s <= LOOP_BUDGET_S:

@@ -23,6 +23,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+from benchutil import mean_of
 
 from gagar_jax.kernels.attention.blockwise import blockwise_attention, plain_attention
 
@@ -81,10 +82,7 @@ def measure(fn, s, heads, kv_heads, head_dim, repeats):
     g = _grad_fn(fn)
     temp = g.lower(q, k, v, seg).compile().memory_analysis().temp_size_in_bytes
     jax.block_until_ready(g(q, k, v, seg))
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        jax.block_until_ready(g(q, k, v, seg))
-    return (time.perf_counter() - t0) / repeats, temp
+    return mean_of(lambda: g(q, k, v, seg), repeats), temp
 
 
 def main():

@@ -28,14 +28,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchutil import time_train_step, timed  # noqa: E402
 
 from gagar_jax import sharding as shd  # noqa: E402

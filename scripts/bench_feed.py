@@ -16,12 +16,12 @@ import argparse
 import dataclasses
 import itertools
 import pathlib
-import re
 import tempfile
 import time
 
 import grain.python  # noqa: F401  (imported up front: not part of the timed loop)
 import numpy as np
+from benchutil import write_docs_section
 
 from gagar_jax.aot import flops
 from gagar_jax.config import load_config_file
@@ -209,15 +209,8 @@ def write_section(rows: list, long_rows: dict = None) -> None:
         lines.append(f"- {shape}: ArrayRecord/JSONL throughput ratio {ratio:.2f}x.")
     if long_rows is not None:
         lines += _long_row_lines(long_rows)
-    section = "\n".join(lines) + "\n"
     doc = ROOT / "docs" / "performance.md"
-    text = doc.read_text() if doc.exists() else "# Performance\n"
-    pattern = re.compile(r"## Feed \(scripts/bench_feed\.py\)\n.*?(?=\n## |\Z)", re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section.rstrip("\n") + "\n", text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    doc.write_text(text)
+    write_docs_section(str(doc), lines[0], "\n".join(lines) + "\n")
     print(f"wrote the feed section of {doc}")
 
 

@@ -21,8 +21,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchutil import matmul_peak, synthetic_batch, time_train_step, timed, write_docs_section  # noqa: E402
 
 from gagar_jax.algo.advantage import broadcast_to_tokens, gagar_advantages  # noqa: E402

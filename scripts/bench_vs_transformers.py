@@ -33,32 +33,15 @@ import argparse
 import dataclasses
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
+from benchutil import Clock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SINGLE_THREAD_XLA = " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-
-
-class Clock:
-    """Wall (or, single-threaded, CPU) seconds of one call, with its CPU time and page faults."""
-
-    def __init__(self, cpu: bool):
-        self.cpu = cpu
-
-    def __call__(self, fn) -> dict:
-        r0 = resource.getrusage(resource.RUSAGE_SELF)
-        t0 = time.process_time() if self.cpu else time.perf_counter()
-        out = fn()
-        t = (time.process_time() if self.cpu else time.perf_counter()) - t0
-        r1 = resource.getrusage(resource.RUSAGE_SELF)
-        return {"s": t, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime,
-                "faults": r1.ru_minflt - r0.ru_minflt, "out": out}
 
 
 # --------------------------------------------------------------------------- transformers
@@ -230,7 +213,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build(args):
     """(gagar_jax model with random weights, tokens, trunk probe r, head input h0) from the args."""
-    sys.path.insert(0, ROOT)
     from flax import nnx
 
     from gagar_jax.config import load_config_file

@@ -1,28 +1,63 @@
 """Small helpers the `scripts/bench_*.py` benchmarks share: timing, matmul peak, docs sections,
-a synthetic feed batch. Imports only jax, numpy and gagar_jax.batch (`bench_device.py` runs
-where nothing else is installed)."""
+a synthetic feed batch, a wall/CPU clock. Imports only numpy at the top (the torch side of
+`bench_vs_transformers.py` uses the clock without JAX in its process) and jax and gagar_jax.batch
+where needed (`bench_device.py` runs where nothing else is installed)."""
 from __future__ import annotations
 
 import os
 import re
+import resource
 import time
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from gagar_jax.batch import Batch
+if TYPE_CHECKING:
+    from gagar_jax.batch import Batch
+
+
+class Clock:
+    """Wall (or, single-threaded, CPU) seconds of one call, with its CPU time and page faults."""
+
+    def __init__(self, cpu: bool):
+        self.cpu = cpu
+
+    def __call__(self, fn) -> dict:
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.process_time() if self.cpu else time.perf_counter()
+        out = fn()
+        t = (time.process_time() if self.cpu else time.perf_counter()) - t0
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        return {"s": t, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime,
+                "faults": r1.ru_minflt - r0.ru_minflt, "out": out}
 
 
 def timed(fn) -> float:
     """Seconds for one call of `fn`, its result waited for."""
+    import jax
     t0 = time.perf_counter()
     jax.block_until_ready(fn())
     return time.perf_counter() - t0
 
 
+def best_of(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `fn` (seconds; results waited for)."""
+    return min(timed(fn) for _ in range(repeats))
+
+
+def mean_of(fn, repeats: int) -> float:
+    """Mean seconds per call over `repeats` calls of `fn`, each waited for."""
+    import jax
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        jax.block_until_ready(fn())
+    return (time.perf_counter() - t0) / repeats
+
+
 def matmul_peak(n: int = 2048, reps: int = 3) -> float:
     """FLOP/s of a large float32 matmul on the default device (best of `reps`, after warm-up)."""
+    import jax
+    import jax.numpy as jnp
     a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
     f = jax.jit(lambda a: a @ a)
     f(a).block_until_ready()
@@ -44,6 +79,9 @@ def write_docs_section(path: str, heading: str, section: str) -> None:
 def synthetic_batch(B: int, S: int, vocab: int, group_size: int = 4, seed: int = 0) -> Batch:
     """Rows packed with trajectories of 3/4 row length or less (prompt 1/4), groups of 4, every
     group mixed with graded passes: the shape of a real feed batch, with random tokens."""
+    import jax.numpy as jnp
+
+    from gagar_jax.batch import Batch
     rng = np.random.default_rng(seed)
     per_row = 2
     T = B * per_row
@@ -78,6 +116,8 @@ def time_train_step(step_cfg, mesh, B: int, S: int, steps: int) -> tuple:
     Returns:
       (compile_s, median step_s, the last step's metrics).
     """
+    import jax
+
     from gagar_jax import sharding as shd
     from gagar_jax.run import step as TS
 

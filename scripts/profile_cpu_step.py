@@ -23,7 +23,6 @@ import gzip
 import json
 import os
 import re
-import sys
 import tempfile
 import time
 
@@ -100,7 +99,6 @@ def report(times: dict[str, tuple[float, int]], top: int, names: dict[str, str])
 
 def main(argv=None) -> str:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu's profiler plugin must stay out
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from bench_vs_transformers import add_model_args, build, jax_parts
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -4,13 +4,19 @@ Both must be configured before JAX is imported anywhere, so this runs first.
 """
 import os
 
-from xla_flags import CPU_ONLY, FAST_COMPILE, cpu_flags, without  # fast compiles: xla_flags.py
+from support.paths import REPO, load_tiny_config
+from support.xla_flags import (  # fast compiles: xla_flags.py
+    CPU_ONLY,
+    FAST_COMPILE,
+    cpu_flags,
+    without,
+)
 
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {cpu_flags(8, FAST_COMPILE)}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _CACHE = os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax"),
+    os.path.join(REPO, ".cache", "jax"),
 )
 
 import jax  # noqa: E402
@@ -31,6 +37,19 @@ from hypothesis import settings  # noqa: E402
 # Few, deterministic examples: each new shape is a compile on 2 CPU cores.
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
 settings.load_profile("ci")
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> str:
+    """The repository root (configs/, data/, scripts/ live there)."""
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    """The loader of configs/tiny_cpu.py: `tiny_config(train__steps=3)` is a fresh ConfigDict
+    with the sample feed's absolute path and the given `section__name` overrides."""
+    return load_tiny_config
 
 
 @pytest.fixture(scope="session")

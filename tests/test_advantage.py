@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from reference_advantage import reference_advantages
+from support.reference_advantage import reference_advantages
 
 from gagar_jax.algo import advantage as adv
 from gagar_jax.algo.grading import DEFECTIVE, INTERMEDIATE, STRONG, quality_factors

@@ -8,13 +8,13 @@ import subprocess
 import sys
 
 import pytest
-from xla_flags import FAST_COMPILE, without
+from support.paths import REPO, TINY_CONFIG, load_tiny_config
+from support.xla_flags import FAST_COMPILE, without
 
 from gagar_jax.aot import compile as aot
 from gagar_jax.kernels.attention import registry as attention_registry
 from gagar_jax.kernels.experts import registry as experts_registry
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A real CompileTimeHbmOom message from libtpu 0.0.52 (v5p, 128 GiB of temporaries).
 OOM_MESSAGE = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
                "memory required for HLO temporaries (128.00G) exceeds available HBM (95.73G). "
@@ -27,8 +27,8 @@ def tiny_report(tmp_path_factory):
     the context-parallel attention included, "auto": splash kernels per shard; parameters stored
     over fsdp x context, ZeRO-style)."""
     out = tmp_path_factory.mktemp("aot") / "tiny.json"
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "aot_compile.py"),
-           "--config", os.path.join(ROOT, "configs", "tiny_cpu.py"), "--topology", "v5p:2x2x1",
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "aot_compile.py"),
+           "--config", TINY_CONFIG, "--topology", "v5p:2x2x1",
            "--config.mesh.data=1", "--config.mesh.fsdp=1", "--config.mesh.expert=2",
            "--config.mesh.context=2", "--config.model.attention=auto",
            "--out", str(out)]
@@ -143,7 +143,6 @@ def test_auto_expert_backend_follows_the_mesh_devices_not_the_process():
     import dataclasses
     import types
 
-    from configs.tiny_cpu import get_config
     from gagar_jax import sharding
     from gagar_jax.run import step as ts
 
@@ -162,7 +161,7 @@ def test_auto_expert_backend_follows_the_mesh_devices_not_the_process():
     with pytest.raises(ValueError, match="expert_backend"):
         experts_registry.resolve("nope")
     # The trainer fixes the choice in the graphdef it compiles.
-    step_cfg = ts.StepConfig.from_config(get_config())
+    step_cfg = ts.StepConfig.from_config(load_tiny_config())
     step_cfg = dataclasses.replace(step_cfg, model=dataclasses.replace(
         step_cfg.model, expert_backend="auto", attention="auto"))
     _, graphdef = ts.abstract_train_state(step_cfg, mesh(tpu, 1))
@@ -275,7 +274,7 @@ HLO = """\
   %p = (s32[], bf16[4,8]) parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
   %constant.1 = s32[] constant(3)
-  ROOT %lt = pred[] compare(%i, %constant.1), direction=LT
+  REPO %lt = pred[] compare(%i, %constant.1), direction=LT
 }
 
 %body (p: (s32[], bf16[4,8])) -> (s32[], bf16[4,8]) {
@@ -283,14 +282,14 @@ HLO = """\
   %x = bf16[2,8]{1,0} get-tuple-element(%p), index=1
   %all-gather-start = (bf16[2,8]{1,0}, bf16[4,8]{1,0}) all-gather-start(%x), dimensions={0}
   %fusion.1 = f32[16]{0} fusion(%x), kind=kCustom, calls=%all-reduce-scatter.2
-  ROOT %t = (s32[], bf16[4,8]) tuple(%i, %y)
+  REPO %t = (s32[], bf16[4,8]) tuple(%i, %y)
 }
 
 ENTRY %main (a: f32[10]) -> f32[10] {
   %a = f32[10]{0} parameter(0)
   %all-reduce = f32[10]{0} all-reduce(%a), to_apply=%add
   %while.1 = (s32[], bf16[4,8]) while(%init), condition=%cond, body=%body
-  ROOT %r = f32[10]{0} copy(%all-reduce)
+  REPO %r = f32[10]{0} copy(%all-reduce)
 }
 """
 

@@ -3,9 +3,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from close import assert_rel_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.close import assert_rel_close
 
 from gagar_jax.kernels.attention.blockwise import blockwise_attention, plain_attention
 from gagar_jax.kernels.attention.registry import attention

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from close import assert_rel_close
+from support.close import assert_rel_close
 
 from gagar_jax import sharding
 from gagar_jax.aot import compile as aot

@@ -8,7 +8,7 @@ import os
 
 import pytest
 from etils import epath
-from objectstore import use_memory_bucket
+from support.objectstore import use_memory_bucket
 
 from gagar_jax import audit_file
 from gagar_jax.audit_file import AuditFile, AuditPosition, read_lines

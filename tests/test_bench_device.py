@@ -5,12 +5,9 @@ import os
 import subprocess
 import sys
 
+import bench_device
 import numpy as np
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import bench_device  # noqa: E402
+from support.paths import REPO
 
 # Imported in a fresh interpreter with these packages made unimportable.
 BLOCKER = """
@@ -27,8 +24,8 @@ print("ok")
 
 
 def test_import_chain_needs_no_config_or_feed_packages():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", BLOCKER % os.path.join(ROOT, "scripts")],
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-c", BLOCKER % os.path.join(REPO, "scripts")],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
 

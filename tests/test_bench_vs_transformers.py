@@ -1,18 +1,14 @@
 """scripts/bench_vs_transformers.py end to end on the tiny config: gagar_jax in this process,
 transformers in its worker subprocess, same weights (their losses must agree, or the script
 exits), every case timed in turns."""
-import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import bench_vs_transformers  # noqa: E402
+import bench_vs_transformers
+from support.paths import TINY_CONFIG
 
 
 def test_tiny_run_in_two_processes(capsys):
     out = bench_vs_transformers.main([
-        "--config", os.path.join(ROOT, "configs", "tiny_cpu.py"), "--rows", "2", "--seq", "32",
+        "--config", TINY_CONFIG, "--rows", "2", "--seq", "32",
         "--reps", "2", "--warm", "1", "--breakdown"])
     assert out["gagar_s"] > 0 and out["transformers_s"] > 0
     assert abs(out["ratio"] - out["transformers_s"] / out["gagar_s"]) < 1e-12

@@ -12,14 +12,13 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from support.paths import REPO, load_config
 
 from gagar_jax.aot import flops
-from gagar_jax.config import load_config_file
 from gagar_jax.feed import FeedConfig
 from gagar_jax.hf.families import resolve_family
 from gagar_jax.model.transformer import ModelConfig, Transformer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ["tiny_cpu", "small", "qwen3_30b_a3b", "flash_310b", "pro_1t", "tiny_mimo",
          "flash_310b_256k", "pro_1t_256k"]
 MODELS = [n for n in NAMES if not n.endswith("_256k")]  # the 256k configs reuse these models
@@ -34,7 +33,7 @@ _UNIT = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 
 
 def _load(name):
-    return load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
+    return load_config(name)
 
 
 def _keys(d, prefix=""):
@@ -46,7 +45,7 @@ def _keys(d, prefix=""):
 
 def _docstring_claim(name):
     """(total, active) from the config docstring's 'Numbers ...: X total, Y active' line."""
-    path = os.path.join(ROOT, "configs", f"{name}.py")
+    path = os.path.join(REPO, "configs", f"{name}.py")
     text = open(path).read().split('"""')[1]
     m = re.search(r"([\d.]+)([KMBT]) total, ([\d.]+)([KMBT]) active", text.replace("\n", " "))
     assert m, f"{name}: docstring must state 'X total, Y active' params"
@@ -55,7 +54,7 @@ def _docstring_claim(name):
 
 def test_all_configs_present():
     found = sorted(
-        os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+        os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "configs", "*.py"))
     )
     assert set(NAMES) <= set(found)
 
@@ -177,7 +176,7 @@ def test_tiny_mimo_trains_and_publishes_on_the_sample_feed(tmp_path):
 
     cfg = _load("tiny_mimo")
     with cfg.unlocked():
-        cfg.feed.path = os.path.join(ROOT, "data", "sample_feed.jsonl")
+        cfg.feed.path = os.path.join(REPO, "data", "sample_feed.jsonl")
         cfg.train.steps, cfg.train.checkpoint_every, cfg.train.publish_every = 2, 0, 2
         cfg.train.micro_batches = 1
         cfg.model.attention, cfg.model.expert_backend = "plain", "dense"  # cheapest compile

@@ -3,21 +3,20 @@
 One tiny MiMo-family model (a dense layer, full and sliding-window layers with sinks, MoE layers
 with routing replay; expert parallelism where the mesh has an expert axis) on packed rows whose
 segments cross every chip boundary; each mesh is one compile of logits, log-probs, entropy and
-their gradients, compared with the unsharded program (norm-relative, tests/close.py). The
+their gradients, compared with the unsharded program (norm-relative, tests/support/close.py). The
 sliding window (6) spans more than one chip's chunk at context = 8 (4 tokens per chip), so the
 halo exchange takes two hops there.
 """
 import dataclasses
-import importlib.util
-import os
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from close import assert_rel_close
 from flax import nnx
+from support.close import assert_rel_close
+from support.paths import load_config
 
 from gagar_jax import sharding
 from gagar_jax.kernels.attention import blockwise as attention
@@ -27,19 +26,14 @@ from gagar_jax.kernels.experts import registry as experts_registry
 from gagar_jax.model.logprobs import token_logprobs
 from gagar_jax.model.transformer import ModelConfig, Transformer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, S = 2, 32
 # Segment lengths per row (0 = padding): boundaries fall inside every chip's chunk at context 8.
 ROWS = [[3, 17, 10, 0, 0], [14, 18]]
 
 
 def _mimo_cfg() -> ModelConfig:
-    spec = importlib.util.spec_from_file_location(
-        "tiny_mimo", os.path.join(ROOT, "configs", "tiny_mimo.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    cfg = ModelConfig.from_config(mod.get_config().model)
+    mod_config = load_config("tiny_mimo")
+    cfg = ModelConfig.from_config(mod_config.model)
     return dataclasses.replace(cfg, num_layers=3, layer_types=("full", "sliding", "full"),
                                sliding_window=6, attn_block=4, attention="blockwise",
                                expert_backend=experts_registry.resolve("auto"))

@@ -5,11 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from close import assert_rel_close
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.close import assert_rel_close
+from support.experts import GRAD_ARGS, expert_mesh, loss_and_grads
 
 from gagar_jax import sharding
 from gagar_jax.aot import compile as aot
@@ -19,7 +20,6 @@ from gagar_jax.kernels.experts import local as experts
 from gagar_jax.kernels.experts import registry as experts_registry
 
 T, D, F, E, K = 64, 16, 8, 8, 2
-GRAD_ARGS = (0, 1, 2, 3, 5)  # x, gate, up, down, gate weights
 
 
 def numpy_moe(x, g, u, d, idx, w):
@@ -50,16 +50,11 @@ def problem():
     return x, g, u, d, jnp.asarray(idx), w
 
 
-def _loss_and_grads(backend, **opts):
-    def loss(x, g, u, d, idx, w):
-        y = experts_registry.expert_ffn(x, g, u, d, idx, w, backend=backend, **opts)
-        return jnp.sum(jnp.sin(y)), y
-    return jax.jit(jax.value_and_grad(loss, argnums=GRAD_ARGS, has_aux=True))
 
 
 @pytest.fixture(scope="module")
 def reference(problem):
-    return _loss_and_grads("dense")(*problem)
+    return loss_and_grads("dense")(*problem)
 
 
 def _assert_close(got, want):
@@ -79,7 +74,7 @@ def test_dense_matches_numpy_loop(problem, reference):
     ("capacity", {"capacity_factor": float(E)}),   # capacity T*K: nothing can drop
 ])
 def test_backend_matches_dense_forward_and_grads(problem, reference, backend, opts):
-    got = _loss_and_grads(backend, **opts)(*problem)
+    got = loss_and_grads(backend, **opts)(*problem)
     _assert_close(got, reference)
     # Rows whose every id is out of range get exactly zero output.
     assert float(jnp.max(jnp.abs(got[0][1][9]))) == 0.0
@@ -87,7 +82,7 @@ def test_backend_matches_dense_forward_and_grads(problem, reference, backend, op
 
 def test_grouped_bf16_close_to_fp32_dense(problem, reference):
     bf = [a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in problem]
-    (_, y), grads = _loss_and_grads("grouped", block=4, big_block=16)(*bf)
+    (_, y), grads = loss_and_grads("grouped", block=4, big_block=16)(*bf)
     (_, y_ref), grads_ref = reference
     assert y.dtype == jnp.bfloat16 and grads[1].dtype == jnp.bfloat16
     for a, b in zip((y,) + tuple(grads), (y_ref,) + tuple(grads_ref), strict=False):
@@ -95,19 +90,13 @@ def test_grouped_bf16_close_to_fp32_dense(problem, reference):
         assert np.max(np.abs(a - b)) <= 0.03 * np.max(np.abs(b))
 
 
-def _mesh(shape):
-    return sharding.make_mesh(
-        types.SimpleNamespace(
-            **dict(zip(("data", "fsdp", "expert", "tensor"), shape, strict=False))
-        )
-    )
 
 
 @pytest.mark.parametrize("shape", [(8, 1, 1, 1), (2, 1, 4, 1), (1, 2, 2, 2)])
 def test_ep_on_meshes_matches_single_device_dense(problem, reference, shape):
-    mesh = _mesh(shape)
+    mesh = expert_mesh(shape)
     with jax.set_mesh(mesh):
-        got = _loss_and_grads("ep")(*problem)
+        got = loss_and_grads("ep")(*problem)
     _assert_close(got, reference)
 
 
@@ -115,8 +104,8 @@ def test_ep_on_meshes_matches_single_device_dense(problem, reference, shape):
                                           ((2, 1, 4, 1), 1)])   # chunks=1: the unchunked path
 def test_ep_a2a_bookkeeping_matches_dense_with_emulated_collective(problem, reference, shape,
                                                                    chunks):
-    with jax.set_mesh(_mesh(shape)):
-        got = _loss_and_grads("ep_a2a", exchange=experts_ep.emulated_ragged_all_to_all,
+    with jax.set_mesh(expert_mesh(shape)):
+        got = loss_and_grads("ep_a2a", exchange=experts_ep.emulated_ragged_all_to_all,
                               chunks=chunks)(*problem)
     _assert_close(got, reference)
 
@@ -159,7 +148,7 @@ def test_ep_a2a_compiles_ahead_of_time_for_tpu(problem, tmp_path):
 
 
 def test_ep_with_explicit_mesh_argument_and_no_ambient_mesh(problem, reference):
-    got = _loss_and_grads("ep", mesh=_mesh((1, 1, 8, 1)))(*problem)
+    got = loss_and_grads("ep", mesh=expert_mesh((1, 1, 8, 1)))(*problem)
     _assert_close(got, reference)
 
 
@@ -169,7 +158,7 @@ def test_ep_errors_name_the_problem(problem):
     with pytest.raises(ValueError, match="num_experts=6 is not divisible"):
         x, g, u, d, idx, w = problem
         experts_registry.expert_ffn(x, g[:6], u[:6], d[:6], idx, w, backend="ep",
-                           mesh=_mesh((2, 1, 4, 1)))
+                           mesh=expert_mesh((2, 1, 4, 1)))
 
 
 def test_dropless_when_every_token_picks_one_expert(problem):
@@ -181,7 +170,7 @@ def test_dropless_when_every_token_picks_one_expert(problem):
             x, g, u, d, idx, w
         )
         np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5, err_msg=backend)
-    with jax.set_mesh(_mesh((2, 1, 4, 1))):
+    with jax.set_mesh(expert_mesh((2, 1, 4, 1))):
         y = jax.jit(lambda *a: experts_registry.expert_ffn(*a, backend="ep"))(x, g, u, d, idx, w)
         np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5, err_msg="ep")
         y = jax.jit(lambda *a: experts_registry.expert_ffn(

@@ -1,20 +1,18 @@
 """The megablox expert backend (Pallas gmm/tgmm, interpret mode on CPU) against `dense`: forward
 and gradients, experts that get no tokens, invalid ids, per-shard runs and inside `ep_a2a`."""
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from close import assert_rel_close
+from support.close import assert_rel_close
+from support.experts import expert_mesh, loss_and_grads
 
-from gagar_jax import sharding
 from gagar_jax.kernels.experts import ep as experts_ep
 from gagar_jax.kernels.experts import registry as experts_registry
 
 T, D, F, E, K = 32, 16, 8, 8, 2
 LIVE = np.array([0, 2, 3, 5, 7])     # experts 1, 4 and 6 get no tokens
-GRAD_ARGS = (0, 1, 2, 3, 5)
 
 
 @pytest.fixture(scope="module")
@@ -31,29 +29,18 @@ def problem():
     return x, g, u, d, jnp.asarray(idx), w
 
 
-def _loss_and_grads(backend, **opts):
-    def loss(x, g, u, d, idx, w):
-        y = experts_registry.expert_ffn(x, g, u, d, idx, w, backend=backend, **opts)
-        return jnp.sum(jnp.sin(y)), y
-    return jax.jit(jax.value_and_grad(loss, argnums=GRAD_ARGS, has_aux=True))
 
 
 @pytest.fixture(scope="module")
 def reference(problem):
-    return _loss_and_grads("dense")(*problem)
+    return loss_and_grads("dense")(*problem)
 
 
-def _mesh(shape):
-    return sharding.make_mesh(
-        types.SimpleNamespace(
-            **dict(zip(("data", "fsdp", "expert", "tensor"), shape, strict=False))
-        )
-    )
 
 
 def test_megablox_matches_dense_with_empty_experts(problem, reference):
     # Row tile 16 < T*K = 64 rows: groups straddle tiles; contraction/output tiles clamp to D, F.
-    got = _loss_and_grads("megablox", tiling=(16, 128, 128))(*problem)
+    got = loss_and_grads("megablox", tiling=(16, 128, 128))(*problem)
     assert_rel_close(got, reference)
     (_, y), grads = got
     assert float(jnp.max(jnp.abs(y[7]))) == 0.0                   # every id invalid: zero row
@@ -64,18 +51,18 @@ def test_megablox_matches_dense_with_empty_experts(problem, reference):
 
 def test_megablox_per_shard_under_a_mesh_matches_dense(problem, reference):
     # Tokens over data (4), F over tensor (2): shard_map per shard, tensor partial sums added.
-    with jax.set_mesh(_mesh((4, 1, 1, 2))):
-        got = _loss_and_grads("megablox")(*problem)
+    with jax.set_mesh(expert_mesh((4, 1, 1, 2))):
+        got = loss_and_grads("megablox")(*problem)
     assert_rel_close(got, reference)
 
 
 def test_ep_a2a_with_megablox_local_ffn_matches_dense(problem, reference):
-    with jax.set_mesh(_mesh((4, 1, 2, 1))):
-        got = _loss_and_grads("ep_a2a", local="megablox",
+    with jax.set_mesh(expert_mesh((4, 1, 2, 1))):
+        got = loss_and_grads("ep_a2a", local="megablox",
                               exchange=experts_ep.emulated_ragged_all_to_all)(*problem)
     assert_rel_close(got, reference)
     with pytest.raises(ValueError, match="local="):
-        with jax.set_mesh(_mesh((4, 1, 2, 1))):
+        with jax.set_mesh(expert_mesh((4, 1, 2, 1))):
             experts_registry.expert_ffn(*problem, backend="ep_a2a", local="nope")
 
 

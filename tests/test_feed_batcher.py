@@ -7,11 +7,12 @@ import sys
 
 import numpy as np
 import pytest
+from support.paths import REPO
 
 from gagar_jax.feed import Feed, FeedConfig, IteratorSource, schema, synthetic
 from gagar_jax.feed.sources import FileSource
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(REPO)
 MODEL = dict(vocab_size=256, num_moe_layers=2, top_k=2, num_experts=8)
 CFG = FeedConfig(rows_per_batch=8, seq_len=64, max_trajectories=16, groups_per_batch=3,
                  max_traj_tokens=64, max_staleness=2)
@@ -231,12 +232,10 @@ def test_multiprocess_feeds_agree(tmp_path, process_count):
             batch.loss_mask_BxS)
 
 
-def test_shipped_sample_feed_with_tiny_config(tmp_path):
-    sys.path.insert(0, str(ROOT / "configs"))
-    import tiny_cpu
-    c = tiny_cpu.get_config()
+def test_shipped_sample_feed_with_tiny_config(tmp_path, tiny_config):
+    c = tiny_config()
     cfg = FeedConfig.from_config(c.feed)
-    path = ROOT / cfg.path
+    path = pathlib.Path(cfg.path)
     assert path.stat().st_size < 2_000_000
     feed = Feed(cfg, tmp_path, vocab_size=c.model.vocab_size,
                 num_moe_layers=c.model.num_layers - c.model.num_dense_layers, top_k=c.model.top_k,

@@ -4,12 +4,13 @@ import pathlib
 
 import msgspec
 import pytest
+from support.paths import REPO
 
 from gagar_jax.feed import convert, schema, synthetic
 from gagar_jax.feed.sources import FileSource, ShardReader
 from gagar_jax.feed.validate import Reason, classify_decode_error
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(REPO)
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,12 @@ import sys
 import threading
 import time
 
+from support.paths import REPO
+
 from gagar_jax.feed import Feed, FeedConfig, SpoolSource, convert, schema, synthetic
 from gagar_jax.feed.sources import DONE_MARKER
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(REPO)
 MODEL = dict(vocab_size=256, num_moe_layers=2, top_k=2, num_experts=8)
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from flax import nnx
 from safetensors.torch import save_file
+from support.paths import TINY_CONFIG, load_config
 from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 
 from gagar_jax.hf import api as hf
@@ -310,10 +311,9 @@ def test_unexportable_config_with_publishing_exits_2_before_compiling(
     capsys, tmp_path, monkeypatch
 ):
     from gagar_jax.run import cli, train
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     calls = []
     monkeypatch.setattr(train, "init_train_state", lambda *a, **k: calls.append(1) / 0)
-    code = cli.main(["gagar-train", "--config", os.path.join(root, "configs", "tiny_cpu.py"),
+    code = cli.main(["gagar-train", "--config", TINY_CONFIG,
                      "--workdir", str(tmp_path), "--config.model.router=sigmoid_bias",
                      "--config.train.publish_every=1"])
     err = capsys.readouterr().err.strip()
@@ -363,8 +363,7 @@ def test_init_from_refuses_a_checkpoint_of_another_router(tmp_path):
     from gagar_jax.model.transformer import ModelConfig
     from gagar_jax.run import train
     from gagar_jax.run.step import StepConfig
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cfg = load_config_file(os.path.join(root, "configs", "tiny_cpu.py"))
+    cfg = load_config_file(TINY_CONFIG)
     hf.save_pretrained(
         Transformer(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(0)), str(tmp_path)
     )
@@ -461,7 +460,6 @@ def test_window_convention_round_trips_and_matches_transformers(
 
 
 def test_hub_checkpoint_window_and_configs_keep_their_meaning():
-    from gagar_jax.config import load_config_file
     from gagar_jax.hf.config_json import window_of
     from gagar_jax.model.transformer import ModelConfig
     assert window_of({"sliding_window_size": 128}, "vllm") == 128
@@ -471,14 +469,13 @@ def test_hub_checkpoint_window_and_configs_keep_their_meaning():
         == window_of({"sliding_window": 7}, "transformers")
         == 7
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     flash = ModelConfig.from_config(
-        load_config_file(os.path.join(root, "configs", "flash_310b.py")).model
+        load_config("flash_310b").model
     )
     assert (flash.sliding_window, flash.sliding_window_convention) == (129, "transformers")
     assert hf.config_to_hf(flash)["sliding_window_size"] == 128  # the Hub checkpoint's value
     tiny = ModelConfig.from_config(
-        load_config_file(os.path.join(root, "configs", "tiny_mimo.py")).model
+        load_config("tiny_mimo").model
     )
     assert (tiny.sliding_window, hf.config_to_hf(tiny)["sliding_window_size"]) == (32, 32)
     with pytest.raises(ValueError, match="sliding_window_convention"):

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from close import assert_rel_close
 from jax.sharding import Mesh
+from support.close import assert_rel_close
 
 from gagar_jax.kernels.attention import blockwise
 from gagar_jax.kernels.attention import context as attention_context

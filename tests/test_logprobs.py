@@ -3,10 +3,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from close import assert_rel_close
 from flax import nnx
+from support.close import assert_rel_close
+from support.paths import load_tiny_config
 
-from configs.tiny_cpu import get_config
 from gagar_jax.model.logprobs import (
     chunked_logprobs_entropy,
     logits_bytes,
@@ -100,7 +100,7 @@ def test_next_token_mask_by_hand():
 
 @pytest.fixture(scope="module")
 def model():
-    return Transformer(ModelConfig.from_config(get_config().model), rngs=nnx.Rngs(0))
+    return Transformer(ModelConfig.from_config(load_tiny_config().model), rngs=nnx.Rngs(0))
 
 
 def test_token_logprobs_match_full_logits(model):

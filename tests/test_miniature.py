@@ -11,11 +11,11 @@ import sys
 from types import SimpleNamespace as NS
 
 import numpy as np
-from xla_flags import cpu_flags
+from support.paths import REPO
+from support.xla_flags import cpu_flags
 
 from gagar_jax.sim import measure, report
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = ("binary", "downweight_only", "sum_preserving", "control")
 
 

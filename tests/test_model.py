@@ -7,16 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from close import assert_rel_close
 from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
+from support.close import assert_rel_close
+from support.paths import load_tiny_config
 
-from configs.tiny_cpu import get_config
 from gagar_jax.model.moe import RouterBias, update_router_bias
 from gagar_jax.model.transformer import ModelConfig, Transformer
 
-TINY = ModelConfig.from_config(get_config().model)
+TINY = ModelConfig.from_config(load_tiny_config().model)
 # Most tests use the cheapest-to-compile paths (plain attention, dense experts); the configured
 # blockwise + grouped paths are checked against them once (test_default_paths_match_reference).
 CFG = dataclasses.replace(TINY, attention="plain", expert_backend="dense")
@@ -39,7 +39,7 @@ def forward(m, tokens, seg, pos, routed=None):
 def test_config_from_tiny_and_validation():
     assert TINY.num_moe_layers == 2 and TINY.expert_backend == "grouped"
     with pytest.raises(ValueError, match="unknown keys"):
-        ModelConfig.from_config({**get_config().model.to_dict(), "num_expert": 3})
+        ModelConfig.from_config({**load_tiny_config().model.to_dict(), "num_expert": 3})
     with pytest.raises(ValueError, match="num_kv_heads"):
         dataclasses.replace(CFG, num_kv_heads=3)
     with pytest.raises(ValueError, match="remat"):

@@ -5,10 +5,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import offpolicy_reference as R
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import offpolicy_reference as R
 
 import gagar_jax
 from gagar_jax.algo import loss as L
@@ -214,7 +214,7 @@ def test_config_validation():
 @pytest.mark.parametrize("objective", ["gspo", "cispo"])
 def test_cli_trains_with_the_objective(tmp_path, objective):
     """`make train` with `--config.loss.policy_loss=gspo` / `cispo` (two steps, CPU)."""
-    import trainer_runs
+    from support import trainer_runs
     clip_low = "10.0" if objective == "cispo" else "0.2"
     summary = trainer_runs.run(tmp_path, f"--config.loss.policy_loss={objective}",
                                f"--config.loss.clip_low={clip_low}", "--config.train.steps=2")

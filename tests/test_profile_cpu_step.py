@@ -3,10 +3,8 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import profile_cpu_step  # noqa: E402
+import profile_cpu_step
+from support.paths import REPO, TINY_CONFIG
 
 
 def test_report_groups_by_call_count_and_names_shapes():
@@ -14,7 +12,7 @@ def test_report_groups_by_call_count_and_names_shapes():
              "tiny.4": (1.0, 1)}
     names = profile_cpu_step.describe(
         "  %dot.1 = f32[4,8]{1,0} dot(%a, %b), metadata={op_name=\"jit(f)/bsd,dhk->bshk/dot\"}\n"
-        "  ROOT %loop.3 = (s32[], f32[2]{0}) while(%t), condition=%c, body=%b\n")
+        "  REPO %loop.3 = (s32[], f32[2]{0}) while(%t), condition=%c, body=%b\n")
     assert names["dot.1"].split()[0] == "f32[4,8]" and names["dot.1"].endswith("bsd,dhk->bshk/dot")
     assert names["loop.3"].startswith("(loop)")
     text = profile_cpu_step.report(times, top=5, names=names)
@@ -33,8 +31,8 @@ def test_tiny_trunk_is_traced():
     # tests do, and pytest workers share processes between test files).
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "profile_cpu_step.py"), "--config",
-         os.path.join(ROOT, "configs", "tiny_cpu.py"), "--rows", "2", "--seq", "32", "--top", "2"],
+        [sys.executable, os.path.join(REPO, "scripts", "profile_cpu_step.py"), "--config",
+         TINY_CONFIG, "--rows", "2", "--seq", "32", "--top", "2"],
         env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "traced call" in out.stdout and "thunk thread time" in out.stdout

@@ -16,15 +16,15 @@ import threading
 import time
 
 import pytest
-from trainer_runs import tiny_config
-from xla_flags import cpu_flags
+from support.paths import REPO, TINY_CONFIG
+from support.paths import load_tiny_config as tiny_config
+from support.xla_flags import cpu_flags
 
 from gagar_jax.feed import batcher
 from gagar_jax.feed import ledger as ledger_lib
 from gagar_jax.run import metrics as metrics_lib
 from gagar_jax.run import train
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = os.path.join(REPO, "data", "sample_feed.jsonl")
 
 
@@ -159,7 +159,7 @@ def test_cli_fatal_error_is_one_line_exit_1_and_no_libtpu_noise(tmp_path):
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     limit = 12_000      # groups.jsonl passes it within a few steps; nothing else does before
     args = ["gagar-train", "--workdir", str(tmp_path), "--config",
-            os.path.join(REPO, "configs", "tiny_cpu.py"), "--config.train.steps=8",
+            TINY_CONFIG, "--config.train.steps=8",
             "--config.train.checkpoint_every=0"]
     # RLIMIT_FSIZE set inside the child (Python ignores SIGXFSZ, so writes fail with EFBIG).
     code = ("import resource, runpy, sys; "

@@ -5,10 +5,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import offpolicy_reference as R
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import offpolicy_reference as R
 
 import gagar_jax
 from gagar_jax.algo import loss as L

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support.paths import REPO
 
 
 def test_rollout_package_imports_without_jax(tmp_path):

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from support.paths import load_config, load_tiny_config
 
-from configs import tiny_cpu
 from gagar_jax.model.logprobs import token_logprobs
 from gagar_jax.model.transformer import ModelConfig, Transformer
 from gagar_jax.sim import sampler
@@ -19,7 +19,7 @@ STOP = (7, 8)
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig.from_config(tiny_cpu.get_config().model)
+    cfg = ModelConfig.from_config(load_tiny_config().model)
     return Transformer(cfg, rngs=nnx.Rngs(0))
 
 
@@ -199,8 +199,7 @@ def test_mimo_family_sampler_matches_learner():
     """MiMo-V2-Flash features in the KV-cache sampler: sliding window (32 < the longest row),
     sinks, own sliding KV heads, value width, partial rotary, no q/k norm, the layer pattern,
     and a dense first layer (both kinds of cached stacks, routing from the MoE layers only)."""
-    from configs import tiny_mimo
-    c = tiny_mimo.get_config().model
+    c = load_config("tiny_mimo").model
     model = Transformer(ModelConfig.from_config(c), rngs=nnx.Rngs(5))
     assert model.cfg.sliding_window < 54
     ctx = np.random.default_rng(6).integers(13, 200, (B, C)).astype(np.int32)

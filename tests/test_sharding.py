@@ -6,17 +6,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from close import assert_rel_close
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.close import assert_rel_close
+from support.paths import load_tiny_config
 
-from configs.tiny_cpu import get_config
 from gagar_jax import sharding
 from gagar_jax.model.transformer import ModelConfig, Transformer
 from gagar_jax.run.step import StepConfig, init_train_state
 
-CFG = dataclasses.replace(ModelConfig.from_config(get_config().model), attention="plain",
+CFG = dataclasses.replace(ModelConfig.from_config(load_tiny_config().model), attention="plain",
                           expert_backend="dense")
 B, S = 8, 16
 TOKENS = jax.random.randint(jax.random.key(1), (B, S), 0, 256)
@@ -78,7 +78,7 @@ def _flat(state):
 
 def test_init_train_state_born_sharded_specs_and_values():
     mesh = mesh_of(1, 2, 2, 2)
-    step_cfg = dataclasses.replace(StepConfig.from_config(get_config()), model=CFG)
+    step_cfg = dataclasses.replace(StepConfig.from_config(load_tiny_config()), model=CFG)
     key = jax.random.key(0)
     state, _, _ = init_train_state(step_cfg, mesh, key)
     flat = {**_flat(state.params), **_flat(state.router_bias)}

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support.paths import load_tiny_config
 
 from gagar_jax.feed import schema
 from gagar_jax.sim import demos as D
@@ -207,11 +208,10 @@ def warm(tmp_path_factory):
     import jax.numpy as jnp
     from flax import nnx
 
-    from configs import tiny_cpu
     from gagar_jax.model.transformer import ModelConfig, Transformer
 
     cfg = T.TaskConfig(leak_prob=0.25)
-    model = Transformer(ModelConfig.from_config(tiny_cpu.get_config().model), rngs=nnx.Rngs(0))
+    model = Transformer(ModelConfig.from_config(load_tiny_config().model), rngs=nnx.Rngs(0))
     demos = D.make_demos(cfg, T.make_tasks(cfg, 11, 64, prefix="demo"), seed=1)
     held = D.pack_episodes(D.make_demos(cfg, T.make_tasks(cfg, 12, 8, prefix="dev"), seed=2), 64)
     nll = lambda: float(D.sft_loss(model, *(jnp.asarray(a) for a in (  # noqa: E731

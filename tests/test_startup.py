@@ -2,7 +2,7 @@
 compiles; a KL run started from `init_from` trains; a resume never reads `init_from`.
 
 One in-process run pair of configs/tiny_cpu.py with kl_coef > 0 (one extra step compile), its
-workdir in an in-memory object store (tests/objectstore.py).
+workdir in an in-memory object store (tests/support/objectstore.py).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 import shutil
 
 import pytest
-from trainer_runs import tiny_config
+from support.paths import load_tiny_config as tiny_config
 
 from gagar_jax.config import ConfigError
 from gagar_jax.run import train
@@ -71,7 +71,7 @@ def test_kl_run_from_init_from_in_a_bucket_workdir_trains_and_resumes_without_it
     import jax
     import numpy as np
     from flax import nnx
-    from objectstore import use_memory_bucket
+    from support.objectstore import use_memory_bucket
 
     from gagar_jax.audit_file import read_lines
     from gagar_jax.hf import api as hf

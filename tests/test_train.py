@@ -14,7 +14,8 @@ import signal
 import subprocess
 
 import pytest
-from trainer_runs import (
+from support.paths import TINY_CONFIG
+from support.trainer_runs import (
     REPO,
     STEPS,
     cmd,
@@ -90,7 +91,7 @@ def test_corrupt_latest_checkpoint_falls_back(reference, tmp_path):
 
 
 def test_cli_errors_are_one_line_exit_2(capsys, tmp_path):
-    cfg = os.path.join(REPO, "configs", "tiny_cpu.py")
+    cfg = TINY_CONFIG
     other = tmp_path / "other_model"        # a checkpoint's config.json alone is enough to refuse
     other.mkdir()
     (other / "config.json").write_text(json.dumps({
@@ -142,7 +143,7 @@ def test_cli_overrides_reach_the_run(tmp_path, monkeypatch):
         return None
 
     monkeypatch.setattr("gagar_jax.run.train.run", fake_run)
-    code = cli.main(["gagar-train", "--config", os.path.join(REPO, "configs", "tiny_cpu.py"),
+    code = cli.main(["gagar-train", "--config", TINY_CONFIG,
                      "--workdir", str(tmp_path), "--config.train.steps=7", "--config.seed=3",
                      "--config.feed.path=data/other.jsonl"])
     assert code == 0
@@ -162,7 +163,7 @@ def test_init_from_hf_checkpoint(tmp_path):
     from gagar_jax.run.step import StepConfig, init_train_state, split_model
     from gagar_jax.sharding import make_mesh
 
-    cfg = load_config_file(os.path.join(REPO, "configs", "tiny_cpu.py"))
+    cfg = load_config_file(TINY_CONFIG)
     step_cfg = StepConfig.from_config(cfg)
     source = Transformer(step_cfg.model, rngs=nnx.Rngs(123))
     hf.save_pretrained(source, str(tmp_path / "hf"))

@@ -8,7 +8,16 @@ import shutil
 import subprocess
 
 import pytest
-from trainer_runs import REPO, STEPS, cmd, env, free_port, ledger_adds_up, run, shared_reference
+from support.trainer_runs import (
+    REPO,
+    STEPS,
+    cmd,
+    env,
+    free_port,
+    ledger_adds_up,
+    run,
+    shared_reference,
+)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import time
 
-from trainer_runs import REPO, cmd, env, ledger_adds_up
+from support.trainer_runs import REPO, cmd, env, ledger_adds_up
 
 
 def _sigterm_when(proc, ready, log) -> None:

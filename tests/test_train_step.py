@@ -5,15 +5,14 @@ count low on 2 shared cores.
 """
 import dataclasses
 import functools
-import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from close import assert_rel_close
 from flax import nnx
+from support.close import assert_rel_close
+from support.paths import load_tiny_config
 
 from gagar_jax import sharding as shd
 from gagar_jax.algo import loss as L
@@ -25,7 +24,6 @@ from gagar_jax.run.optim import OptimConfig, decay_mask, make_schedule
 from gagar_jax.sharding import make_mesh
 
 B, S, T, G = 8, 32, 16, 4
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Group layout: 4 trajectories per group, 2 per row, so every group spans two rows and thus
 # straddles the two mini-batches (rows b % 2) and the micro-batches.
 REWARDS = [1, 1, 0, 0,   1, 0, 0, 0,   1, 1, 1, 0,   1, 1, 0, 0]
@@ -33,12 +31,7 @@ FACTORS = [1.0, 0.4, 1, 1,   0.9, 1, 1, 1,   1.0, 0.85, 0.4, 1,   0.2, 0.2, 1, 1
 
 
 def tiny_cfg(**over):
-    spec = importlib.util.spec_from_file_location(
-        "tiny_cpu", os.path.join(ROOT, "configs", "tiny_cpu.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    c = mod.get_config()
+    c = load_tiny_config()
     base = TS.StepConfig.from_config(c)
     loss = dataclasses.replace(base.loss, router_aux_coef=0.0, router_z_coef=0.0,
                                aggregation="seq-mean-token-sum-norm", max_response_len=S)

@@ -9,17 +9,17 @@ import sys
 import threading
 import types
 
-import counting_fs
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from close import assert_rel_close
 from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.numpy import load_file
-from trainer_runs import REPO, env, free_port
+from support import counting_fs
+from support.close import assert_rel_close
+from support.trainer_runs import REPO, env, free_port
 
 from gagar_jax import sharding
 from gagar_jax.hf import api as hf
@@ -270,7 +270,7 @@ def test_two_processes_load_and_publish_their_shares(tmp_path):
     _save_random(BIG, ckpt, seed=3)
     ckpt_bytes = os.path.getsize(ckpt / "model.safetensors")
     assert 100e6 <= ckpt_bytes <= 200e6, ckpt_bytes
-    worker = os.path.join(REPO, "tests", "weights_io_worker.py")
+    worker = os.path.join(REPO, "tests", "support", "weights_io_worker.py")
     port = free_port()
     runs = [(1, 0, 8), (2, 0, 4), (2, 1, 4)]   # (processes, process id, devices per process)
     procs = []

@@ -8,10 +8,9 @@ import threading
 import time
 
 import pytest
+from support.paths import REPO, TINY_CONFIG
 
 from gagar_jax.run import workdir_lock
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_second_learner_exits_2_naming_the_holder_before_importing_jax(tmp_path):
@@ -27,7 +26,7 @@ def test_second_learner_exits_2_naming_the_holder_before_importing_jax(tmp_path)
         t0 = time.monotonic()
         proc = subprocess.run(
             [sys.executable, "-m", "gagar_jax.run.cli", "--workdir", str(tmp_path),
-             "--config", os.path.join(REPO, "configs", "tiny_cpu.py")],
+             "--config", TINY_CONFIG],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
         elapsed = time.monotonic() - t0
     finally:
@@ -135,7 +134,7 @@ def test_a_read_only_workdir_at_start_is_fatal_naming_the_lock_file(tmp_path, mo
         return real_open(path, *a, **k)
     monkeypatch.setattr(os, "open", erofs)
     code = cli.main(["gagar-train", "--workdir", str(tmp_path / "ro"),
-                     "--config", os.path.join(REPO, "configs", "tiny_cpu.py")])
+                     "--config", TINY_CONFIG])
     err = capsys.readouterr().err.strip()
     assert code == 1 and len(err.splitlines()) == 1, err
     assert err == (f"gagar-train: fatal: {os.strerror(errno.EROFS)}: "

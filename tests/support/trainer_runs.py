@@ -10,9 +10,9 @@ import subprocess
 import sys
 import time
 
-from xla_flags import cpu_flags
+from support.paths import REPO, TINY_CONFIG
+from support.xla_flags import cpu_flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
 COMMON = [f"--config.train.steps={STEPS}", "--config.train.checkpoint_every=1",
           "--config.train.keep_checkpoints=10"]
@@ -34,7 +34,7 @@ def cmd(workdir, *extra) -> list:
         "-m",
         "gagar_jax.run.cli",
         "--config",
-        os.path.join(REPO, "configs", "tiny_cpu.py"),
+        TINY_CONFIG,
         "--workdir",
         str(workdir),
         *COMMON,
@@ -93,16 +93,3 @@ def shared_reference(tmp_path_factory) -> tuple:
             run(workdir)
     with open(workdir / "summary.json") as f:
         return workdir, json.load(f)
-
-
-def tiny_config(**over):
-    """configs/tiny_cpu.py on the sample feed, for in-process `train.run` calls; keyword
-    `section__name=value` overrides (e.g. `train__steps=3`)."""
-    from gagar_jax.config import load_config_file
-    cfg = load_config_file(os.path.join(REPO, "configs", "tiny_cpu.py"))
-    with cfg.unlocked():
-        cfg.feed.path = os.path.join(REPO, "data", "sample_feed.jsonl")
-        for key, value in over.items():
-            section, name = key.split("__")
-            cfg[section][name] = value
-    return cfg
