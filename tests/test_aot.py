@@ -274,7 +274,7 @@ HLO = """\
   %p = (s32[], bf16[4,8]) parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
   %constant.1 = s32[] constant(3)
-  REPO %lt = pred[] compare(%i, %constant.1), direction=LT
+  ROOT %lt = pred[] compare(%i, %constant.1), direction=LT
 }
 
 %body (p: (s32[], bf16[4,8])) -> (s32[], bf16[4,8]) {
@@ -282,14 +282,14 @@ HLO = """\
   %x = bf16[2,8]{1,0} get-tuple-element(%p), index=1
   %all-gather-start = (bf16[2,8]{1,0}, bf16[4,8]{1,0}) all-gather-start(%x), dimensions={0}
   %fusion.1 = f32[16]{0} fusion(%x), kind=kCustom, calls=%all-reduce-scatter.2
-  REPO %t = (s32[], bf16[4,8]) tuple(%i, %y)
+  ROOT %t = (s32[], bf16[4,8]) tuple(%i, %y)
 }
 
 ENTRY %main (a: f32[10]) -> f32[10] {
   %a = f32[10]{0} parameter(0)
   %all-reduce = f32[10]{0} all-reduce(%a), to_apply=%add
   %while.1 = (s32[], bf16[4,8]) while(%init), condition=%cond, body=%body
-  REPO %r = f32[10]{0} copy(%all-reduce)
+  ROOT %r = f32[10]{0} copy(%all-reduce)
 }
 """
 

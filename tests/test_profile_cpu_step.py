@@ -12,7 +12,7 @@ def test_report_groups_by_call_count_and_names_shapes():
              "tiny.4": (1.0, 1)}
     names = profile_cpu_step.describe(
         "  %dot.1 = f32[4,8]{1,0} dot(%a, %b), metadata={op_name=\"jit(f)/bsd,dhk->bshk/dot\"}\n"
-        "  REPO %loop.3 = (s32[], f32[2]{0}) while(%t), condition=%c, body=%b\n")
+        "  ROOT %loop.3 = (s32[], f32[2]{0}) while(%t), condition=%c, body=%b\n")
     assert names["dot.1"].split()[0] == "f32[4,8]" and names["dot.1"].endswith("bsd,dhk->bshk/dot")
     assert names["loop.3"].startswith("(loop)")
     text = profile_cpu_step.report(times, top=5, names=names)

@@ -19,7 +19,7 @@ mean over a micro-batch's rows is the whole trajectory's.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import flax.struct
 import jax
@@ -27,8 +27,8 @@ import jax.numpy as jnp
 
 from gagar_jax.algo.aggregation import aggregation_weights, rows_as_sequences
 
-if TYPE_CHECKING:   # loss.py imports this module
-    from gagar_jax.algo.loss import LossConfig
+# `cfg` is a gagar_jax.algo.loss.LossConfig; loss.py imports this module, so it is typed `Any`.
+LossConfigLike = Any
 
 Seq = tuple[jax.Array, int]   # (traj_index_BxS, number of trajectories)
 
@@ -46,14 +46,14 @@ class TokenTerms:
     log_ratio_BxS: jax.Array   # token log ratio l - l_old (stop-gradient; for approx_kl)
 
 
-def _clip_flags(ratio: jax.Array, adv: jax.Array, mask: jax.Array, cfg: LossConfig):
+def _clip_flags(ratio: jax.Array, adv: jax.Array, mask: jax.Array, cfg: LossConfigLike):
     low = ((adv < 0) & (ratio < 1.0 - cfg.clip_low)).astype(jnp.float32) * mask
     high = ((adv > 0) & (ratio > 1.0 + cfg.clip_high)).astype(jnp.float32) * mask
     return low, high
 
 
 def ppo_terms(logp: jax.Array, old: jax.Array, adv: jax.Array, mask: jax.Array,
-              cfg: LossConfig, seq: Seq) -> TokenTerms:
+              cfg: LossConfigLike, seq: Seq) -> TokenTerms:
     """Clipped surrogate with clip-higher and the optional dual clip (verl `vanilla`)."""
     del seq
     # Zero the log-ratio off the mask, so garbage there can never overflow exp.
@@ -71,7 +71,7 @@ def ppo_terms(logp: jax.Array, old: jax.Array, adv: jax.Array, mask: jax.Array,
 
 
 def gspo_terms(logp: jax.Array, old: jax.Array, adv: jax.Array, mask: jax.Array,
-               cfg: LossConfig, seq: Seq) -> TokenTerms:
+               cfg: LossConfigLike, seq: Seq) -> TokenTerms:
     """GSPO-token (verl `gspo`): the sequence's geometric-mean ratio, clipped per sequence."""
     traj, T = seq
     sg = jax.lax.stop_gradient
@@ -88,7 +88,7 @@ def gspo_terms(logp: jax.Array, old: jax.Array, adv: jax.Array, mask: jax.Array,
 
 
 def cispo_terms(logp: jax.Array, old: jax.Array, adv: jax.Array, mask: jax.Array,
-                cfg: LossConfig, seq: Seq) -> TokenTerms:
+                cfg: LossConfigLike, seq: Seq) -> TokenTerms:
     """CISPO (verl `cispo`, MiniMax-M1): REINFORCE with a clipped, stop-gradient IS weight."""
     del seq
     sg = jax.lax.stop_gradient
@@ -107,13 +107,13 @@ OBJECTIVES = {"ppo": ppo_terms, "gspo": gspo_terms, "cispo": cispo_terms}
 POLICY_LOSSES = tuple(OBJECTIVES)
 
 
-def policy_aggregation(cfg: LossConfig) -> str:
+def policy_aggregation(cfg: LossConfigLike) -> str:
     """The aggregation of the policy term: verl forces seq-mean-token-mean for GSPO."""
     return "seq-mean-token-mean" if cfg.policy_loss == "gspo" else cfg.aggregation
 
 
 def token_terms(logprobs_BxS: jax.Array, old_logprobs_BxS: jax.Array,
-                advantages_BxS: jax.Array, mask_BxS: jax.Array, cfg: LossConfig, *,
+                advantages_BxS: jax.Array, mask_BxS: jax.Array, cfg: LossConfigLike, *,
                 traj_index_BxS: jax.Array | None = None,
                 num_trajectories: int | None = None) -> TokenTerms:
     """Per-token terms of `cfg.policy_loss` (rows as sequences unless traj_index is given)."""
@@ -124,7 +124,7 @@ def token_terms(logprobs_BxS: jax.Array, old_logprobs_BxS: jax.Array,
 
 
 def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
-                mask: jax.Array, cfg: LossConfig, *, is_weights: jax.Array | None = None,
+                mask: jax.Array, cfg: LossConfigLike, *, is_weights: jax.Array | None = None,
                 traj_index_BxS: jax.Array | None = None, num_trajectories: int | None = None,
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The objective of one mini-batch on padded [B, S] arrays.

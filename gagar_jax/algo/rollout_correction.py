@@ -20,7 +20,7 @@ aggregation denominator, entropy and KL then use it), as in verl. Sequences are 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import flax.struct
 import jax
@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from gagar_jax.algo.aggregation import rows_as_sequences
 from gagar_jax.algo.policy_loss import SAFETY_BOUND
 
-if TYPE_CHECKING:   # loss.py imports this module
-    from gagar_jax.algo.loss import LossConfig
+# `cfg` is a gagar_jax.algo.loss.LossConfig; loss.py imports this module, so it is typed `Any`.
+LossConfigLike = Any
 
 IS_LEVELS = ("token", "sequence", "geometric")
 _K = ("k1", "k2", "k3")
@@ -87,14 +87,14 @@ def rs_options(rollout_rs: str | None, threshold: Any) -> tuple:
     return tuple(out)
 
 
-def is_level(cfg: LossConfig) -> tuple[str | None, float]:
+def is_level(cfg: LossConfigLike) -> tuple[str | None, float]:
     """(level or None, cap): `rollout_is`, or the older `tis_cap` (= token level)."""
     if cfg.tis_cap is not None:
         return "token", float(cfg.tis_cap)
     return cfg.rollout_is, float(cfg.rollout_is_threshold)
 
 
-def corrects(cfg: LossConfig) -> bool:
+def corrects(cfg: LossConfigLike) -> bool:
     """Whether any weight or mask of this module is on."""
     return (is_level(cfg)[0] is not None or cfg.rollout_rs is not None
             or cfg.icepop_low is not None)
@@ -116,7 +116,7 @@ def _rs_stat(opt: str, stat_BxS: jax.Array, m: jax.Array, traj: jax.Array, T: in
 
 
 def rollout_correction(old_logprobs: jax.Array, rollout_logprobs: jax.Array, mask: jax.Array,
-                       cfg: LossConfig, *, traj_index_BxS: jax.Array | None = None,
+                       cfg: LossConfigLike, *, traj_index_BxS: jax.Array | None = None,
                        num_trajectories: int | None = None,
                        ) -> tuple[jax.Array, jax.Array, RolloutCorrMetrics]:
     """IS weights, rejection mask and diagnostics (pure; padded [B, S] arrays).
