@@ -128,3 +128,38 @@ def test_spool_with_the_multihost_listing_agreement(tmp_path):
     (tmp_path / DONE_MARKER).touch()
     src = SpoolSource(str(tmp_path), poll_s=0.01, agree=broadcast_from_process0)
     assert [src.next_record() is not None for _ in range(3)] == [True, True, False]
+
+
+def test_a_shard_deleted_while_the_learner_is_down_is_counted_with_what_was_read(tmp_path):
+    """72 groups in one shard, 12 or more read before the checkpoint; the shard is deleted
+    before the resume: the unread groups are reported (ledger, warning), never silently absent."""
+    spool, run = tmp_path / "spool", tmp_path / "run"
+    spool.mkdir()
+    spec = synthetic.SyntheticSpec(p_uniform=0.0, p_infra=0.0, groups_per_step=10**9)
+    publish(spool, "0001.jsonl", synthetic.make_groups(72, seed=2, spec=spec))
+    feed = Feed(spool_cfg(spool), run, **MODEL)
+    step = 0
+    while feed.ledger.received < 12:
+        _, info = feed.next_batch(step)
+        n = info.num_groups
+        feed.record_trained(info.group_ids, [False] * n, [False] * n)
+        step += 1
+    checkpoint = json.loads(json.dumps(feed.state()))
+    read = checkpoint["source"]["record"]
+    assert read == feed.ledger.received >= 12
+    del feed
+    (spool / "0001.jsonl").unlink()
+    (spool / DONE_MARKER).touch()
+
+    logs = []
+    resumed = Feed(spool_cfg(spool), run, **MODEL, log=logs.append)
+    resumed.restore(checkpoint)
+    while resumed.next_batch(step) is not None:  # the groups buffered at the checkpoint
+        step += 1
+    ledger = resumed.finish().to_json()
+    lost = str(spool / "0001.jsonl")
+    assert ledger["skipped_shards_by_reason"] == {"vanished_after_partial_read": 1}
+    assert ledger["vanished_shards"] == {lost: read}
+    assert ledger["received"] == read and ledger["balanced"]
+    assert [x for x in logs if "WARNING" in x and lost in x and f"{read} of its records" in x]
+    assert json.loads((run / "ledger.json").read_text())["vanished_shards"] == {lost: read}

@@ -33,7 +33,7 @@ from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.deadletter import DeadLetter, Oversized
 from gagar_jax.feed.ledger import Ledger
 from gagar_jax.feed.multihost import agree_across_processes
-from gagar_jax.feed.shards import RawRecord
+from gagar_jax.feed.shards import VANISHED, RawRecord
 from gagar_jax.feed.sources import SourceEvents, make_source
 from gagar_jax.feed.validate import (
     ModelShape,
@@ -437,8 +437,10 @@ dead-letter position."""
         """Resumes from `state()` taken at a checkpoint (same config and source)."""
         if state.get("version") not in (1, STATE_VERSION):
             raise ValueError(f"feed state version {state.get('version')}, expected {STATE_VERSION}")
-        self.source.restore(state["source"])
+        # The ledger first: what the source reports while restoring (a shard that vanished
+        # while the learner was down) is counted in the restored ledger, not overwritten.
         self.ledger = Ledger.from_json(state["ledger"])
+        self.source.restore(state["source"])
         self.exhausted = False      # the source says again if it is at its end (a spool may not be)
         self.buffer = [validate_group(schema.decode(r.encode(), "json"), self.cfg, self.shape)
                        for r in state["buffer"]]
@@ -465,6 +467,17 @@ class _LedgerEvents(SourceEvents):
     def changed(self, path: str) -> None:
         super().changed(path)
         self.feed.ledger.changed_shards += 1
+
+    def grew(self, path: str) -> None:
+        super().grew(path)
+        self.feed.ledger.grown_shards += 1
+
+    def vanished(self, path: str, records_read: int) -> None:
+        super().vanished(path, records_read)
+        ledger = self.feed.ledger
+        ledger.skipped_shards_by_reason[VANISHED] = (
+            ledger.skipped_shards_by_reason.get(VANISHED, 0) + 1)
+        ledger.vanished_shards[path] = int(records_read)
 
     def idle(self) -> None:
         self.feed.on_idle()

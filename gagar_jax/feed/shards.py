@@ -37,21 +37,46 @@ class RawRecord:
     origin: str         # "<file>:<record index>", for dead-letter entries
 
 
+VANISHED = "vanished_after_partial_read"   # skipped_shards_by_reason key
+
+
+def _warner(log: Callable[[str], None]) -> Callable[[str], None]:
+    """`log`'s logger at WARNING level when `log` is a logger's `info`, else `log` itself."""
+    owner = getattr(log, "__self__", None)
+    if isinstance(owner, logging.Logger) and getattr(log, "__func__", None) is logging.Logger.info:
+        return owner.warning
+    return log
+
+
 class SourceEvents:
     """What a source reports besides records. The `Feed` replaces this with one that also
     counts shards in its ledger; this default only logs."""
 
     def __init__(self, log: Callable[[str], None] = LOG.info):
         self.log = log
+        self.warn = _warner(log)
 
     def skipped(self, path: str, kind: str, detail: str) -> None:
         """A shard was skipped (`kind`: "not_a_regular_file" | "unreadable")."""
         self.log(f"feed: skipping shard {path}: {detail}")
 
     def changed(self, path: str) -> None:
-        """A consumed shard's size or mtime changed after it was read."""
-        self.log(f"feed: WARNING consumed shard {path} changed after it was read; the change "
-                 "is not read (publish a new shard instead)")
+        """A consumed shard's size or mtime changed after it was read (other than growth)."""
+        self.warn(f"feed: WARNING consumed shard {path} changed after it was read; the change "
+                  "is not read (publish a new shard instead)")
+
+    def grew(self, path: str) -> None:
+        """A spool shard written in place grew after it was read (once per shard): the new
+        records are read."""
+        self.warn(f"feed: WARNING shard {path} grew after it was read: it is being written in "
+                  "place; its new records are read (publish by rename: docs/feed.md)")
+
+    def vanished(self, path: str, records_read: int) -> None:
+        """The shard being read disappeared (deleted while the learner was down): its unread
+        records are lost."""
+        self.warn(f"feed: WARNING shard {path} vanished after {records_read} of its records were "
+                  f"read (deleted before the run ended?); its unread records are lost, counted "
+                  f"in the ledger as {VANISHED}")
 
     def idle(self) -> None:
         """The source has nothing to hand out right now (called before each idle wait)."""

@@ -83,6 +83,13 @@ class FileSource:
                 self._file += 1
 
 
+def _exists(path: epath.Path) -> bool:
+    """Whether `path` exists (a dangling symlink counts: it is skipped as not a regular file)."""
+    if is_remote(path):
+        return path.exists()
+    return os.path.lexists(os.fspath(path))
+
+
 def _ignored(name: str) -> bool:
     return (name.startswith((".", "_")) or name.endswith(".tmp")
             or not name.endswith(JSONL_SUFFIXES + ARRAYRECORD_SUFFIXES))
@@ -239,8 +246,12 @@ class SpoolSource:
                          else {name: None for name in consumed})
         self._current, self._reader = state.get("current"), None
         if self._current is not None:
-            self._reader = open_shard(self.dir / self._current, int(state["record"]), self.limit,
-                                      self.events)
+            path, record = self.dir / self._current, int(state["record"])
+            if not _exists(path):    # deleted while the learner was down: say what is lost
+                self.events.vanished(str(path), record)
+                self._current = None
+                return
+            self._reader = open_shard(path, record, self.limit, self.events)
             if self._reader is None:
                 self._current = None
 
