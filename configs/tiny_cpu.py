@@ -129,6 +129,7 @@ def get_config() -> ml_collections.ConfigDict:
     f.groups_per_batch = 6          # G, mixed groups per batch
     f.max_staleness = 4             # drop groups whose policy_version lags the step by more
     f.staleness_from = "oldest"     # partial rollouts: oldest | newest | mean generated-token version
+    f.max_future_versions = 0       # quarantine groups whose policy_version is ahead of the learner by more
     f.max_traj_tokens = 128         # longest trajectory (<= seq_len)
     f.truncate_long = False         # truncate longer trajectories instead of rejecting the group
     f.max_record_bytes = 4_000_000  # largest encoded record

@@ -143,7 +143,7 @@ def test_seen_group_ids_are_bounded_by_the_staleness_window(tmp_path):
     for i, g in enumerate(groups):
         groups[i] = msgspec.structs.replace(g, policy_version=i // 3)
     resent = groups[0]
-    feed = Feed(_cfg(max_staleness=2), tmp_path, **MODEL,
+    feed = Feed(_cfg(max_staleness=2, max_future_versions=100), tmp_path, **MODEL,
                 source=IteratorSource(groups + [resent]))
     sizes, step = [], 0
     while feed.next_batch(step) is not None:

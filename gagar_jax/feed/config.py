@@ -6,7 +6,6 @@ from typing import Any
 
 from gagar_jax.config import section_dict
 
-
 STALENESS_FROM = ("oldest", "newest", "mean")
 
 
@@ -35,6 +34,11 @@ class FeedConfig:
       staleness_from: which version of a partial rollout's generated tokens the lag is judged
         on: oldest (default) | newest | mean (token-weighted); all equal the group's
         policy_version without per-token versions.
+      max_future_versions: how far a group's policy_version may run ahead of the newest version
+        the learner has (its step, or the newest version published in the workdir, which a
+        resume from an older checkpoint can leave ahead) before it is quarantined as
+        `from_the_future`; groups ahead by less are trained. Either way they are counted
+        (`ahead_of_learner`) and warned about once per version. 0: none is trained.
       max_traj_tokens: longest accepted trajectory (<= seq_len).
       truncate_long: cut longer trajectories to `max_traj_tokens` instead of rejecting them.
       max_record_bytes: largest accepted encoded record.
@@ -55,6 +59,7 @@ class FeedConfig:
     groups_per_batch: int = 6
     max_staleness: int = 4
     staleness_from: str = "oldest"
+    max_future_versions: int = 0
     max_traj_tokens: int = 128
     truncate_long: bool = False
     max_record_bytes: int = 4_000_000
@@ -85,6 +90,9 @@ class FeedConfig:
                              f"feed.seq_len ({self.seq_len}): a trajectory lives in one row")
         if self.max_staleness < 0:
             raise ValueError(f"feed.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_future_versions < 0:
+            raise ValueError(
+                f"feed.max_future_versions must be >= 0, got {self.max_future_versions}")
         if self.staleness_from not in STALENESS_FROM:
             raise ValueError(f"feed.staleness_from must be one of {STALENESS_FROM}, "
                              f"got {self.staleness_from!r}")

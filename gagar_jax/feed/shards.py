@@ -40,7 +40,7 @@ class RawRecord:
 VANISHED = "vanished_after_partial_read"   # skipped_shards_by_reason key
 
 
-def _warner(log: Callable[[str], None]) -> Callable[[str], None]:
+def warner(log: Callable[[str], None]) -> Callable[[str], None]:
     """`log`'s logger at WARNING level when `log` is a logger's `info`, else `log` itself."""
     owner = getattr(log, "__self__", None)
     if isinstance(owner, logging.Logger) and getattr(log, "__func__", None) is logging.Logger.info:
@@ -54,7 +54,7 @@ class SourceEvents:
 
     def __init__(self, log: Callable[[str], None] = LOG.info):
         self.log = log
-        self.warn = _warner(log)
+        self.warn = warner(log)
 
     def skipped(self, path: str, kind: str, detail: str) -> None:
         """A shard was skipped (`kind`: "not_a_regular_file" | "unreadable")."""

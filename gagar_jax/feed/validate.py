@@ -41,6 +41,8 @@ class Reason:
     VERSION_SPANS_UNSORTED = "policy_version_spans_unsorted"   # span starts not increasing
     VERSION_OUT_OF_RANGE = "policy_version_out_of_range"       # bad start / length / version < 0
     VERSION_NEWER = "policy_version_newer_than_group"          # a token newer than the group
+    FROM_THE_FUTURE = "from_the_future"          # policy_version ahead of the learner's newest
+                                                 # version by more than max_future_versions
     INVALID = "invalid_record"                   # any other failure while decoding/validating
 
     @classmethod
@@ -271,14 +273,14 @@ def _versions(traj: schema.Trajectory, n: int, mask: np.ndarray, group_version: 
             raise Rejected(Reason.VERSION_OUT_OF_RANGE,
                            f"{where}: policy_version_spans entries must be [start, version]")
         starts = [s[0] for s in spans]
-        if any(b <= a for a, b in zip(starts, starts[1:])):
+        if any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
             raise Rejected(Reason.VERSION_SPANS_UNSORTED,
                            f"{where}: policy_version_spans starts {starts} not increasing")
         if spans and (starts[0] < 0 or starts[-1] >= n):
             raise Rejected(Reason.VERSION_OUT_OF_RANGE,
                            f"{where}: a span start outside [0, {n})")
         v = np.full(n, -1, np.int64)
-        for (start, version), stop in zip(spans, starts[1:] + [n]):
+        for (start, version), stop in zip(spans, starts[1:] + [n], strict=True):
             v[start:stop] = version
     gen = v[mask > 0]
     if gen.size and gen.min() < 0:
