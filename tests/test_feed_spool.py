@@ -14,9 +14,10 @@ MODEL = dict(vocab_size=256, num_moe_layers=2, top_k=2, num_experts=8)
 
 
 def spool_cfg(spool, **kw):
-    kw.setdefault("spool_settle_s", 0.0)    # these writers publish by rename
+    kw = {**dict(spool_settle_s=0.0,    # these writers publish by rename
+                 groups_per_batch=3), **kw}
     return FeedConfig(spool_dir=str(spool), spool_poll_s=0.01, spool_timeout_s=0.0,
-                      rows_per_batch=8, seq_len=128, max_trajectories=24, groups_per_batch=3,
+                      rows_per_batch=8, seq_len=128, max_trajectories=24,
                       max_staleness=1000, **kw)
 
 
@@ -47,7 +48,8 @@ def test_picks_up_a_shard_published_while_waiting(tmp_path):
     assert [src.next_record() is not None for _ in range(3)] == [True, True, False]
     st = (tmp_path / "0001.jsonl").stat()
     assert src.state() == {"consumed": {"0001.jsonl": [st.st_size, st.st_mtime_ns]},
-                           "current": None, "record": 0}
+                           "tails": {"0001.jsonl": [st.st_size, 3, 0, 0]},
+                           "current": None, "record": 0, "offset": 0, "hold": True}
 
 
 def test_crash_and_resume_consumes_every_shard_exactly_once(tmp_path):
@@ -163,3 +165,50 @@ def test_a_shard_deleted_while_the_learner_is_down_is_counted_with_what_was_read
     assert ledger["received"] == read and ledger["balanced"]
     assert [x for x in logs if "WARNING" in x and lost in x and f"{read} of its records" in x]
     assert json.loads((run / "ledger.json").read_text())["vanished_shards"] == {lost: read}
+
+
+def test_a_torn_last_line_is_held_back_and_growth_is_read(tmp_path):
+    """A producer writing one shard in place pauses longer than spool_settle_s mid-line, twice:
+    the torn line is not a record (nothing is dead-lettered), the shard's growth is read on,
+    across restarts, and the last line, never terminated, is read when _DONE appears."""
+    spool, run = tmp_path / "spool", tmp_path / "run"
+    spool.mkdir()
+    spec = synthetic.SyntheticSpec(p_uniform=0.0, p_infra=0.0, groups_per_step=10**9)
+    groups = synthetic.make_groups(6, seed=5, spec=spec)
+    lines = [schema.encode(g, "json") + b"\n" for g in groups]
+    shard = spool / "0001.jsonl"
+    cfg = spool_cfg(spool, spool_settle_s=0.05, groups_per_batch=1)
+
+    def session(state, seconds):
+        """A learner run that stops after `seconds` idle (or at _DONE); its trained ids and
+        final state."""
+        feed = Feed(cfg, run, **MODEL, log=lambda s: None)
+        if state is not None:
+            feed.restore(state)
+        deadline = time.monotonic() + seconds
+        feed.source.stop = lambda: time.monotonic() > deadline
+        trained, step = [], 0
+        while (item := feed.next_batch(step)) is not None:
+            trained += item[1].group_ids
+            feed.record_trained(item[1].group_ids, [False], [False])
+            step += 1
+        return trained, json.loads(json.dumps(feed.state())), feed
+
+    shard.write_bytes(b"".join(lines[:3]) + lines[3][:40])       # paused mid-line
+    trained, state, _ = session(None, 0.4)
+    assert trained == [g.group_id for g in groups[:3]]
+    assert state["ledger"]["quarantined"] == 0                   # the torn line is no record
+    with open(shard, "ab") as f:                                 # on, and paused mid-line again
+        f.write(lines[3][40:] + lines[4] + lines[5][:25])
+    more, state, _ = session(state, 0.4)
+    assert more == [g.group_id for g in groups[3:5]]
+    assert state["ledger"]["grown_shards"] == 1 and state["ledger"]["changed_shards"] == 0
+    with open(shard, "ab") as f:
+        f.write(lines[5][25:-1])                                 # the last line, no newline
+    (spool / DONE_MARKER).touch()
+    last, _, feed = session(state, 5.0)
+    assert last == [groups[5].group_id]
+    ledger = feed.finish()
+    assert ledger.received == ledger.trained == 6 and ledger.quarantined == 0
+    assert ledger.grown_shards == 1 and ledger.changed_shards == 0 and ledger.balanced
+    assert not (run / "dead_letter.jsonl").exists() or not (run / "dead_letter.jsonl").read_text()

@@ -4,10 +4,10 @@ import json
 
 import numpy as np
 import pytest
+from test_feed_batcher import CFG, MODEL, group, traj
 
 from gagar_jax.feed import Feed, FeedConfig, IteratorSource, packed, schema
 from gagar_jax.feed.validate import ModelShape, Reason, Rejected, validate_group
-from test_feed_batcher import CFG, MODEL, group, traj
 
 SHAPE = ModelShape(**MODEL)
 
