@@ -22,6 +22,8 @@ class FeedConfig:
       spool_log_every_s: seconds between "waiting for the feed" lines.
       spool_settle_s: read a spool shard only after its size and mtime stayed unchanged this
         long (local and network file systems; 0 = at once; object stores: always at once).
+        Whatever it is, a JSONL shard's unterminated last line is held back and its growth
+        read (docs/feed.md, "Careless writers").
       rows_per_batch: B, packed rows per global batch (0: from `tokens_per_batch`).
       seq_len: S, tokens per row.
       tokens_per_batch: the batch's size in tokens, B x S; when > 0, a multiple of `seq_len`

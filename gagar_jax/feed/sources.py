@@ -256,6 +256,10 @@ class SpoolSource:
         opened."""
         for name, tail in sorted(self.tails.items()):
             if tail[2] > 0:
+                if not _exists(self.dir / name):      # its held line went with it
+                    self.events.vanished(str(self.dir / name), tail[1])
+                    self.tails.pop(name)
+                    continue
                 self._open(name, tail=True, hold=False)
                 if self._reader is not None:
                     return True
