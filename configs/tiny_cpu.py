@@ -143,6 +143,7 @@ def get_config() -> ml_collections.ConfigDict:
     f.max_staleness = 4             # drop groups whose policy_version lags the step by more
     # partial rollouts: oldest | newest | mean generated-token version
     f.staleness_from = "oldest"
+    f.max_future_versions = 0       # quarantine groups ahead of the learner by more versions
     f.max_traj_tokens = 128         # longest trajectory (<= seq_len)
     f.truncate_long = False         # truncate longer trajectories instead of rejecting the group
     f.max_record_bytes = 4_000_000  # largest encoded record

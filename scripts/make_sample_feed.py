@@ -4,6 +4,7 @@ Usage:
   python scripts/make_sample_feed.py --out data/sample_feed.jsonl --groups 96 --seed 0
 """
 import argparse
+import dataclasses
 
 from gagar_jax.feed import convert, synthetic
 
@@ -13,8 +14,15 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="output *.jsonl or *.arrayrecord")
     p.add_argument("--groups", type=int, required=True, help="number of groups")
     p.add_argument("--seed", type=int, default=0)
+    # The tiny config trains 6 mixed groups per step and reads about 8 records for them (some
+    # are uniform): versions advancing every 8 groups never run ahead of the learner's step
+    # (docs/feed.md, max_future_versions) and lag it by at most 4 (max_staleness) on this feed.
+    p.add_argument("--groups-per-step", type=int, default=8,
+                   help="records per policy_version (the producer's pace)")
     args = p.parse_args(argv)
-    n = convert.write_groups(args.out, synthetic.make_groups(args.groups, seed=args.seed))
+    spec = dataclasses.replace(synthetic.SyntheticSpec(), groups_per_step=args.groups_per_step)
+    n = convert.write_groups(args.out, synthetic.make_groups(args.groups, seed=args.seed,
+                                                             spec=spec))
     print(f"wrote {n} groups to {args.out}")
 
 

@@ -102,7 +102,7 @@ def test_dynamic_sampling_after_hack_zeroing_and_infra_exclusion(tmp_path):
     (batch, info), = drain(feed)
     assert info.group_ids == ("mixed", "mixed_hack")
     assert info.counts == {"received": 6, "trained": 2, "filtered_uniform": 4,
-                           "filtered_stale": 0, "quarantined": 0}
+                           "filtered_stale": 0, "quarantined": 0, "ahead_of_learner": 0}
     led = json.loads((tmp_path / "ledger.json").read_text())
     assert led["filtered_uniform"] == 4 and led["balanced"]
 
@@ -130,7 +130,7 @@ def test_keeps_pulling_until_groups_per_batch_mixed_groups(tmp_path):
 def test_staleness(tmp_path):
     mk = lambda gid, v: group(gid, [traj("x", "pass"), traj("y", "fail")], version=v)  # noqa: E731
     feed = Feed(
-        CFG, tmp_path, **MODEL, source=IteratorSource([mk("old", 7), mk("ok", 8), mk("new", 11)])
+        CFG, tmp_path, **MODEL, source=IteratorSource([mk("old", 7), mk("ok", 8), mk("new", 10)])
     )
     # max_staleness = 2: at step 10, version 7 (lag 3) is dropped, version 8 (lag 2) kept.
     _, info = feed.next_batch(10)

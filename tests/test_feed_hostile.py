@@ -120,7 +120,9 @@ def test_spool_waits_for_a_shard_to_settle_and_counts_later_changes(tmp_path):
     assert [msgspec.json.decode(r.payload)["group_id"] for r in got] == [g.group_id for g in groups]
     st = shard.stat()
     assert src2.state()["consumed"] == {"0001.jsonl": [st.st_size, st.st_mtime_ns]}
-    # Rewriting a consumed shard is counted once in the ledger, and never re-read.
+    # A consumed shard that grows (written in place) is read on from where its read ended,
+    # counted once (grown_shards); one rewritten otherwise is counted once (changed_shards)
+    # and never re-read.
     feed = Feed(_cfg(spool_dir=str(spool), spool_settle_s=0.4), tmp_path / "w", **MODEL,
                 log=lambda s: None)
     feed.source.restore(src2.state())
@@ -128,7 +130,13 @@ def test_spool_waits_for_a_shard_to_settle_and_counts_later_changes(tmp_path):
     with open(shard, "ab") as f:
         f.write(_lines(synthetic.make_groups(1, seed=9, start=100)))
     ledger = _drain(feed)
-    assert ledger.changed_shards == 1 and ledger.received == 0
+    assert ledger.grown_shards == 1 and ledger.received == 1 and ledger.changed_shards == 0
+    shard.write_bytes(_lines(groups[:2]))                       # shorter: a rewrite
+    again = Feed(_cfg(spool_dir=str(spool), spool_settle_s=0.4), tmp_path / "w", **MODEL,
+                 log=lambda s: None)
+    again.restore(feed.state())
+    ledger = _drain(again)
+    assert ledger.changed_shards == 1 and ledger.received == 1 and ledger.balanced
 
 
 def test_object_store_spools_do_not_settle(tmp_path):
@@ -143,7 +151,7 @@ def test_seen_group_ids_are_bounded_by_the_staleness_window(tmp_path):
     for i, g in enumerate(groups):
         groups[i] = msgspec.structs.replace(g, policy_version=i // 3)
     resent = groups[0]
-    feed = Feed(_cfg(max_staleness=2), tmp_path, **MODEL,
+    feed = Feed(_cfg(max_staleness=2, max_future_versions=100), tmp_path, **MODEL,
                 source=IteratorSource(groups + [resent]))
     sizes, step = [], 0
     while feed.next_batch(step) is not None:

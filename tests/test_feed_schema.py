@@ -109,13 +109,14 @@ def test_decode_errors_are_classified():
 # -- the published JSON Schema, checked with a real validator -----------------------------------
 
 # Rules the learner checks that JSON Schema cannot express (docs/feed.md, "learner-only rules"):
-# matching lengths, limits from the config, duplicate ids, and the decoder's nesting limit.
+# matching lengths, limits from the config, duplicate ids, the decoder's nesting limit, and
+# versions against the learner's step.
 LEARNER_ONLY = {Reason.LENGTH_MISMATCH, Reason.RECORD_TOO_LARGE, Reason.TOO_MANY_TRAJECTORIES,
                 Reason.TOO_LONG, Reason.TOKEN_OUT_OF_VOCAB, Reason.ROUTED_EXPERTS,
                 Reason.BAD_ENCODING,
                 Reason.GROUP_TOO_LARGE, Reason.DUPLICATE_GROUP, Reason.DUPLICATE_TRAJECTORY,
                 Reason.TOO_DEEPLY_NESTED, Reason.VERSION_SPANS_UNSORTED,
-                Reason.VERSION_OUT_OF_RANGE, Reason.VERSION_NEWER}
+                Reason.VERSION_OUT_OF_RANGE, Reason.VERSION_NEWER, Reason.FROM_THE_FUTURE}
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,10 @@ MODEL = dict(vocab_size=256, num_moe_layers=2, top_k=2, num_experts=8)
 
 
 def spool_cfg(spool, **kw):
-    kw.setdefault("spool_settle_s", 0.0)    # these writers publish by rename
+    kw = {**dict(spool_settle_s=0.0,    # these writers publish by rename
+                 groups_per_batch=3), **kw}
     return FeedConfig(spool_dir=str(spool), spool_poll_s=0.01, spool_timeout_s=0.0,
-                      rows_per_batch=8, seq_len=128, max_trajectories=24, groups_per_batch=3,
+                      rows_per_batch=8, seq_len=128, max_trajectories=24,
                       max_staleness=1000, **kw)
 
 
@@ -49,7 +50,8 @@ def test_picks_up_a_shard_published_while_waiting(tmp_path):
     assert [src.next_record() is not None for _ in range(3)] == [True, True, False]
     st = (tmp_path / "0001.jsonl").stat()
     assert src.state() == {"consumed": {"0001.jsonl": [st.st_size, st.st_mtime_ns]},
-                           "current": None, "record": 0}
+                           "tails": {"0001.jsonl": [st.st_size, 3, 0, 0]},
+                           "current": None, "record": 0, "offset": 0, "hold": True}
 
 
 def test_crash_and_resume_consumes_every_shard_exactly_once(tmp_path):
@@ -130,3 +132,85 @@ def test_spool_with_the_multihost_listing_agreement(tmp_path):
     (tmp_path / DONE_MARKER).touch()
     src = SpoolSource(str(tmp_path), poll_s=0.01, agree=broadcast_from_process0)
     assert [src.next_record() is not None for _ in range(3)] == [True, True, False]
+
+
+def test_a_shard_deleted_while_the_learner_is_down_is_counted_with_what_was_read(tmp_path):
+    """72 groups in one shard, 12 or more read before the checkpoint; the shard is deleted
+    before the resume: the unread groups are reported (ledger, warning), never silently absent."""
+    spool, run = tmp_path / "spool", tmp_path / "run"
+    spool.mkdir()
+    spec = synthetic.SyntheticSpec(p_uniform=0.0, p_infra=0.0, groups_per_step=10**9)
+    publish(spool, "0001.jsonl", synthetic.make_groups(72, seed=2, spec=spec))
+    feed = Feed(spool_cfg(spool), run, **MODEL)
+    step = 0
+    while feed.ledger.received < 12:
+        _, info = feed.next_batch(step)
+        n = info.num_groups
+        feed.record_trained(info.group_ids, [False] * n, [False] * n)
+        step += 1
+    checkpoint = json.loads(json.dumps(feed.state()))
+    read = checkpoint["source"]["record"]
+    assert read == feed.ledger.received >= 12
+    del feed
+    (spool / "0001.jsonl").unlink()
+    (spool / DONE_MARKER).touch()
+
+    logs = []
+    resumed = Feed(spool_cfg(spool), run, **MODEL, log=logs.append)
+    resumed.restore(checkpoint)
+    while resumed.next_batch(step) is not None:  # the groups buffered at the checkpoint
+        step += 1
+    ledger = resumed.finish().to_json()
+    lost = str(spool / "0001.jsonl")
+    assert ledger["skipped_shards_by_reason"] == {"vanished_after_partial_read": 1}
+    assert ledger["vanished_shards"] == {lost: read}
+    assert ledger["received"] == read and ledger["balanced"]
+    assert [x for x in logs if "WARNING" in x and lost in x and f"{read} of its records" in x]
+    assert json.loads((run / "ledger.json").read_text())["vanished_shards"] == {lost: read}
+
+
+def test_a_torn_last_line_is_held_back_and_growth_is_read(tmp_path):
+    """A producer writing one shard in place pauses longer than spool_settle_s mid-line, twice:
+    the torn line is not a record (nothing is dead-lettered), the shard's growth is read on,
+    across restarts, and the last line, never terminated, is read when _DONE appears."""
+    spool, run = tmp_path / "spool", tmp_path / "run"
+    spool.mkdir()
+    spec = synthetic.SyntheticSpec(p_uniform=0.0, p_infra=0.0, groups_per_step=10**9)
+    groups = synthetic.make_groups(6, seed=5, spec=spec)
+    lines = [schema.encode(g, "json") + b"\n" for g in groups]
+    shard = spool / "0001.jsonl"
+    cfg = spool_cfg(spool, spool_settle_s=0.05, groups_per_batch=1)
+
+    def session(state, seconds):
+        """A learner run that stops after `seconds` idle (or at _DONE); its trained ids and
+        final state."""
+        feed = Feed(cfg, run, **MODEL, log=lambda s: None)
+        if state is not None:
+            feed.restore(state)
+        deadline = time.monotonic() + seconds
+        feed.source.stop = lambda: time.monotonic() > deadline
+        trained, step = [], 0
+        while (item := feed.next_batch(step)) is not None:
+            trained += item[1].group_ids
+            feed.record_trained(item[1].group_ids, [False], [False])
+            step += 1
+        return trained, json.loads(json.dumps(feed.state())), feed
+
+    shard.write_bytes(b"".join(lines[:3]) + lines[3][:40])       # paused mid-line
+    trained, state, _ = session(None, 0.4)
+    assert trained == [g.group_id for g in groups[:3]]
+    assert state["ledger"]["quarantined"] == 0                   # the torn line is no record
+    with open(shard, "ab") as f:                                 # on, and paused mid-line again
+        f.write(lines[3][40:] + lines[4] + lines[5][:25])
+    more, state, _ = session(state, 0.4)
+    assert more == [g.group_id for g in groups[3:5]]
+    assert state["ledger"]["grown_shards"] == 1 and state["ledger"]["changed_shards"] == 0
+    with open(shard, "ab") as f:
+        f.write(lines[5][25:-1])                                 # the last line, no newline
+    (spool / DONE_MARKER).touch()
+    last, _, feed = session(state, 5.0)
+    assert last == [groups[5].group_id]
+    ledger = feed.finish()
+    assert ledger.received == ledger.trained == 6 and ledger.quarantined == 0
+    assert ledger.grown_shards == 1 and ledger.changed_shards == 0 and ledger.balanced
+    assert not (run / "dead_letter.jsonl").exists() or not (run / "dead_letter.jsonl").read_text()

@@ -1,5 +1,7 @@
 """Partial rollouts: per-token policy versions (both forms), their dead-letter reasons, and the
-staleness modes (oldest, newest, token-weighted mean)."""
+staleness modes (oldest, newest, token-weighted mean); groups from the future."""
+import json
+
 import numpy as np
 import pytest
 from test_feed_batcher import CFG, MODEL, group, traj
@@ -62,3 +64,47 @@ def test_staleness_judged_on_the_configured_version(tmp_path, mode, kept):
     ledger = feed.finish()
     assert (out is not None) == kept and ledger.filtered_stale == (0 if kept else 1)
     assert ledger.trained_partial == (1 if kept else 0) and ledger.balanced
+
+
+def _mixed(gid, version, **kw):
+    return group(gid, [with_versions(traj("x", "pass"), **kw), traj("y", "fail")], version=version)
+
+
+@pytest.mark.parametrize("max_future,published,quarantined", [
+    (0, -1, {"a4", "b4", "p5", "f9"}),       # default: every group ahead is quarantined
+    (1, -1, {"p5", "f9"}),                   # one version of slack: the 4s train
+    (0, 5, {"f9"}),                          # version 5 was published (resumed from step 3)
+])
+def test_groups_from_the_future_are_counted_warned_once_and_quarantined(
+        tmp_path, max_future, published, quarantined):
+    """At learner step 3 the newest weights are version 3 (or a later published one): groups of
+    newer versions are counted in the ledger and the batch's counts, warned about once per
+    version, and quarantined as from_the_future beyond max_future_versions. A partial rollout
+    is judged on its newest token (the group's version), whatever staleness_from says."""
+    cfg = FeedConfig(**{**CFG.__dict__, "max_future_versions": max_future, "max_staleness": 100,
+                        "groups_per_batch": 6})
+    items = [_mixed("ok3", 3), _mixed("a4", 4), _mixed("b4", 4), _mixed("old1", 1),
+             _mixed("p5", 5, policy_version_spans=[[0, 1], [5, 5]]), _mixed("f9", 9)]
+    logs = []
+    feed = Feed(cfg, tmp_path, **MODEL, source=IteratorSource(items), log=logs.append)
+    feed.published_version = published
+    _, info = feed.next_batch(3)
+    ledger = feed.finish()
+    newest = max(3, published)
+    ahead = {g.group_id for g in items if g.policy_version > newest}
+    assert set(info.group_ids) == {g.group_id for g in items} - quarantined
+    assert ledger.ahead_of_learner == len(ahead) == info.counts["ahead_of_learner"]
+    assert ledger.quarantined_by_reason == {Reason.FROM_THE_FUTURE: len(quarantined)}
+    assert ledger.balanced
+    entries = [json.loads(x) for x in (tmp_path / "dead_letter.jsonl").read_text().splitlines()] \
+        if quarantined else []
+    assert {e["group_id"] for e in entries} == quarantined
+    assert all(e["reason"] == Reason.FROM_THE_FUTURE for e in entries)
+    warned = [x for x in logs if "WARNING" in x and "ahead of the learner" in x]
+    assert len(warned) == len({g.policy_version for g in items if g.group_id in ahead})
+    assert all(f"newest version {newest}" in x for x in warned)
+
+
+def test_max_future_versions_must_not_be_negative():
+    with pytest.raises(ValueError, match="max_future_versions"):
+        FeedConfig(max_future_versions=-1)

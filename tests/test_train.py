@@ -42,6 +42,9 @@ def test_end_to_end_on_sample_feed(reference):
     lines = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
     assert all(m["mixed_groups"] >= 1 and m["lam_max"] <= 1.5 for m in lines)
+    # The sample feed's versions never run ahead of the learner (feed.max_future_versions).
+    assert all(m["feed/ahead_of_learner"] == 0 for m in lines)
+    assert summary["ledger"]["ahead_of_learner"] == 0
     groups = [json.loads(x) for x in open(workdir / "groups.jsonl")]
     assert len(groups) == summary["ledger"]["trained"]
     # The audit log carries the conservation the advantage promises (uncapped groups).

@@ -33,7 +33,7 @@ from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.deadletter import DeadLetter, Oversized
 from gagar_jax.feed.ledger import Ledger
 from gagar_jax.feed.multihost import agree_across_processes
-from gagar_jax.feed.shards import RawRecord
+from gagar_jax.feed.shards import VANISHED, RawRecord, warner
 from gagar_jax.feed.sources import SourceEvents, make_source
 from gagar_jax.feed.validate import (
     ModelShape,
@@ -129,6 +129,12 @@ class Feed:
         self.agree = agree or (agree_across_processes if process_count > 1 else
                                (lambda failures: failures))
         self._busy = False            # inside next_batch: the ledger is mid-update
+        # The newest policy version published in the workdir before this process started
+        # (the trainer sets it; -1: none). After a resume from an older checkpoint it can be
+        # ahead of the step, and groups generated with it are not from the future.
+        self.published_version = -1
+        self._warn = warner(log)
+        self._warned_versions: set = set()    # future versions already warned about
         self._ledger_written = -math.inf
         if hasattr(self.source, "events"):
             self.source.events = _LedgerEvents(self, log)
@@ -178,6 +184,35 @@ class Feed:
                     f"{self.cfg.seq_len}")
         return None
 
+    def _check_future(self, pg: ParsedGroup, learner_step: int) -> None:
+        """Counts (and warns once per version about) a group whose policy_version is ahead of
+        the learner's newest version; raises `Rejected` beyond `max_future_versions`.
+
+        Per-token versions are never newer than the group's (validate), so the group's
+        policy_version is its newest token's, whatever `staleness_from` says."""
+        newest = max(learner_step, self.published_version)
+        ahead = pg.policy_version - newest
+        if ahead <= 0:
+            return
+        self.ledger.ahead_of_learner += 1
+        limit = self.cfg.max_future_versions
+        quarantined = ahead > limit
+        if pg.policy_version not in self._warned_versions:
+            self._warned_versions.add(pg.policy_version)
+            fate = ("quarantined as from_the_future" if quarantined
+                    else "trained (within feed.max_future_versions)")
+            self._warn(f"feed: WARNING group {pg.group_id[:64]!r} has policy_version "
+                       f"{pg.policy_version}, {ahead} ahead of the learner's newest version "
+                       f"{newest}: {fate}, with feed.max_future_versions = {limit}; is the "
+                       f"producer numbering versions as learner steps (docs/feed.md)? Further "
+                       f"groups of version {pg.policy_version} are counted in ahead_of_learner "
+                       f"without a line")
+        if quarantined:
+            raise Rejected(Reason.FROM_THE_FUTURE,
+                           f"group {pg.group_id!r}: policy_version {pg.policy_version} is "
+                           f"{ahead} ahead of the learner's newest version {newest} "
+                           f"(feed.max_future_versions = {limit})")
+
     def _stale(self, pg: ParsedGroup, learner_step: int) -> bool:
         return learner_step - pg.staleness_version(self.cfg.staleness_from) > self.cfg.max_staleness
 
@@ -199,6 +234,7 @@ class Feed:
             too_large = self._fits_alone(pg)
             if too_large:
                 raise Rejected(Reason.GROUP_TOO_LARGE, f"group {group_id!r}: {too_large}")
+            self._check_future(pg, learner_step)
         except Rejected as e:
             self._reject(raw, e.reason, e.detail, group_id)
             return None
@@ -255,7 +291,8 @@ class Feed:
         self._write_ledger()
         after = self.ledger.to_json()
         counts = {k: after[k] - before[k] for k in
-                  ("received", "trained", "filtered_uniform", "filtered_stale", "quarantined")}
+                  ("received", "trained", "filtered_uniform", "filtered_stale", "quarantined",
+                   "ahead_of_learner")}
         return batch, dataclasses.replace(info, counts=counts)
 
     def _select(self, learner_step: int):
@@ -437,8 +474,10 @@ dead-letter position."""
         """Resumes from `state()` taken at a checkpoint (same config and source)."""
         if state.get("version") not in (1, STATE_VERSION):
             raise ValueError(f"feed state version {state.get('version')}, expected {STATE_VERSION}")
-        self.source.restore(state["source"])
+        # The ledger first: what the source reports while restoring (a shard that vanished
+        # while the learner was down) is counted in the restored ledger, not overwritten.
         self.ledger = Ledger.from_json(state["ledger"])
+        self.source.restore(state["source"])
         self.exhausted = False      # the source says again if it is at its end (a spool may not be)
         self.buffer = [validate_group(schema.decode(r.encode(), "json"), self.cfg, self.shape)
                        for r in state["buffer"]]
@@ -465,6 +504,17 @@ class _LedgerEvents(SourceEvents):
     def changed(self, path: str) -> None:
         super().changed(path)
         self.feed.ledger.changed_shards += 1
+
+    def grew(self, path: str) -> None:
+        super().grew(path)
+        self.feed.ledger.grown_shards += 1
+
+    def vanished(self, path: str, records_read: int) -> None:
+        super().vanished(path, records_read)
+        ledger = self.feed.ledger
+        ledger.skipped_shards_by_reason[VANISHED] = (
+            ledger.skipped_shards_by_reason.get(VANISHED, 0) + 1)
+        ledger.vanished_shards[path] = int(records_read)
 
     def idle(self) -> None:
         self.feed.on_idle()

@@ -22,6 +22,8 @@ class FeedConfig:
       spool_log_every_s: seconds between "waiting for the feed" lines.
       spool_settle_s: read a spool shard only after its size and mtime stayed unchanged this
         long (local and network file systems; 0 = at once; object stores: always at once).
+        Whatever it is, a JSONL shard's unterminated last line is held back and its growth
+        read (docs/feed.md, "Careless writers").
       rows_per_batch: B, packed rows per global batch (0: from `tokens_per_batch`).
       seq_len: S, tokens per row.
       tokens_per_batch: the batch's size in tokens, B x S; when > 0, a multiple of `seq_len`
@@ -34,6 +36,11 @@ class FeedConfig:
       staleness_from: which version of a partial rollout's generated tokens the lag is judged
         on: oldest (default) | newest | mean (token-weighted); all equal the group's
         policy_version without per-token versions.
+      max_future_versions: how far a group's policy_version may run ahead of the newest version
+        the learner has (its step, or the newest version published in the workdir, which a
+        resume from an older checkpoint can leave ahead) before it is quarantined as
+        `from_the_future`; groups ahead by less are trained. Either way they are counted
+        (`ahead_of_learner`) and warned about once per version. 0: none is trained.
       max_traj_tokens: longest accepted trajectory (<= seq_len).
       truncate_long: cut longer trajectories to `max_traj_tokens` instead of rejecting them.
       max_record_bytes: largest accepted encoded record.
@@ -54,6 +61,7 @@ class FeedConfig:
     groups_per_batch: int = 6
     max_staleness: int = 4
     staleness_from: str = "oldest"
+    max_future_versions: int = 0
     max_traj_tokens: int = 128
     truncate_long: bool = False
     max_record_bytes: int = 4_000_000
@@ -84,6 +92,9 @@ class FeedConfig:
                              f"feed.seq_len ({self.seq_len}): a trajectory lives in one row")
         if self.max_staleness < 0:
             raise ValueError(f"feed.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_future_versions < 0:
+            raise ValueError(
+                f"feed.max_future_versions must be >= 0, got {self.max_future_versions}")
         if self.staleness_from not in STALENESS_FROM:
             raise ValueError(f"feed.staleness_from must be one of {STALENESS_FROM}, "
                              f"got {self.staleness_from!r}")

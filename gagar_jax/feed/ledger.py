@@ -4,9 +4,11 @@
 
 `leftover` is the number of groups still buffered (not yet in a batch); after `Feed.finish()`
 it is final. `trained` is split further by the trainer's per-group outputs (`record_trained`).
-Shards the sources skipped (not regular files, unreadable) and consumed spool shards that
-changed after they were read are counted too; they are outside the identity (no group was
-received from them).
+Shards the sources skipped (not regular files, unreadable, vanished after a partial read) and
+consumed spool shards that changed or grew after they were read are counted too; they are
+outside the identity (no group was received from what they lost). `ahead_of_learner` counts
+received groups whose policy_version was ahead of the learner (a breakdown of `received`: the
+ones beyond `feed.max_future_versions` are also in `quarantined_by_reason["from_the_future"]`).
 """
 from __future__ import annotations
 
@@ -35,7 +37,12 @@ class Ledger:
     leftover: int = 0
     finished: bool = False
     skipped_shards_by_reason: dict = dataclasses.field(default_factory=collections.Counter)
-    changed_shards: int = 0         # consumed spool shards whose size/mtime changed later
+    changed_shards: int = 0         # consumed spool shards changed later (not growth: not read)
+    grown_shards: int = 0           # spool shards written in place that grew after a read (read)
+    # shard -> records read before it vanished (deleted while the learner was down): its unread
+    # records are lost; also counted in skipped_shards_by_reason["vanished_after_partial_read"]
+    vanished_shards: dict = dataclasses.field(default_factory=dict)
+    ahead_of_learner: int = 0       # received groups with policy_version ahead of the learner
 
     @property
     def quarantined(self) -> int:
@@ -73,6 +80,7 @@ class Ledger:
         d = dataclasses.asdict(self)
         d["quarantined_by_reason"] = dict(sorted(self.quarantined_by_reason.items()))
         d["skipped_shards_by_reason"] = dict(sorted(self.skipped_shards_by_reason.items()))
+        d["vanished_shards"] = dict(sorted(self.vanished_shards.items()))
         d["quarantined"] = self.quarantined
         d["balanced"] = self.balanced
         return d
@@ -84,6 +92,7 @@ class Ledger:
         kw["quarantined_by_reason"] = collections.Counter(kw.get("quarantined_by_reason", {}))
         kw["skipped_shards_by_reason"] = collections.Counter(
             kw.get("skipped_shards_by_reason", {}))
+        kw["vanished_shards"] = dict(kw.get("vanished_shards", {}))
         return cls(**kw)
 
     def write(self, path: epath.PathLike) -> None:

@@ -37,21 +37,46 @@ class RawRecord:
     origin: str         # "<file>:<record index>", for dead-letter entries
 
 
+VANISHED = "vanished_after_partial_read"   # skipped_shards_by_reason key
+
+
+def warner(log: Callable[[str], None]) -> Callable[[str], None]:
+    """`log`'s logger at WARNING level when `log` is a logger's `info`, else `log` itself."""
+    owner = getattr(log, "__self__", None)
+    if isinstance(owner, logging.Logger) and getattr(log, "__func__", None) is logging.Logger.info:
+        return owner.warning
+    return log
+
+
 class SourceEvents:
     """What a source reports besides records. The `Feed` replaces this with one that also
     counts shards in its ledger; this default only logs."""
 
     def __init__(self, log: Callable[[str], None] = LOG.info):
         self.log = log
+        self.warn = warner(log)
 
     def skipped(self, path: str, kind: str, detail: str) -> None:
         """A shard was skipped (`kind`: "not_a_regular_file" | "unreadable")."""
         self.log(f"feed: skipping shard {path}: {detail}")
 
     def changed(self, path: str) -> None:
-        """A consumed shard's size or mtime changed after it was read."""
-        self.log(f"feed: WARNING consumed shard {path} changed after it was read; the change "
-                 "is not read (publish a new shard instead)")
+        """A consumed shard's size or mtime changed after it was read (other than growth)."""
+        self.warn(f"feed: WARNING consumed shard {path} changed after it was read; the change "
+                  "is not read (publish a new shard instead)")
+
+    def grew(self, path: str) -> None:
+        """A spool shard written in place grew after it was read (once per shard): the new
+        records are read."""
+        self.warn(f"feed: WARNING shard {path} grew after it was read: it is being written in "
+                  "place; its new records are read (publish by rename: docs/feed.md)")
+
+    def vanished(self, path: str, records_read: int) -> None:
+        """The shard being read disappeared (deleted while the learner was down): its unread
+        records are lost."""
+        self.warn(f"feed: WARNING shard {path} vanished after {records_read} of its records were "
+                  f"read (deleted before the run ended?); its unread records are lost, counted "
+                  f"in the ledger as {VANISHED}")
 
     def idle(self) -> None:
         """The source has nothing to hand out right now (called before each idle wait)."""
@@ -96,6 +121,8 @@ class LineReader:
         self.file = file
         self.buf = b""
         self.pos = 0
+        self.consumed = 0       # bytes handed out (readline) or skipped (skip_line) so far
+        self.eol = False        # whether the last line skipped by `skip_line` ended in b"\n"
 
     def readline(self, limit: int) -> bytes:
         pieces, size = [], 0
@@ -114,6 +141,7 @@ class LineReader:
             self.buf, self.pos = self.file.read(min(self.CHUNK, max(1 << 16, limit - size))), 0
             if not self.buf:
                 break
+        self.consumed += size
         if len(pieces) == 1:
             return pieces[0] if isinstance(pieces[0], bytes) else pieces[0].tobytes()
         return b"".join(pieces)
@@ -130,9 +158,13 @@ class LineReader:
                 size += stop - self.pos
             self.pos = stop if i < 0 else i + 1
             if i >= 0:
+                self.consumed += size + 1
+                self.eol = True
                 return size
             self.buf, self.pos = self.file.read(_CHUNK), 0
             if not self.buf:
+                self.consumed += size
+                self.eol = False
                 return size
 
     @property
@@ -146,20 +178,36 @@ class LineReader:
 class ShardReader:
     """Sequential records of one shard starting at record `start` (blank JSONL lines skipped).
 
+    JSONL only: `offset` (the byte offset of record `start`, as `self.offset` said) seeks there
+    instead of reading the records before it; with `hold_partial`, a last line without a
+    newline is not a record yet (a writer may still be writing it): the reader ends before it,
+    `offset` stays at its start and `held` counts its bytes, so a later reader opened at
+    `offset` reads it once it is whole (or, without `hold_partial`, as it is).
+
     Raises OSError (or, for ArrayRecord, any error of the reader) when the shard cannot be
     opened; `next()` returns None at the end and re-raises read errors as OSError.
     """
 
-    def __init__(self, path: epath.PathLike, start: int = 0, max_record_bytes: int = 4_000_000):
+    def __init__(self, path: epath.PathLike, start: int = 0, max_record_bytes: int = 4_000_000,
+                 *, offset: Optional[int] = None, hold_partial: bool = False):
         self.path = epath.Path(path)
         self.encoding = shard_encoding(self.path)
         self.limit = max_record_bytes
         self.index = 0
+        self.offset = 0             # JSONL: bytes up to the end of the last line consumed
+        self.held = 0               # JSONL: bytes of a last line held back (no newline yet)
+        self.hold_partial = hold_partial and self.encoding == "json"
+        self.failed = False         # a read error ended the reader (the rest was skipped)
         why = _not_regular(self.path)
         if why:
             raise IsADirectoryError(f"{self.path}: {why}")
         if self.encoding == "json":
-            self._file = LineReader(self.path.open("rb"))   # streamed line by line, never slurped
+            f = self.path.open("rb")
+            if offset:
+                f.seek(offset)
+                self.index, self.offset = start, offset
+            self._base = self.offset
+            self._file = LineReader(f)   # streamed line by line, never slurped
         else:
             import grain.python as grain  # deferred: grain is heavy to import
             self._source = grain.ArrayRecordDataSource([str(self.path)])
@@ -173,13 +221,24 @@ class ShardReader:
             if not line:
                 return None
             if len(line) <= self.limit or line.endswith(b"\n"):
+                if self.hold_partial and not line.endswith(b"\n"):
+                    return self._hold()
+                self.offset = self._base + self._file.consumed
                 if not line.isspace():      # stops at the first byte (no copy of the line)
                     return line
                 continue
             digest = hashlib.sha256(line)
             # The rest of the line is hashed straight from the read buffer (no newline hashed).
             size = len(line) + self._file.skip_line(digest.update)
+            if self.hold_partial and not self._file.eol:
+                return self._hold()
+            self.offset = self._base + self._file.consumed
             return Oversized(line[:PREFIX_BYTES], size, digest.hexdigest())
+
+    def _hold(self) -> None:
+        """Ends the reader before the unterminated last line (its bytes: `held`)."""
+        self.held = self._base + self._file.consumed - self.offset
+        return None
 
     def next(self) -> Optional[RawRecord]:
         if self.encoding == "json":
@@ -201,10 +260,11 @@ class ShardReader:
 
 
 def open_shard(path: epath.PathLike, start: int, max_record_bytes: int,
-               events: SourceEvents) -> Optional[ShardReader]:
-    """A `ShardReader`, or None after reporting why the shard is skipped."""
+               events: SourceEvents, **kw: Any) -> Optional[ShardReader]:
+    """A `ShardReader` (`kw`: its `offset`, `hold_partial`), or None after reporting why the
+    shard is skipped."""
     try:
-        return ShardReader(path, start, max_record_bytes)
+        return ShardReader(path, start, max_record_bytes, **kw)
     except IsADirectoryError as e:
         events.skipped(str(path), "not_a_regular_file", str(e))
     except Exception as e:  # noqa: BLE001 -- unreadable: permissions, I/O, a bad ArrayRecord
@@ -217,6 +277,7 @@ def read_next(reader: ShardReader, events: SourceEvents) -> Optional[RawRecord]:
     try:
         return reader.next()
     except Exception as e:  # noqa: BLE001 -- an I/O error mid-shard ends that shard only
+        reader.failed = True
         events.skipped(str(reader.path), "unreadable",
                        f"read error after record {reader.index}: {type(e).__name__}: {e}")
         return None

@@ -186,6 +186,7 @@ def malformed_records(seed: int = 0) -> list:
         policy_version_spans=[[0, r["policy_version"]], [len(t["tokens"]), r["policy_version"]]]))
     variant("policy_version_newer_than_group", lambda r, t: t.update(
         policy_versions=[r["policy_version"] + 1] * len(t["tokens"])))
+    variant("from_the_future", lambda r, t: r.update(policy_version=10**6))
     variant("id_too_long", lambda r, t: t.update(trajectory_id="t" * (schema.MAX_ID_CHARS + 1)))
     out.append(("unparseable", b'{"schema_version": 1, "group_id": "trunc', "json"))
     deep = b"[" * 20_000 + b"]" * 20_000       # an unknown field nested past any decoder

@@ -41,6 +41,8 @@ class Reason:
     VERSION_SPANS_UNSORTED = "policy_version_spans_unsorted"   # span starts not increasing
     VERSION_OUT_OF_RANGE = "policy_version_out_of_range"       # bad start / length / version < 0
     VERSION_NEWER = "policy_version_newer_than_group"          # a token newer than the group
+    FROM_THE_FUTURE = "from_the_future"          # policy_version ahead of the learner's newest
+                                                 # version by more than max_future_versions
     INVALID = "invalid_record"                   # any other failure while decoding/validating
 
     @classmethod

@@ -41,6 +41,7 @@ from gagar_jax.config import ConfigError, TrainConfig
 from gagar_jax.distributed import is_primary
 from gagar_jax.feed.batcher import BatchInfo, Feed, make_source
 from gagar_jax.feed.config import FeedConfig
+from gagar_jax.feed.multihost import broadcast_from_process0
 from gagar_jax.feed.packing import global_shapes, make_global_batch
 from gagar_jax.hf import api as hf
 from gagar_jax.run import metrics as metrics_lib
@@ -210,6 +211,8 @@ class _StepLog:
                         step, list(m.nonfinite), int(s["skipped"]))
         if step % self.log_every == 0:
             self.writer.write(step, {**s, "feed/packing_efficiency": info.packing_efficiency,
+                                     "feed/ahead_of_learner": info.counts.get(
+                                         "ahead_of_learner", 0),
                                      "perf/tokens_per_s": tok_s})
         self.writer.flush()       # every step: a crash loses no finished step's lines
         self.progress.update(1, tokens_per_s=tok_s, loss=s["loss"], lam=s["lam_mean"],
@@ -366,6 +369,11 @@ def _setup(
             log.info("checkpoint has no audit-log positions: appending without truncating")
 
     step = int(jax.device_get(state.step))
+    # Weights published beyond the restored step (a kill after a publish, before the next
+    # checkpoint) are rollout engines' newest version: their groups are not from the future.
+    published = max(publish.published_steps(workdir), default=-1) if not fresh else -1
+    feed.published_version = (int(broadcast_from_process0(published)) if pcount > 1
+                              else published)
     publisher = publish.Publisher(workdir, keep=rc.train.keep_published,
                                   dtype=rc.train.publish_dtype, init_from=rc.train.init_from)
     writer = res.writer = metrics_lib.MetricsWriter(
