@@ -172,7 +172,7 @@ def _wait(proc, what: str, done, timeout: float = 240) -> None:
         if time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"trainer: no {what} within {timeout:.0f} s")
-        time.sleep(0.1)
+        time.sleep(0.2)
 
 
 def test_gcs_workdir_and_spool_survive_sigkill_and_resume_bit_exactly(
