@@ -1,11 +1,12 @@
 """Multi-host helpers, in one place: which process leads, a barrier, the coordination service's
-key-value store, and whether a path is on an object store.
+key-value store, whether a path is on an object store, and listing one afresh.
 
 Nothing here imports JAX at module import: the workdir lock uses this module before JAX starts
 (`run/workdir_lock.py`), and the rollout side runs where JAX is not installed.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
@@ -13,6 +14,24 @@ def is_remote(path: Any) -> bool:
     """True for an object-store path (`gs://...`, any `scheme://`): no append, truncate, rename
     or fsync there. False for a local one."""
     return "://" in str(path)
+
+
+def list_names(directory: Any) -> list[str]:
+    """Names of the entries of `directory` (local or object store), listed afresh.
+
+    fsspec's object-store file systems (gcsfs, s3fs; etils.epath uses them for gs:// and s3://)
+    cache every directory listing and never expire it. Objects that other processes upload into
+    a directory this process listed before (a spool's new shards) would never appear, so the
+    cached listing of `directory` is dropped first.
+    """
+    from etils import epath
+    path = epath.Path(directory)
+    if is_remote(path):
+        backend = getattr(path, "_backend", None)   # the fsspec backend (no TensorFlow)
+        fs_of = getattr(backend, "fs", None)
+        if fs_of is not None:
+            fs_of(os.fspath(path)).invalidate_cache(os.fspath(path))
+    return [p.name for p in path.iterdir()]
 
 
 def is_primary() -> bool:

@@ -34,6 +34,9 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 from hypothesis import settings  # noqa: E402
 
+# The gcs_emulator fixture (a local fake-gcs-server for tests/test_gcs.py).
+pytest_plugins = ("gcs_emulator",)
+
 # Few, deterministic examples: each new shape is a compile on 2 CPU cores.
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
 settings.load_profile("ci")
@@ -63,7 +66,7 @@ def devices():
 # (--dist loadfile), handed out in collection order, so a long file collected last would run
 # alone at the end.
 _LONG_FIRST = ("test_train_mesh.py", "test_weights_io.py", "test_train.py", "test_train_signals.py",
-               "test_train_step.py", "test_startup.py",
+               "test_train_step.py", "test_startup.py", "test_gcs.py",
                "test_reliability.py", "test_miniature.py", "test_aot.py", "test_configs.py",
                "test_hf_mimo.py", "test_bench_device.py", "test_sim.py")
 

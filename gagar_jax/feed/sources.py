@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from etils import epath
 
-from gagar_jax.distributed import is_remote
+from gagar_jax.distributed import is_remote, list_names
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.multihost import broadcast_from_process0
 from gagar_jax.feed.shards import (  # noqa: F401
@@ -160,9 +160,9 @@ class SpoolSource:
         """name -> [size, mtime_ns] (None: remote, or not a regular file -> "skip" marker)."""
         out = {}
         if is_remote(self.dir):
-            for p in self.dir.iterdir():
-                if not _ignored(p.name):
-                    out[p.name] = None
+            for name in list_names(self.dir):     # afresh: gcsfs caches listings forever
+                if not _ignored(name):
+                    out[name] = None
             return out
         with os.scandir(os.fspath(self.dir)) as entries:
             for e in entries:
