@@ -35,7 +35,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 from hypothesis import settings  # noqa: E402
 
 # The gcs_emulator fixture (a local fake-gcs-server for tests/test_gcs.py).
-pytest_plugins = ("gcs_emulator",)
+pytest_plugins = ("support.gcs_emulator",)
 
 # Few, deterministic examples: each new shape is a compile on 2 CPU cores.
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)

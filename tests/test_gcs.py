@@ -1,5 +1,5 @@
 """The object-store paths on the real GCS client stack, against a local fake-gcs-server
-(tests/gcs_emulator.py): gcsfs through etils.epath (audit files, ledger, spool, published
+(tests/support/gcs_emulator.py): gcsfs through etils.epath (audit files, ledger, spool, published
 weights, HF checkpoints), tensorstore and google-cloud-storage through orbax (checkpoints).
 
 Every gs:// test of the suite lives in this file, so one pytest-xdist worker starts the emulator.
@@ -17,8 +17,10 @@ import urllib.request
 
 import numpy as np
 import pytest
-from gcs_emulator import clear_client_caches
-from trainer_runs import REPO, cmd, env, ledger_adds_up, shared_reference, tiny_config
+from support.gcs_emulator import clear_client_caches
+from support.paths import REPO
+from support.paths import load_tiny_config as tiny_config
+from support.trainer_runs import cmd, env, ledger_adds_up, shared_reference
 
 SAMPLE = os.path.join(REPO, "data", "sample_feed.jsonl")
 
