@@ -10,9 +10,12 @@ ranged `seek` + `read`, adjacent runs merged: nothing outside the box is request
 are memory-mapped for the call and only the box is copied out (in C); the kernel pages in what
 the box touches (whole 4 KiB pages), and the mapping is dropped before returning. The mapping is
 advised `MADV_RANDOM` (no read-ahead: with the default the kernel reads up to `read_ahead_kb`,
-often 8 MiB, past every fault, so a process needing half a file read nearly all of it), and runs
-of at least `WILLNEED_MIN_BYTES` are prefetched with `MADV_WILLNEED` on exactly their pages (one
-large request instead of a fault per page). scripts/bench_weights_io.py measures the bytes read.
+often 8 MiB, past every fault, so a process needing half a file read nearly all of it), then the
+pages the box touches are prefetched with `MADV_WILLNEED` (adjacent pages merged into one range:
+large requests, not one synchronous 4 KiB read per fault). Nothing outside those pages is read;
+a box whose runs are shorter than a page still reads whole pages (a (D, D) float32 weight cut
+along its last axis reads every page when D <= 1024). scripts/bench_weights_io.py --cold
+measures the bytes read per process.
 
 A file shorter than its header says (a truncated download or copy) is an error naming the file,
 the tensor and the byte range it needs against the file's size.
@@ -40,8 +43,8 @@ ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml
              "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32,
              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
-WILLNEED_MIN_BYTES = 1 << 20   # local runs this long are prefetched in one request
 _PAGE = mmap.PAGESIZE
+WILLNEED_CHUNK = 128 << 10   # bytes per MADV_WILLNEED call (see `advise`)
 
 
 def read_header(fname: epath.PathLike) -> tuple:
@@ -176,16 +179,28 @@ def _merged(offsets: np.ndarray, run: int) -> Iterator[tuple]:
         pos, i = pos + run * (j - i), j
 
 
+def page_ranges(base: int, offsets: np.ndarray, run: int) -> tuple:
+    """(first byte, length) arrays of the page-aligned ranges the runs touch, adjacent ones merged:
+    exactly the pages a box needs, nothing between them."""
+    lo = (base + offsets) // _PAGE
+    hi = (base + offsets + run - 1) // _PAGE + 1
+    new = np.concatenate([[True], lo[1:] > hi[:-1]])   # runs are in ascending order
+    starts, ends = lo[new], np.concatenate([hi[:-1][new[1:]], hi[-1:]])
+    return starts * _PAGE, (ends - starts) * _PAGE
+
+
 def advise(mm: mmap.mmap, base: int, offsets: np.ndarray, run: int) -> None:
-    """Random access on the whole mapping; exact prefetch of the runs of >= WILLNEED_MIN_BYTES."""
+    """Random access on the whole mapping (no read-ahead past a fault), then a prefetch of exactly
+    the pages the box touches (`MADV_WILLNEED`: large requests instead of a fault per page)."""
     if hasattr(mmap, "MADV_RANDOM"):
         mm.madvise(mmap.MADV_RANDOM)
-    if not hasattr(mmap, "MADV_WILLNEED") or run * len(offsets) < WILLNEED_MIN_BYTES:
-        return
-    for _, off, length in _merged(offsets, run):
-        if length >= WILLNEED_MIN_BYTES:
-            lo = (base + off) // _PAGE * _PAGE
-            mm.madvise(mmap.MADV_WILLNEED, lo, base + off + length - lo)
+    if hasattr(mmap, "MADV_WILLNEED"):
+        for start, length in zip(*page_ranges(base, offsets, run), strict=True):
+            end = min(int(start + length), len(mm))
+            # Linux honours one WILLNEED only up to max(read_ahead_kb, max_sectors_kb) and drops
+            # the rest, so ask in pieces no device setting cuts short.
+            for lo in range(int(start), end, WILLNEED_CHUNK):
+                mm.madvise(mmap.MADV_WILLNEED, lo, min(WILLNEED_CHUNK, end - lo))
 
 
 def _read_local(path: str, name: str, base: int, nbytes: int, shape: tuple, box: list,
