@@ -105,15 +105,31 @@ def _evict(path):
 
 
 def test_local_box_reads_advise_random_access(tmp_path, monkeypatch):
-    seen = []
-    real = st.advise
-    monkeypatch.setattr(st, "advise", lambda mm, *a: (seen.append(a), real(mm, *a)))
+    calls = []
+
+    class Recording(mmap.mmap):   # the real mapping, its madvise calls recorded
+        def madvise(self, option, *a):
+            calls.append((option, *a))
+            return super().madvise(option, *a)
+    shim = type("mmap_module", (), {k: getattr(mmap, k) for k in dir(mmap) if k.isupper()})
+    shim.mmap = Recording
+    monkeypatch.setattr(st, "mmap", shim)
     x = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)   # 4 KiB rows
     write_safetensors(tmp_path / "model.safetensors", {"x": x})
     ck = Checkpoint(tmp_path)
+    _, start = st.read_header(tmp_path / "model.safetensors")
     np.testing.assert_array_equal(ck.read_box("x", [(3, 40), (0, 1024)]), x[3:40])
+    assert calls[0] == (mmap.MADV_RANDOM,)
+    # Then exactly the pages of rows 3..39, in pieces of at most WILLNEED_CHUNK.
+    lo, hi = start + 3 * 4096, start + 40 * 4096
+    lo, hi = lo // mmap.PAGESIZE * mmap.PAGESIZE, -(-hi // mmap.PAGESIZE) * mmap.PAGESIZE
+    pieces = [c[1:] for c in calls[1:]]
+    assert all(c[0] == mmap.MADV_WILLNEED for c in calls[1:])
+    assert pieces[0][0] == lo and sum(n for _, n in pieces) == hi - lo
+    assert all(n <= st.WILLNEED_CHUNK for _, n in pieces)
+    calls.clear()
     np.testing.assert_array_equal(ck.read_box("x", [(0, 64), (5, 9)]), x[:, 5:9])
-    assert len(seen) == 2 and mmap.MADV_RANDOM   # both local reads advised the mapping
+    assert calls[0] == (mmap.MADV_RANDOM,) and len(calls) > 1
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="Linux /proc/self/io only")

@@ -74,13 +74,19 @@ def _prepare(root: epath.Path, step: int, key: str) -> str:
     learns its name through the coordination service's key-value store). Returns the name."""
     client = kv_client() if jax.process_count() > 1 else None
     if is_primary():
-        root.mkdir(parents=True, exist_ok=True)
-        name = published.new_name(root, step)
-        (root / name).mkdir(parents=True, exist_ok=False)
-        if client is not None:
-            client.key_value_set(key, name)
+        name = ""
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            name = published.new_name(root, step)
+            (root / name).mkdir(parents=True, exist_ok=True)   # a fresh name (new_name)
+        finally:   # "" tells the other processes that process 0 failed (its error is raised)
+            if client is not None:
+                client.key_value_set(key, name)
         return name
-    return client.blocking_key_value_get(key, DONE_TIMEOUT_S * 1000)
+    name = client.blocking_key_value_get(key, DONE_TIMEOUT_S * 1000)
+    if not name:
+        raise RuntimeError(f"publish of step {step}: process 0 could not create its directory")
+    return name
 
 
 def _finish(root: epath.Path, name: str, step: int, keep: int) -> str:
