@@ -270,8 +270,9 @@ def _complete(path, step, payload_bytes=4096):
         data = f.read()
     with open(os.path.join(path, publish.MARKER)) as f:
         marker = json.load(f)
-    return data == bytes([step % 256]) * payload_bytes and marker == {
-        "step": step, "policy_version": step}
+    return data == bytes([step % 256]) * payload_bytes and (marker["step"], marker[
+        "policy_version"], marker["kind"], marker["files"]) == (
+        step, step, "full", ["config.json", "model.safetensors"])
 
 
 def test_publish_pointer_and_keep(tmp_path):
@@ -303,13 +304,14 @@ def test_publish_failure_keeps_previous_pointer(tmp_path):
     assert not [p for p in os.listdir(tmp_path / "published") if p.startswith(".")]
 
 
-def test_publish_republish_same_step_replaces(tmp_path):
-    publish.publish_weights(5, 5, tmp_path, _fake_save())
+def test_publish_republish_same_step_writes_a_new_directory(tmp_path):
+    first = publish.publish_weights(5, 5, tmp_path, _fake_save())
     path = publish.publish_weights(5 + 256, 5, tmp_path, _fake_save())  # other bytes, step 5
-    with open(os.path.join(path, "model.safetensors"), "rb") as f:
-        assert f.read(1) == bytes([5])  # (5 + 256) % 256
+    assert os.path.basename(path) == "step_00000005.a1"
+    assert publish.read_latest(tmp_path)["path"] == path
     with open(os.path.join(path, "config.json")) as f:
         assert json.load(f) == {"step": 261}
+    assert _complete(first, 5)          # the version `latest` named before: untouched, kept
     assert publish.published_steps(tmp_path) == [5]
 
 

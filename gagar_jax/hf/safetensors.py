@@ -8,17 +8,28 @@ On object stores (and any non-local epath) the box is cut into contiguous runs (
 dimensions it spans whole, plus its extent in the first dimension it cuts) and each run is one
 ranged `seek` + `read`, adjacent runs merged: nothing outside the box is requested. Local files
 are memory-mapped for the call and only the box is copied out (in C); the kernel pages in what
-the box touches (whole 4 KiB pages), and the mapping is dropped before returning.
+the box touches (whole 4 KiB pages), and the mapping is dropped before returning. The mapping is
+advised `MADV_RANDOM` (no read-ahead: with the default the kernel reads up to `read_ahead_kb`,
+often 8 MiB, past every fault, so a process needing half a file read nearly all of it), then the
+pages the box touches are prefetched with `MADV_WILLNEED` (adjacent pages merged into one range:
+large requests, not one synchronous 4 KiB read per fault). Nothing outside those pages is read;
+a box whose runs are shorter than a page still reads whole pages (a (D, D) float32 weight cut
+along its last axis reads every page when D <= 1024). scripts/bench_weights_io.py --cold
+measures the bytes read per process.
+
+A file shorter than its header says (a truncated download or copy) is an error naming the file,
+the tensor and the byte range it needs against the file's size.
 
 The installed numpy reader cannot read F8_E4M3 or BF16, which ml_dtypes provides.
 """
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import BinaryIO
 
 import ml_dtypes
@@ -32,15 +43,33 @@ ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml
              "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32,
              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+_PAGE = mmap.PAGESIZE
+WILLNEED_CHUNK = 128 << 10   # bytes per MADV_WILLNEED call (see `advise`)
 
 
 def read_header(fname: epath.PathLike) -> tuple:
     """(header dict without __metadata__, byte offset of the data section) of a safetensors file."""
     with epath.Path(fname).open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{fname}: not a safetensors file: {len(head)} bytes, shorter than "
+                             "the 8-byte header length (truncated?)")
+        (n,) = struct.unpack("<Q", head)
+        blob = f.read(n)
+    if len(blob) < n:
+        raise ValueError(f"{fname}: truncated safetensors header: needs bytes [8, {8 + n}), the "
+                         f"file has {8 + len(blob)}")
+    try:
+        header = json.loads(blob)
+    except ValueError as e:
+        raise ValueError(f"{fname}: unreadable safetensors header ({e})") from None
     header.pop("__metadata__", None)
     return header, 8 + n
+
+
+def _truncated(fname: epath.PathLike, name: str, lo: int, hi: int, size: int) -> ValueError:
+    return ValueError(f"{fname} is truncated: tensor {name} needs bytes [{lo}, {hi}) of the file, "
+                      f"which has {size} bytes")
 
 
 def _runs(shape: Sequence[int], box: Sequence[tuple], itemsize: int) -> tuple:
@@ -121,36 +150,84 @@ class Checkpoint:
         if out.size == 0:
             return out
         base = start + e["data_offsets"][0]
-        if not is_remote(fname):   # local file: map it, copy only the box (in C)
-            mm = np.memmap(os.fspath(fname), np.uint8, "r", offset=0)
-            try:
-                whole = mm[base:base + e["data_offsets"][1] - e["data_offsets"][0]]
-                out[...] = whole.view(dt).reshape(shape)[tuple(slice(a, b) for a, b in box)]
-            finally:
-                del mm   # unmapped: the pages leave this process's RSS
-            return out
+        nbytes = e["data_offsets"][1] - e["data_offsets"][0]
+        if nbytes != int(np.prod(shape, dtype=np.int64)) * dt.itemsize:
+            raise ValueError(f"{fname}: tensor {name}: data_offsets {e['data_offsets']} hold "
+                             f"{nbytes} bytes, its {e['dtype']} shape {list(shape)} needs "
+                             f"{int(np.prod(shape, dtype=np.int64)) * dt.itemsize}")
         offsets, run = _runs(shape, box, dt.itemsize)
+        if not is_remote(fname):   # local file: map it, copy only the box (in C)
+            _read_local(os.fspath(fname), name, base, nbytes, shape, box, dt, out, offsets, run)
+            return out
         flat = out.reshape(-1).view(np.uint8)
         with fname.open("rb") as f:
-            pos, i, n = 0, 0, len(offsets)
-            while i < n:   # merge adjacent runs into one read
-                j = i + 1
-                while j < n and offsets[j] == offsets[j - 1] + run:
-                    j += 1
-                length = run * (j - i)
-                f.seek(base + int(offsets[i]))
-                _read_into(f, memoryview(flat[pos:pos + length]), f"{fname}: tensor {name}")
-                pos, i = pos + length, j
+            for pos, off, length in _merged(offsets, run):
+                f.seek(base + off)
+                if _read_into(f, memoryview(flat[pos:pos + length])) < length:
+                    raise _truncated(fname, name, base, base + nbytes, f.seek(0, os.SEEK_END))
         return out
 
 
-def _read_into(f: BinaryIO, view: memoryview, what: str) -> None:
+def _merged(offsets: np.ndarray, run: int) -> Iterator[tuple]:
+    """(position in the box, offset in the tensor, length) of each maximal run of adjacent runs."""
+    pos, i, n = 0, 0, len(offsets)
+    while i < n:
+        j = i + 1
+        while j < n and offsets[j] == offsets[j - 1] + run:
+            j += 1
+        yield pos, int(offsets[i]), run * (j - i)
+        pos, i = pos + run * (j - i), j
+
+
+def page_ranges(base: int, offsets: np.ndarray, run: int) -> tuple:
+    """(first byte, length) arrays of the page-aligned ranges the runs touch, adjacent ones merged:
+    exactly the pages a box needs, nothing between them."""
+    lo = (base + offsets) // _PAGE
+    hi = (base + offsets + run - 1) // _PAGE + 1
+    new = np.concatenate([[True], lo[1:] > hi[:-1]])   # runs are in ascending order
+    starts, ends = lo[new], np.concatenate([hi[:-1][new[1:]], hi[-1:]])
+    return starts * _PAGE, (ends - starts) * _PAGE
+
+
+def advise(mm: mmap.mmap, base: int, offsets: np.ndarray, run: int) -> None:
+    """Random access on the whole mapping (no read-ahead past a fault), then a prefetch of exactly
+    the pages the box touches (`MADV_WILLNEED`: large requests instead of a fault per page)."""
+    if hasattr(mmap, "MADV_RANDOM"):
+        mm.madvise(mmap.MADV_RANDOM)
+    if hasattr(mmap, "MADV_WILLNEED"):
+        for start, length in zip(*page_ranges(base, offsets, run), strict=True):
+            end = min(int(start + length), len(mm))
+            # Linux honours one WILLNEED only up to max(read_ahead_kb, max_sectors_kb) and drops
+            # the rest, so ask in pieces no device setting cuts short.
+            for lo in range(int(start), end, WILLNEED_CHUNK):
+                mm.madvise(mmap.MADV_WILLNEED, lo, min(WILLNEED_CHUNK, end - lo))
+
+
+def _read_local(path: str, name: str, base: int, nbytes: int, shape: tuple, box: list,
+                dt: np.dtype, out: np.ndarray, offsets: np.ndarray, run: int) -> None:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if base + nbytes > size:
+            raise _truncated(path, name, base, base + nbytes, size)
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        advise(mm, base, offsets, run)
+        whole = np.frombuffer(mm, np.uint8, count=nbytes, offset=base)
+        out[...] = whole.view(dt).reshape(shape)[tuple(slice(a, b) for a, b in box)]
+    finally:
+        whole = None   # noqa: F841 -- the buffer must be released before the mapping closes
+        mm.close()     # unmapped: the pages leave this process's RSS
+
+
+def _read_into(f: BinaryIO, view: memoryview) -> int:
+    """Reads into `view` until full or end of file; the bytes read."""
     got = 0
     while got < len(view):   # straight into the output: no second copy of the bytes
         n = f.readinto(view[got:])
         if not n:
-            raise ValueError(f"{what} is truncated")
+            break
         got += n
+    return got
 
 
 def dequantize_block_fp8(q: np.ndarray, scale_inv: np.ndarray, block: tuple = (128, 128),

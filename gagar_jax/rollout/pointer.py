@@ -1,6 +1,12 @@
-"""`<workdir>/published/latest` read with plain `json` (the format: gagar_jax/run/publish.py).
+"""`<workdir>/published/latest` and version manifests read with plain `json` (the version model:
+gagar_jax/run/published.py and docs/checkpoints.md, "Versions and collection").
 
-Local paths only (what a rollout host mounts); no JAX, no etils.
+`latest` names a complete version directory at every moment, and nothing writes into or deletes
+a directory while `latest` names it. Reload when `path` changes, not only `step`: a resumed
+learner publishes a step again into a new directory (`step_XXXXXXXX.a1`). The learner keeps
+`train.keep_published` versions after `latest` moves on; a reader slower than that may find its
+directory gone and should read `latest` again. Local paths only (what a rollout host mounts); no
+JAX, no etils.
 """
 from __future__ import annotations
 
@@ -9,10 +15,11 @@ import os
 
 PUBLISH_DIR = "published"   # = gagar_jax.run.publish.PUBLISH_DIR
 POINTER = "latest"          # = gagar_jax.run.publish.POINTER
+MANIFEST = "gagar_publish.json"   # = gagar_jax.run.published.MANIFEST
 
 
 def read_latest(workdir: str) -> dict | None:
-    """The pointer {"step", "policy_version", "path"} of `workdir` (None before a first publish).
+    """The pointer {"step", "policy_version", "path"} of `workdir` (None before any publish).
 
     A relative "path" is taken relative to `<workdir>/published/`.
     """
@@ -27,3 +34,13 @@ def read_latest(workdir: str) -> dict | None:
     if not os.path.isabs(ptr["path"]):
         ptr = {**ptr, "path": os.path.join(workdir, PUBLISH_DIR, ptr["path"])}
     return ptr
+
+
+def read_manifest(path: str) -> dict | None:
+    """The manifest of the version directory `path` ({"step", "policy_version", "seq", "kind",
+    "base", "previous", "files", "time"}), or None while it is unfinished."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        return None

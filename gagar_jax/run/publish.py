@@ -1,23 +1,25 @@
 """Weight publishing for rollout engines: HF-format snapshots plus a `latest` pointer, on local
 disks and object stores alike (`etils.epath`; no rename, no append).
 
-Layout::
+Layout and the version model (`published.py`; docs/checkpoints.md, "Versions and collection")::
 
     <workdir>/published/
       step_00000010/            complete HF-format weights after train step 10
         config.json, model-0000j-of-0000N.safetensors, model.safetensors.index.json, ...
-        gagar_publish.json      {"step": 10, "policy_version": 10}   (written last)
-      step_00000020/
-      latest                    JSON {"step": 20, "policy_version": 20, "path": "<dir>"}
+        gagar_publish.json      the manifest {"step": 10, "policy_version": 10, ...} (written last)
+      step_00000010.a1/         step 10 published again after a resume: a new directory
+      latest                    JSON {"step": 10, "policy_version": 10, "path": "<dir>"}
 
-Protocol (readers: `read_latest`): the files of a step are written straight into its directory;
-then process 0 writes the index, then the marker `gagar_publish.json`, and only then replaces
-the `latest` pointer (one whole-object write on an object store; on a local disk a temp file +
-fsync + `os.replace`). So `latest` always names a complete directory, and a directory without
-the marker (a publish that was killed) is never named by `latest` and is not listed by
-`published_steps`; publishing that step again deletes and rewrites it. Old snapshots beyond
-`keep` are deleted after the pointer moves; a reader slower than `keep` publish intervals may see
-its directory disappear and should re-read `latest`.
+Protocol (readers: `read_latest`): every publish writes a new directory, one no entry has had;
+every process writes its files into it; then process 0 writes the index, then the manifest,
+and only then replaces the `latest` pointer (one whole-object write on an object store; on a
+local disk a temp file + fsync + `os.replace`), then collects old versions. Nothing ever writes
+into or deletes the directory `latest` names, so `latest` always names a complete directory;
+a directory without the manifest (a publish that was killed) is never named by `latest`, not
+listed by `published_steps`, and collected. Collection keeps the last `keep` versions that were
+`latest` (an engine that read `latest` just before it moved is still loading the previous one);
+a reader slower than `keep` publish intervals may see its directory disappear and should re-read
+`latest`.
 
 `Publisher` (the trainer's): every process writes a disjoint share of the tensors (`hf_save`);
 training waits only for the on-device reshard and the device-to-host copy of this process's
@@ -34,7 +36,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -43,89 +44,56 @@ from typing import Any, Optional
 import jax
 from etils import epath
 
-from gagar_jax.distributed import barrier, is_primary, is_remote, kv_client
+from gagar_jax.distributed import barrier, is_primary, kv_client
 from gagar_jax.hf import api as hf
 from gagar_jax.hf import save as hf_save
 from gagar_jax.model.transformer import Transformer
+from gagar_jax.run import published
+from gagar_jax.run.published import (  # noqa: F401 -- the public names of the layout
+    MANIFEST,
+    MARKER,
+    POINTER,
+    PUBLISH_DIR,
+    published_steps,
+    read_latest,
+    root_of,
+    step_dir_name,
+)
 
 log = logging.getLogger(__name__)
 
-PUBLISH_DIR = "published"
-POINTER = "latest"
-MARKER = "gagar_publish.json"
 DONE_TIMEOUT_S = 3600    # process 0 waits this long for the other processes' files
-_STEP_RE = re.compile(r"^step_(\d{8,})$")
 # Files a rollout engine needs beside the weights, copied from the `init_from` directory.
 SERVING_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
                  "chat_template.jinja", "generation_config.json")
 
 
-def root_of(workdir: epath.PathLike) -> epath.Path:
-    """`<workdir>/published` (absolute for a local workdir)."""
-    w = os.fspath(workdir)
-    return epath.Path(os.path.abspath(w) if not is_remote(w) else w) / PUBLISH_DIR
+def _prepare(root: epath.Path, step: int, key: str) -> str:
+    """A new, empty version directory for `step` (process 0 names and creates it, every process
+    learns its name through the coordination service's key-value store). Returns the name."""
+    client = kv_client() if jax.process_count() > 1 else None
+    if is_primary():
+        name = ""
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            name = published.new_name(root, step)
+            (root / name).mkdir(parents=True, exist_ok=True)   # a fresh name (new_name)
+        finally:   # "" tells the other processes that process 0 failed (its error is raised)
+            if client is not None:
+                client.key_value_set(key, name)
+        return name
+    name = client.blocking_key_value_get(key, DONE_TIMEOUT_S * 1000)
+    if not name:
+        raise RuntimeError(f"publish of step {step}: process 0 could not create its directory")
+    return name
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def published_steps(workdir: epath.PathLike) -> list[int]:
-    """Steps with a complete published directory (marker present), oldest first."""
-    root = root_of(workdir)
-    if not root.exists():
-        return []
-    return sorted(int(m.group(1)) for p in root.iterdir()
-                  if (m := _STEP_RE.match(p.name)) and (p / MARKER).exists())
-
-
-def read_latest(workdir: epath.PathLike) -> Optional[dict]:
-    """The `latest` pointer ({"step", "policy_version", "path"}), or None if nothing published."""
-    try:
-        return json.loads((root_of(workdir) / POINTER).read_text())
-    except FileNotFoundError:
-        return None
-
-
-def _write_pointer(root: epath.Path, obj: dict) -> None:
-    text = json.dumps(obj)
-    if is_remote(root):   # an object write replaces the whole object at once
-        (root / POINTER).write_text(text)
-        return
-    path = os.path.join(os.fspath(root), POINTER)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.fspath(root), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _prepare(root: epath.Path, step: int) -> epath.Path:
-    """Process 0: an empty directory for `step` (a leftover of a killed publish is removed)."""
-    final = root / step_dir_name(step)
-    root.mkdir(parents=True, exist_ok=True)
-    if final.exists():
-        final.rmtree()
-    final.mkdir(parents=True, exist_ok=True)
-    return final
-
-
-def _finish(root: epath.Path, final: epath.Path, step: int, keep: int) -> None:
-    """Process 0, after every file is written: marker, pointer, prune."""
-    (final / MARKER).write_text(json.dumps({"step": step, "policy_version": step}))
-    _write_pointer(root, {"step": step, "policy_version": step, "path": os.fspath(final)})
-    steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP_RE.match(p.name)))
-    for old in steps[:-keep]:
-        if old != step:
-            (root / step_dir_name(old)).rmtree(missing_ok=True)
+def _finish(root: epath.Path, name: str, step: int, keep: int) -> str:
+    """Process 0, after every file is written: manifest, pointer, collection."""
+    final = published.commit(root, name, step, keep)
     log.info("published weights for step %d at %s", step, final)
+    return final
 
 
 def _check(step: int, keep: int) -> None:
@@ -133,6 +101,9 @@ def _check(step: int, keep: int) -> None:
         raise ValueError(f"step must be >= 0, got {step}")
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
+
+
+_SYNC_COUNT = [0]   # publish_weights calls, equal on every process (the name keys)
 
 
 def publish_weights(model: Any, step: int, workdir: epath.PathLike,
@@ -143,18 +114,19 @@ def publish_weights(model: Any, step: int, workdir: epath.PathLike,
     existing empty directory (its own share of the files, like `hf.save_pretrained`).
 
     Returns:
-      The path of the published directory.
+      The path of the published directory (a new one: `step_XXXXXXXX`, or `.a<k>` if the step
+      was published before).
     """
     _check(step, keep)
     root = root_of(workdir)
-    final = root / step_dir_name(step)
-    if is_primary():
-        _prepare(root, step)
+    _SYNC_COUNT[0] += 1
+    name = _prepare(root, step, f"gagar_publish_weights/{_SYNC_COUNT[0]}/name")
+    final = root / name
     barrier(f"gagar_publish_start_{step}")
     save_fn(model, os.fspath(final))
     barrier(f"gagar_publish_written_{step}")
     if is_primary():
-        _finish(root, final, step, keep)
+        _finish(root, name, step, keep)
     barrier(f"gagar_publish_done_{step}")
     return os.fspath(final)
 
@@ -224,14 +196,14 @@ class Publisher:
             carried = hf.carried_shapes(self.init_from) if self.init_from else None
             self._plan = hf_save.plan_save(leaves, model.cfg, jax.process_count(), self.dtype,
                                            carried, self.max_shard_bytes)
-        final = self.root / step_dir_name(step)
+        self._count += 1
+        name = _prepare(self.root, step, f"gagar_publish/{self._count}/name")
+        final = self.root / name
         if is_primary():
-            _prepare(self.root, step)
             (final / "config.json").write_text(json.dumps(hf.config_to_hf(model.cfg, self.dtype),
                                                           indent=2))
         barrier(f"gagar_publish_start_{step}")
         share = hf_save.gather_share(leaves, self._plan)   # device-to-host: training waits here
-        self._count += 1
         self._thread = threading.Thread(target=self._write, args=(share, step, final, self._count),
                                         name=f"gagar-publish-{step}", daemon=True)
         self._thread.start()
@@ -263,7 +235,7 @@ class Publisher:
                 if self.init_from:
                     copy_serving_files(self.init_from, final)
                 hf_save.write_index(self._plan, final)
-                _finish(self.root, final, step, self.keep)
+                _finish(self.root, final.name, step, self.keep)
         except BaseException as e:  # noqa: BLE001
             self._error = self._error or e
 

@@ -194,7 +194,8 @@ def run_producer(workdir: str, spool_dir: str, task_cfg: task_lib.TaskConfig, *,
                  log: Callable[[str], None] = print) -> list:
     """The producer process's loop: newest published policy -> sample -> grade -> spool shard.
 
-    Weights are reloaded whenever the trainer publishes a newer policy version. At most
+    Weights are reloaded whenever `latest` names another directory (a newer policy version, or
+    the same step published again by a resumed trainer). At most
     `max_ahead` rounds are produced per version; then the producer waits for the next version,
     but never longer than `wait_s` (the trainer may need more mixed groups before it can take a
     step), so the two processes cannot deadlock; the feed's `max_staleness` is the hard bound.
@@ -219,13 +220,13 @@ def run_producer(workdir: str, spool_dir: str, task_cfg: task_lib.TaskConfig, *,
     for _ in range(start_index):
         next(tasks)
     model, version, at_version, waited_since, out = None, None, 0, None, []
+    loaded = None   # the directory: a resumed trainer may publish a version again elsewhere
     for index in range(start_index, start_index + rounds):
         while True:
             latest = publish.read_latest(workdir)
-            newer = latest is not None and latest["policy_version"] != version
-            if newer:
+            if latest is not None and latest["path"] != loaded:
                 model, version = load_latest_policy(workdir, model_cfg)
-                at_version, waited_since = 0, None
+                loaded, at_version, waited_since = latest["path"], 0, None
                 break
             if model is not None and at_version < max_ahead:
                 break
