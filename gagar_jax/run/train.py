@@ -397,7 +397,8 @@ def _setup(
 
     step = int(jax.device_get(state.step))
     publisher = publish.Publisher(workdir, keep=rc.train.keep_published,
-                                  dtype=rc.train.publish_dtype, init_from=rc.train.init_from)
+                                  dtype=rc.train.publish_dtype, init_from=rc.train.init_from,
+                                  min_positions=rc.feed.seq_len)
     writer = res.writer = metrics_lib.MetricsWriter(
         workdir, purge_step=step + 1 if step else None,
         resume=None if audit is None else {
