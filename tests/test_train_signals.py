@@ -14,7 +14,7 @@ import time
 from trainer_runs import REPO, cmd, env, ledger_adds_up
 
 
-def _sigterm_when(proc, ready, log) -> None:
+def _sigterm_when(proc, ready, log) -> float:
     deadline = time.time() + 300
     while not ready():
         assert proc.poll() is None, log.read_text()[-3000:]
