@@ -116,7 +116,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     o = c.optim = ml_collections.ConfigDict()
     o.learning_rate = 1e-3          # peak learning rate (tiny model: large)
-    o.warmup_steps = 2              # linear warmup, in optimizer updates
+    o.warmup_steps = 2              # linear warmup, in optimizer updates (the first at lr / 2)
     o.schedule = "cosine"           # cosine | constant
     o.decay_steps = 100             # cosine length in optimizer updates (warmup included)
     o.min_lr_ratio = 0.1            # final lr / peak lr (cosine)
@@ -130,6 +130,7 @@ def get_config() -> ml_collections.ConfigDict:
     # file or glob of *.jsonl / *.arrayrecord shards ("" = use spool_dir)
     f.path = "data/sample_feed.jsonl"
     f.spool_dir = ""                # live spool directory (atomic shard publish); "" = none
+    f.spool_create = False          # create a missing spool_dir (else: a start-up error)
     f.spool_poll_s = 1.0            # seconds between listings of an idle spool
     f.spool_timeout_s = 0.0         # idle spool: end the feed after this long (0 = wait forever)
     f.spool_log_every_s = 30.0      # seconds between "waiting for the feed" lines

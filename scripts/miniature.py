@@ -287,7 +287,8 @@ def closed_loop(a) -> int:
           str(a.group_size), "--warm-seed", str(a.warm_seed), "--max-ahead", str(a.max_ahead),
           "--wait-s", str(a.wait_s), "--task", a.task] + [x for s in a.set for x in ("--set", s)]
     overrides = _feed_overrides(a) + a.set + [
-        f"feed.spool_dir={os.path.join(a.workdir, 'spool')}", f"train.steps={a.train_steps}",
+        f"feed.spool_dir={os.path.join(a.workdir, 'spool')}", "feed.spool_create=true",
+        f"train.steps={a.train_steps}",
         f"train.init_from={v0['path']}"]
     trainer = [sys.executable, "-m", "gagar_jax.run.cli", "--config", CONFIG, "--workdir", a.workdir
                ] + [f"--config.{o}" for o in overrides]

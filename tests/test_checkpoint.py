@@ -341,3 +341,23 @@ def test_publish_pointer_always_names_complete_dir(tmp_path):
     assert not errors
     assert len(set(seen)) > 1 and seen == sorted(seen)  # it did watch the pointer move
     assert publish.read_latest(tmp_path)["step"] == steps[-1]
+
+
+def test_a_state_of_another_shape_is_refused_and_never_moved(tmp_path, state8, mesh8):
+    """A readable step whose saved tree differs from the configured state is a config mistake:
+    `StateMismatch` (a ConfigError, exit 2) naming the leaf, and no step is moved aside."""
+    mgr, _ = _save_steps(tmp_path, state8, [2, 4])
+    before = sorted(os.listdir(tmp_path))
+    wide = _abstract(state8, mesh8)
+    wide = wide.replace(params={**wide.params, "w_DxF": jax.ShapeDtypeStruct(
+        (16, 16), jnp.float32, sharding=wide.params["w_DxF"].sharding)})
+    with pytest.raises(ckpt.StateMismatch, match=r"w_DxF: checkpoint \(16, 8\) float32, "
+                                                 r"config \(16, 16\) float32"):
+        mgr.restore(wide)
+    extra = _abstract(state8, mesh8)
+    extra = extra.replace(params={**extra.params, "new_F": extra.params["b_F"]})
+    with pytest.raises(ckpt.StateMismatch, match="new_F missing from the checkpoint"):
+        mgr.restore(extra)
+    assert sorted(os.listdir(tmp_path)) == before and mgr.latest_step() == 4
+    assert mgr.restore(_abstract(state8, mesh8)).step == 4     # the right config still resumes
+    mgr.close()

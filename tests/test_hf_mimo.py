@@ -480,3 +480,33 @@ def test_hub_checkpoint_window_and_configs_keep_their_meaning():
     assert (tiny.sliding_window, hf.config_to_hf(tiny)["sliding_window_size"]) == (32, 32)
     with pytest.raises(ValueError, match="sliding_window_convention"):
         dataclasses.replace(tiny, sliding_window_convention="sglang")
+
+
+def test_published_config_keeps_the_source_keys(loaded, hf_dir, tmp_path):
+    """A publish from `init_from` carries every config.json key the model does not set (here
+    max_position_embeddings 4096 and bos_token_id 1, which a serving engine reads) and never
+    the source's quantization; without a source, max_position_embeddings >= the feed's seq_len."""
+    import shutil
+
+    from gagar_jax.hf.config_json import published_config
+    from gagar_jax.run import publish
+    model, cfg, _, _ = loaded
+    src = tmp_path / "src"
+    shutil.copytree(hf_dir, src)
+    base = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(
+        {**base, "max_position_embeddings": 4096, "bos_token_id": 1, "serving_hint": "kept"}))
+    pub = publish.Publisher(tmp_path / "w", init_from=str(src), min_positions=128)
+    path = pub.publish(model, 1)
+    pub.wait()
+    out = json.loads((tmp_path / "w" / "published" / os.path.basename(path) / "config.json")
+                     .read_text())
+    assert (out["max_position_embeddings"], out["bos_token_id"], out["serving_hint"]) == (
+        4096, 1, "kept")
+    assert out["hidden_size"] == cfg.hidden_size and out["dtype"] == "bfloat16"
+    fp8 = {**base, "quantization_config": {"quant_method": "fp8"}, "torch_dtype": "float8"}
+    got = published_config(cfg, "bfloat16", fp8, min_positions=262144)
+    assert "quantization_config" not in got and got["torch_dtype"] == "bfloat16"
+    assert got["max_position_embeddings"] == base.get("max_position_embeddings", 262144)
+    assert published_config(cfg, "bfloat16", None, 262144)["max_position_embeddings"] == 262144
+    assert published_config(cfg, "bfloat16", None, 128)["max_position_embeddings"] == 131072

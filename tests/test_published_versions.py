@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from trainer_runs import tiny_config
+from support.paths import load_tiny_config as tiny_config
 
 from gagar_jax.hf import safetensors as st
 from gagar_jax.hf import save as hf_save

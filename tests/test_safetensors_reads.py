@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from objectstore import use_memory_bucket
+from support.objectstore import use_memory_bucket
 
 from gagar_jax import sharding
 from gagar_jax.hf import api as hf

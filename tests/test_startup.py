@@ -6,6 +6,7 @@ workdir in an in-memory object store (tests/support/objectstore.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -59,6 +60,24 @@ def test_cross_section_rules_fail_before_compiling(tmp_path, monkeypatch):
             train.run(tiny_config(**over), str(tmp_path / f"w{i}"))
         msg = str(info.value)
         assert needle in msg and "\n" not in msg, (over, msg)
+
+
+def test_feed_source_rules(tmp_path):
+    """One feed source; a missing local spool is an error unless feed.spool_create (an object
+    store has no directories: never checked); a caller's own source needs neither key."""
+    from gagar_jax.run.startup import check_run
+    rc = train.RunConfig.from_config(tiny_config())
+    missing = str(tmp_path / "spool")
+    feed = lambda **kw: dataclasses.replace(rc.feed, **{"path": "", **kw})  # noqa: E731
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_run(rc.step, feed(spool_dir=missing), rc.train)
+    check_run(rc.step, feed(spool_dir=missing, spool_create=True), rc.train)
+    check_run(rc.step, feed(spool_dir="gs://bucket/not-yet"), rc.train)
+    check_run(rc.step, feed(), rc.train, source_given=True)
+    with pytest.raises(ConfigError, match="no feed source"):
+        check_run(rc.step, feed(), rc.train)
+    with pytest.raises(ConfigError, match="relative paths resolve against the current directory"):
+        check_run(rc.step, feed(path="no/such.jsonl"), rc.train)
 
 
 def test_kl_run_from_init_from_in_a_bucket_workdir_trains_and_resumes_without_it(

@@ -27,7 +27,7 @@ from support.trainer_runs import (
     wait_for_checkpoint,
 )
 
-from gagar_jax.run import cli
+from gagar_jax.run import cli, resume, workdir_lock
 
 
 @pytest.fixture(scope="module")
@@ -71,18 +71,39 @@ def test_sigkill_then_resume_is_bit_identical(reference, tmp_path):
     assert resumed["ledger"]["trained"] == ref["ledger"]["trained"]
 
 
-def test_corrupt_latest_checkpoint_falls_back(reference, tmp_path):
-    ref_dir, ref = reference
-    shutil.copytree(ref_dir / "checkpoints", tmp_path / "checkpoints")
-    # Damage the newest step (array data truncated), and resume with one more step.
-    latest = max(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
-    state_dir = tmp_path / "checkpoints" / str(latest) / "state"
-    for root, _, files in os.walk(state_dir):
+def _truncate_state(step_dir) -> None:
+    """Damage a step: its array data files cut to 16 bytes (its metadata stays readable)."""
+    for root, _, files in os.walk(step_dir / "state"):
         for name in files:
             path = os.path.join(root, name)
             if os.path.getsize(path) > 64:
                 with open(path, "r+b") as f:
                     f.truncate(16)
+
+
+def _tree(path) -> dict:
+    return {os.path.relpath(os.path.join(r, f), path): os.stat(os.path.join(r, f)).st_mtime_ns
+            for r, _, files in os.walk(path) for f in files}
+
+
+def test_corrupt_latest_checkpoint_falls_back(reference, tmp_path, capsys):
+    """A config of another train state on resume is refused (exit 2, keys named) and touches no
+    checkpoint, not even a damaged one; the correct launch then falls back past the damage."""
+    ref_dir, ref = reference
+    shutil.copytree(ref_dir / "checkpoints", tmp_path / "checkpoints")
+    # Damage the newest step (array data truncated), and resume with one more step.
+    latest = max(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
+    _truncate_state(tmp_path / "checkpoints" / str(latest))
+    before = _tree(tmp_path / "checkpoints")
+    base = ["gagar-train", "--config", os.path.join(REPO, "configs", "tiny_cpu.py"),
+            "--workdir", str(tmp_path)]
+    for flag, needle in (("--config.model.hidden_size=128", "model.hidden_size: 64 -> 128"),
+                         ("--config.loss.kl_coef=0.1", "loss.kl_coef: 0.0 -> 0.1")):
+        code = cli.main([*base, flag])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert code == 2 and needle in err and "checkpoints are untouched" in err, err
+        assert _tree(tmp_path / "checkpoints") == before     # nothing renamed, moved or written
+    workdir_lock.release(str(tmp_path))     # the in-process launches took the lock
     proc = subprocess.run(cmd(tmp_path), cwd=REPO, env=env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -91,6 +112,44 @@ def test_corrupt_latest_checkpoint_falls_back(reference, tmp_path):
     # Resumed from latest-1 and re-ran the last step on the same feed position.
     assert summary["steps_this_run"] == 1
     assert summary["params_sha256"] == ref["params_sha256"]
+
+
+def test_no_readable_checkpoint_over_audit_lines_exits_1_until_start_fresh(reference, tmp_path):
+    """Every checkpoint truncated while metrics/groups hold their steps' lines: exit 1 in one
+    line naming the situation (not a silent start from step 0 that logs steps twice), and the
+    next launch refuses too; `--start_fresh` then trains from step 0 (the reference's step 1
+    again), the old audit files moved aside."""
+    ref_dir, ref = reference
+    for name in ("checkpoints", "metrics.jsonl", "groups.jsonl", "ledger.json"):
+        copy = shutil.copytree if name == "checkpoints" else shutil.copy
+        copy(ref_dir / name, tmp_path / name)
+    for step in os.listdir(tmp_path / "checkpoints"):
+        _truncate_state(tmp_path / "checkpoints" / step)
+    old_metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    proc = subprocess.run(cmd(tmp_path), cwd=REPO, env=env(), capture_output=True, text=True,
+                          timeout=600)
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and line.startswith(
+        "gagar-train: fatal: ResumeRefused: no readable checkpoint"), proc.stderr[-2000:]
+    assert "--start_fresh" in line and "metrics.jsonl and groups.jsonl" in line
+    assert (tmp_path / "metrics.jsonl").read_bytes() == old_metrics
+    assert not [d for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
+    # The next launch finds no checkpoint, only the damaged steps: it refuses too.
+    with pytest.raises(resume.ResumeRefused, match="unreadable steps moved aside: 1.corrupt-"):
+        resume.guard_fresh_start(str(tmp_path), str(tmp_path / "checkpoints"),
+                                 start_fresh=False)
+    # One step is enough: it must be the reference's step 1 again, logged once.
+    fresh = run(tmp_path, "--start_fresh", "--config.train.steps=1",
+                "--config.train.checkpoint_every=0")
+    assert fresh["steps"] == fresh["steps_this_run"] == 1
+    [line] = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    want = json.loads(old_metrics.decode().splitlines()[0])
+    assert {k: v for k, v in line.items() if not k.startswith(("time", "perf/"))} == {
+        k: v for k, v in want.items() if not k.startswith(("time", "perf/"))}
+    [aside] = [d for d in os.listdir(tmp_path) if d.startswith("before_fresh_start-")]
+    assert (tmp_path / aside / "metrics.jsonl").read_bytes() == old_metrics
+    assert sorted(os.listdir(tmp_path / aside / "checkpoints")) == sorted(
+        d for d in os.listdir(tmp_path / aside / "checkpoints") if ".corrupt-" in d)
 
 
 def test_cli_errors_are_one_line_exit_2(capsys, tmp_path):
@@ -103,6 +162,9 @@ def test_cli_errors_are_one_line_exit_2(capsys, tmp_path):
         "moe_intermediate_size": 32, "intermediate_size": 128, "num_experts": 8,
         "num_experts_per_tok": 2, "norm_topk_prob": True, "rope_theta": 10000.0,
         "rms_norm_eps": 1e-6}))
+    syntax, raises = tmp_path / "syntax.py", tmp_path / "raises.py"
+    syntax.write_text("import ml_collections\ndef get_config(:\n    pass\n")
+    raises.write_text("def get_config():\n    return undefined\n")
     cases = [
         (["--config", cfg, "--workdir", str(tmp_path / "w"), f"--config.train.init_from={other}"],
          "train.init_from: checkpoint architecture does not match"),
@@ -120,6 +182,19 @@ def test_cli_errors_are_one_line_exit_2(capsys, tmp_path):
          "model.expert_backend"),
         (["--config", cfg, "--workdir", str(tmp_path), "--config.train.stepz=3"],
          'unknown config key: train.stepz (did you mean "steps"'),
+        (["--config", str(syntax), "--workdir", str(tmp_path)],
+         f"could not load config {syntax}: syntax error ({syntax}, line 2)"),
+        (["--config", str(raises), "--workdir", str(tmp_path)],
+         f"could not load config {raises} (line 2): NameError: name 'undefined' is not defined"),
+        (["--config", cfg, "--workdir", str(tmp_path), "--config.feed.path="], "no feed source"),
+        (["--config", cfg, "--workdir", str(tmp_path), "--config.feed.path=",
+          f"--config.feed.spool_dir={tmp_path / 'spoool'}"],
+         f"feed.spool_dir='{tmp_path / 'spoool'}' does not exist: create it first, or set "
+         "feed.spool_create=true"),
+        (["--config", cfg, "--workdir", str(tmp_path), f"--config.feed.spool_dir={tmp_path}"],
+         "are both set; the feed reads one source"),
+        (["--config", cfg, "--workdir", str(tmp_path), f"--config.train.reference_from={other}"],
+         "is never read with loss.kl_coef=0.0"),
     ]
     for args, needle in cases:
         code = cli.main(["gagar-train", *args])
@@ -141,16 +216,35 @@ def test_cli_help_lists_usage_keys_and_docs(capsys):
 def test_cli_overrides_reach_the_run(tmp_path, monkeypatch):
     seen = {}
 
-    def fake_run(cfg, workdir):
-        seen.update(steps=cfg.train.steps, path=cfg.feed.path, seed=cfg.seed, workdir=workdir)
+    def fake_run(cfg, workdir, **kw):
+        seen.update(steps=cfg.train.steps, path=cfg.feed.path, seed=cfg.seed, workdir=workdir,
+                    **kw)
         return None
 
     monkeypatch.setattr("gagar_jax.run.train.run", fake_run)
     code = cli.main(["gagar-train", "--config", TINY_CONFIG,
                      "--workdir", str(tmp_path), "--config.train.steps=7", "--config.seed=3",
-                     "--config.feed.path=data/other.jsonl"])
+                     "--config.feed.path=data/other.jsonl", "--start_fresh"])
     assert code == 0
-    assert seen == {"steps": 7, "path": "data/other.jsonl", "seed": 3, "workdir": str(tmp_path)}
+    assert seen == {"steps": 7, "path": "data/other.jsonl", "seed": 3, "workdir": str(tmp_path),
+                    "start_fresh": True}
+
+
+def test_cli_from_another_directory_finds_the_default_feed_and_splits_layer_types(
+        tmp_path, monkeypatch):
+    """The README command from another cwd: the default relative feed.path resolves against the
+    config file's repository; `--config.model.layer_types=full,sliding` is two layer types."""
+    from gagar_jax.model.transformer import ModelConfig
+    seen = {}
+    monkeypatch.setattr("gagar_jax.run.train.run", lambda cfg, workdir, **kw: seen.update(
+        path=cfg.feed.path, types=ModelConfig.from_config(cfg.model).layer_types))
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["gagar-train", "--config", os.path.join(REPO, "configs", "tiny_cpu.py"),
+                     "--workdir", str(tmp_path / "w"), "--config.model.layer_types=full,sliding",
+                     "--config.model.sliding_window=8"])
+    assert code == 0
+    assert seen == {"path": os.path.join(REPO, "data", "sample_feed.jsonl"),
+                    "types": ("full", "sliding")}
 
 
 def test_init_from_hf_checkpoint(tmp_path):

@@ -1,6 +1,7 @@
 """SIGTERM (preemption) on a live spool, while training and then while idle: checkpoint, exit 0,
 resume. One run pair: the first is stopped mid-training, the resumed one drains the spool and
-is stopped while it waits for more (a closed spool ending a run: `test_reliability.py`)."""
+is stopped while it waits for more, a partial batch buffered, which it must not train (a closed
+spool ending a run: `test_reliability.py`)."""
 from __future__ import annotations
 
 import json
@@ -13,15 +14,17 @@ import time
 from support.trainer_runs import REPO, cmd, env, ledger_adds_up
 
 
-def _sigterm_when(proc, ready, log) -> None:
+def _sigterm_when(proc, ready, log) -> float:
     deadline = time.time() + 300
     while not ready():
         assert proc.poll() is None, log.read_text()[-3000:]
         assert time.time() < deadline, log.read_text()[-3000:]
         time.sleep(0.1)
+    sent = time.time()
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=300)
     assert proc.returncode == 0, log.read_text()[-3000:]
+    return sent
 
 
 def test_sigterm_while_training_then_while_idle_checkpoints_and_exits_zero(tmp_path):
@@ -55,10 +58,17 @@ def test_sigterm_while_training_then_while_idle_checkpoints_and_exits_zero(tmp_p
     ledger_adds_up(first["ledger"])
 
     # 2. Resumed, it trains the rest, then waits on the drained spool and is stopped there.
-    _sigterm_when(start(), lambda: "waiting for the feed" in stderr.read_text(), stderr)
+    sent = _sigterm_when(start(), lambda: "waiting for the feed" in stderr.read_text(), stderr)
     second = json.load(open(tmp_path / "summary.json"))
     assert second["preempted"] and second["steps"] > first["steps"]
     steps = [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
     assert sorted(steps) == [first["steps"], second["steps"]]   # each stop saved its last step
     ledger_adds_up(second["ledger"])
     assert second["ledger"]["received"] == 96   # every sample group, counted exactly once
+    # SIGTERM while a batch was still filling (groups buffered, the spool idle) trains no
+    # undersized batch: no step ran after the signal (the idle wait had logged every finished
+    # step), and the batch's groups stay buffered in the checkpoint for the next run.
+    lines = [json.loads(x) for x in open(metrics)]
+    assert [m["step"] for m in lines] == list(range(1, second["steps"] + 1))
+    assert max(m["time"] for m in lines) < sent, "a step was trained after SIGTERM"
+    assert second["ledger"]["leftover"] > 0

@@ -131,11 +131,16 @@ def test_schedule_and_decay_mask(init):
     cfg = OptimConfig(learning_rate=1.0, warmup_steps=4, schedule="cosine", decay_steps=14,
                       min_lr_ratio=0.1)
     sched = make_schedule(cfg)
-    np.testing.assert_allclose([sched(i) for i in (0, 2, 4)], [0.0, 0.5, 1.0], atol=1e-6)
+    # The warm-up starts at step 1's value, (c + 1) / W: the first update is never at lr 0.
+    np.testing.assert_allclose([sched(i) for i in (0, 1, 3, 4)], [0.25, 0.5, 1.0, 1.0],
+                               atol=1e-6)
     # halfway through the cosine: 0.1 + 0.9 * (1 + cos(pi / 2)) / 2 = 0.55; the end: 0.1
     np.testing.assert_allclose([sched(9), sched(14), sched(100)], [0.55, 0.1, 0.1], atol=1e-6)
     const = make_schedule(OptimConfig(learning_rate=2.0, warmup_steps=2, schedule="constant"))
-    np.testing.assert_allclose([const(1), const(2), const(50)], [1.0, 2.0, 2.0], atol=1e-6)
+    np.testing.assert_allclose([const(0), const(1), const(2), const(50)], [1.0, 2.0, 2.0, 2.0],
+                               atol=1e-6)
+    one = make_schedule(OptimConfig(learning_rate=2.0, warmup_steps=1, schedule="constant"))
+    assert float(one(0)) == 2.0
     with pytest.raises(ValueError, match="decay_steps"):
         OptimConfig(schedule="cosine", warmup_steps=10, decay_steps=5)
     host, _, _ = init

@@ -126,6 +126,9 @@ class Feed:
         self.seen_group_ids: dict = {}
         self.exhausted = False
         self.on_idle: Callable[[], None] = lambda: None   # the trainer drains finished steps
+        # True once a stop (SIGTERM) was asked for: a source that ends then ends no feed, and a
+        # batch still filling keeps its groups buffered instead of being trained undersized.
+        self.stopped: Callable[[], bool] = lambda: False
         self.agree = agree or (agree_across_processes if process_count > 1 else
                                (lambda failures: failures))
         self._busy = False            # inside next_batch: the ledger is mid-update
@@ -258,7 +261,8 @@ class Feed:
 
     # ---- batching ---------------------------------------------------------------------------
     def next_batch(self, learner_step: int) -> Optional[tuple[batch_lib.Batch, BatchInfo]]:
-        """The next batch for train step `learner_step`, or None when a finite feed is exhausted.
+        """The next batch for train step `learner_step`; None when a finite feed is exhausted, or
+        when `stopped()` ends a wait (then a batch still filling stays buffered, untrained).
 
         Returns:
           (Batch of numpy arrays, BatchInfo). Token arrays hold this process's block
@@ -314,6 +318,10 @@ class Feed:
                 break
             else:
                 raw = self.source.next_record()
+                if raw is None and self.stopped():   # a stop ended the wait: no partial batch
+                    self.buffer = selected + deferred + queue
+                    self.ledger.leftover = len(self.buffer)
+                    return None
                 if raw is None:
                     self.exhausted = True
                     break

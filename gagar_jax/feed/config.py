@@ -16,7 +16,11 @@ class FeedConfig:
     Attributes:
       path: a file or glob of JSONL (`*.jsonl`) or ArrayRecord (`*.arrayrecord`) shards; "" when
         `spool_dir` is used.
-      spool_dir: a live spool directory (writers publish shards atomically); "" for none.
+      spool_dir: a live spool directory (writers publish shards atomically); "" for none. On a
+        local or network file system it must exist at start-up unless `spool_create`.
+      spool_create: create a missing `spool_dir` (and wait for its producers) instead of
+        refusing to start; off by default, so a mistyped directory is an error, not a wait
+        forever.
       spool_poll_s: seconds between listings of an idle spool.
       spool_timeout_s: give up (end of feed) after this long idle; 0 = wait forever.
       spool_log_every_s: seconds between "waiting for the feed" lines.
@@ -50,6 +54,7 @@ class FeedConfig:
 
     path: str = ""
     spool_dir: str = ""
+    spool_create: bool = False
     spool_poll_s: float = 1.0
     spool_timeout_s: float = 0.0
     spool_log_every_s: float = 30.0

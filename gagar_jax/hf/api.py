@@ -35,6 +35,7 @@ from gagar_jax.hf import families as hf_families
 from gagar_jax.hf import load as hf_load
 from gagar_jax.hf import save as hf_save
 from gagar_jax.hf.config_json import config_from_hf, config_to_hf, engine_warnings  # noqa: F401
+from gagar_jax.hf.config_json import published_config as _published_config
 from gagar_jax.hf.safetensors import (  # noqa: F401
     INDEX_FILE,
     ST_DTYPES,
@@ -107,8 +108,22 @@ def carried_shapes(path: epath.PathLike) -> dict:
             if any(n.startswith(p) for p in family.carried_prefixes)}
 
 
+def published_config(cfg: ModelConfig, dtype: str = "", source: str = "",
+                     min_positions: int = 0) -> dict:
+    """config.json of a published directory: the model's keys over those of checkpoint
+    `source` (its config.json; "" or unreadable: none), `config_json.published_config`."""
+    hf = None
+    if source:
+        try:
+            hf = read_config(source)
+        except (OSError, ValueError) as e:
+            log.warning("config.json of %s unreadable (%s): its keys are not carried over",
+                        source, e)
+    return _published_config(cfg, dtype, hf, min_positions)
+
+
 def save_pretrained(model: Transformer, path: epath.PathLike, max_shard_bytes: int = 5 * 2**30, *,
-                    dtype: str = "float32", carry_from: str = "") -> None:
+                    dtype: str = "float32", carry_from: str = "", min_positions: int = 0) -> None:
     """Writes config.json and safetensors (sharded with an index above `max_shard_bytes` or on
     several processes), every process writing a disjoint share (`hf_save`).
 
@@ -120,9 +135,10 @@ def save_pretrained(model: Transformer, path: epath.PathLike, max_shard_bytes: i
       max_shard_bytes: safetensors file size bound.
       dtype: "float32" | "bfloat16" | "float16" for every tensor but the family's fp32-kept ones.
       carry_from: a checkpoint directory whose carried tensors (MiMo `model.mtp.*`) are
-        written too, in `dtype`.
+        written too, in `dtype`, and whose config.json keys the model does not set are kept.
+      min_positions: `max_position_embeddings` is at least this when `carry_from` has none.
     """
-    config = config_to_hf(model.cfg, dtype)
+    config = published_config(model.cfg, dtype, carry_from, min_positions)
     if is_primary():
         for line in engine_warnings(model.cfg):
             log.warning("published %s differs in an engine: %s", path, line)

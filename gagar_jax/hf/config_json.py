@@ -326,3 +326,33 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "") -> dict:
         "hidden_act": "silu", "attention_bias": False, "dtype": dtype or cfg.param_dtype,
         **writer(cfg),
     }
+
+
+# Keys of a source config.json never carried into a published one: the published weights are
+# not quantized (block-FP8 is dequantized on load), and `auto_map` names remote-code files the
+# published directory does not hold.
+NOT_CARRIED = ("quantization_config", "auto_map")
+
+
+def published_config(cfg: ModelConfig, dtype: str = "", source: dict | None = None,
+                     min_positions: int = 0) -> dict:
+    """The config.json to publish: `config_to_hf(cfg, dtype)` over the source checkpoint's.
+
+    Every key of `source` (the `init_from` config.json) that the model does not set is carried
+    over unchanged (`bos_token_id`, `eos_token_id`, `max_position_embeddings`, ...), except
+    `NOT_CARRIED`; a source `torch_dtype` is set to the published dtype. Without a source
+    `max_position_embeddings`, it is the family's default but at least `min_positions` (the
+    feed's seq_len), so an engine never refuses the lengths the learner trained on.
+    """
+    ours = config_to_hf(cfg, dtype)
+    src = {k: v for k, v in (source or {}).items() if k not in NOT_CARRIED}
+    out = {**src, **ours}
+    if src.get("max_position_embeddings"):
+        out["max_position_embeddings"] = src["max_position_embeddings"]
+    else:
+        out["max_position_embeddings"] = max(int(ours["max_position_embeddings"]),
+                                             int(min_positions))
+    if "torch_dtype" in src:
+        out["torch_dtype"] = ours["dtype"]
+    return out
+

@@ -78,7 +78,8 @@ class ModelConfig:
       router_bias_update_rate: step of the sigmoid_bias router's balancing-bias update.
 
     MiMo-V2-Flash family features (defaults keep the Qwen3-MoE layout; see docs/model.md):
-      layer_types: per-layer "full" | "sliding" attention; () = every layer full.
+      layer_types: per-layer "full" | "sliding" attention; () = every layer full. A string, or
+        entries with commas, split on the commas (`--config.model.layer_types=full,sliding`).
       sliding_window: W of sliding layers: a query sees W keys counting itself (HF semantics).
       sliding_window_convention: how config.json's Hub key `sliding_window_size` N maps to W, i.e.
         which engine's reading of a MiMo checkpoint the learner trains with: "vllm" (the
@@ -143,21 +144,13 @@ class ModelConfig:
     hf_family: str = "auto"
 
     def __post_init__(self):
-        object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "moe_intermediate_size",
-            "intermediate_size",
-            "num_experts",
-            "top_k",
-            "attn_block",
-            "logprob_vocab_chunk",
-        ):
+        types = (self.layer_types,) if isinstance(self.layer_types, str) else self.layer_types
+        # A command-line override "full,sliding" arrives as one string (or a 1-tuple of it).
+        object.__setattr__(self, "layer_types", tuple(
+            part.strip() for item in types for part in str(item).split(",") if part.strip()))
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "moe_intermediate_size", "intermediate_size", "num_experts",
+                     "top_k", "attn_block", "logprob_vocab_chunk"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
         if self.logprob_keep_logits_mib < 0:

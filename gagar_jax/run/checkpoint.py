@@ -17,7 +17,12 @@ Directory layout (``directory`` is ``<workdir>/checkpoints`` in the trainer)::
       <step>.orbax-checkpoint-tmp-*/   a save in flight (or killed mid-save): never read
       <step>.corrupt-<unix time>/      a step that failed to restore, moved aside \
 (kept for forensics;
-                                       on an object store, which has no rename, it is deleted)
+                                       on an object store, which has no rename, it is deleted
+                                       and an object of that name records why)
+
+A step that reads but holds another train state than the configured one (a changed model
+shape, the KL reference switched on) is a config mistake, not damage: `restore` raises
+`StateMismatch` and moves nothing (`resume.py` names the config keys first).
 
 Saves are asynchronous: `save` returns once the arrays are copied off the devices, and the files
 are written by a background thread, so the next train step may donate the state's buffers.
@@ -38,6 +43,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from gagar_jax.config import ConfigError
 from gagar_jax.distributed import barrier, is_primary, is_remote
 
 log = logging.getLogger(__name__)
@@ -65,6 +71,50 @@ class Restored:
     feed: dict
     config: dict
     audit: Optional[dict] = None
+
+
+class StateMismatch(ConfigError):
+    """A readable checkpoint whose saved train state has another tree, shapes or dtypes than
+    the configured one: a config mistake, not damage (the checkpoint is left where it is)."""
+
+
+class NoReadableCheckpoint(FileNotFoundError):
+    """Every committed step failed to read and was moved aside (`moved`: their new names)."""
+
+    def __init__(self, message: str, moved: list):
+        super().__init__(message)
+        self.moved = moved
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _tree_leaves(tree: Any) -> dict:
+    """{normalized key path: (shape, dtype name)} of a state or of its saved metadata (dict
+    keys, attribute names and sequence indices all become plain strings)."""
+    out = {}
+    for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype = getattr(x, "dtype", None)
+        name = "/".join(_key_name(k) for k in kp)
+        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+            out[name] = None    # a typed PRNG key: stored as its key data; any shape matches
+            continue
+        out[name] = (tuple(getattr(x, "shape", ())), str(np.dtype(dtype)) if dtype else "?")
+    return out
+
+
+def _tree_differences(saved: dict, want: dict, limit: int = 3) -> list:
+    """What differs between two `_tree_leaves` ([] when they match)."""
+    out = [f"{k} missing from the checkpoint" for k in sorted(set(want) - set(saved))]
+    out += [f"{k} only in the checkpoint" for k in sorted(set(saved) - set(want))]
+    out += [f"{k}: checkpoint {saved[k][0]} {saved[k][1]}, config {want[k][0]} {want[k][1]}"
+            for k in sorted(set(saved) & set(want))
+            if want[k] is not None and saved[k] != want[k]]
+    return out[:limit] + ([f"{len(out) - limit} more"] if len(out) > limit else [])
 
 
 def _jsonable(obj: Any, what: str, *, lenient: bool = False) -> Any:
@@ -210,6 +260,32 @@ class Checkpointer:
         thread.join(timeout_s)
         return not thread.is_alive()
 
+    def saved_config(self, step: int) -> Optional[dict]:
+        """The config stored with `step` (its JSON file alone), or None if it cannot be read."""
+        try:
+            cfg = json.loads((epath.Path(self.directory) / str(step) / "config" / "metadata")
+                             .read_text())
+        except (OSError, ValueError):
+            return None
+        return cfg if isinstance(cfg, dict) else None
+
+    def check_state_tree(self, abstract_state: Any, step: int) -> None:
+        """Raises `StateMismatch` if `step`'s saved state tree (its metadata file: no array is
+        read) differs from `abstract_state`'s; an unreadable tree is left to the restore."""
+        try:
+            meta = ocp.StandardCheckpointHandler().metadata(
+                epath.Path(self.directory) / str(step) / "state")
+            saved = _tree_leaves(getattr(meta, "tree", meta))
+        except Exception:  # noqa: BLE001 -- damaged metadata: the restore reports it
+            return
+        differ = _tree_differences(saved, _tree_leaves(abstract_state)) if saved else []
+        if differ:
+            raise StateMismatch(
+                f"resume: checkpoint step {step} in {self.directory} holds a train state of "
+                f"another shape than the config's ({'; '.join(differ)}); "
+                "the checkpoints are untouched: restore the config it was written with, or "
+                "train in a new --workdir")
+
     # -- restore ------------------------------------------------------------------------------
     def restore(self, abstract_state: Any, step: Optional[int] = None) -> Restored:
         """Restores a step onto the shardings of `abstract_state`.
@@ -229,25 +305,33 @@ class Checkpointer:
         Returns:
           `Restored(step, state, feed, config)`.
 
+        A step whose saved state tree (shapes, dtypes, structure) differs from
+        `abstract_state` is not damaged: `StateMismatch` is raised and nothing is moved.
+
         Raises:
-          FileNotFoundError: no step (or no readable step) exists.
+          FileNotFoundError: no step exists; `NoReadableCheckpoint` (a subclass): none of them
+            could be read (all moved aside).
+          StateMismatch: a readable step of another train state (a ConfigError).
         """
         _check_abstract(abstract_state)
         if step is not None:
+            self.check_state_tree(abstract_state, step)
             return self._restore_step(abstract_state, step)
         self._manager.reload()
         candidates = sorted(self._manager.all_steps(), reverse=True)
         if not candidates:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        moved = []
         for candidate in candidates:
+            self.check_state_tree(abstract_state, candidate)   # a config mistake: never moved
             try:
                 return self._restore_step(abstract_state, candidate)
             except Exception as err:  # noqa: BLE001 -- any read failure means "unusable step"
                 log.warning("checkpoint step %d in %s is unusable (%s: %s); falling back to the "
                             "previous one", candidate, self.directory, type(err).__name__, err)
-                self._quarantine(candidate)
-        raise FileNotFoundError(f"no readable checkpoint in {self.directory} "
-                                f"(tried steps {candidates})")
+                moved.append(self._quarantine(candidate, f"{type(err).__name__}: {err}"))
+        raise NoReadableCheckpoint(f"no readable checkpoint in {self.directory} "
+                                   f"(tried steps {candidates})", moved)
 
     def _restore_step(self, abstract_state: Any, step: int) -> Restored:
         step_dir = epath.Path(self.directory) / str(step)
@@ -268,19 +352,23 @@ class Checkpointer:
         return Restored(step=step, state=out.state, feed=out.feed, config=out.config,
                         audit=audit)
 
-    def _quarantine(self, step: int) -> None:
-        """Moves a bad step out of orbax's sight, so later saves of that step number can happen.
+    def _quarantine(self, step: int, reason: str = "") -> str:
+        """Moves a bad step out of orbax's sight, so later saves of that step number can happen;
+        returns its new name (`<step>.corrupt-<unix time>`).
 
-        Object stores have no rename: there the bad step is deleted (and the warning says so).
+        Object stores have no rename: there the bad step is deleted (and the warning says so),
+        and a small object of that name records the reason, so later launches see the damage.
         """
+        src = epath.Path(self.directory) / str(step)
+        dst = src.parent / f"{src.name}.corrupt-{int(time.time())}"
         if is_primary():
-            src = epath.Path(self.directory) / str(step)
             if src.exists() and is_remote(self.directory):
                 src.rmtree()
+                dst.write_text(f"deleted unusable checkpoint step {step}: {reason}\n")
                 log.warning("deleted unusable checkpoint %s (object store: no rename)", src)
             elif src.exists():
-                dst = src.parent / f"{src.name}.corrupt-{int(time.time())}"
                 src.replace(dst)
                 log.warning("moved unusable checkpoint %s to %s", src, dst)
         barrier(f"gagar_checkpoint_quarantine_{step}")
         self._manager.reload()
+        return dst.name

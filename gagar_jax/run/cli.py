@@ -50,7 +50,46 @@ def _define_flags(argv: list[str]):
     flags.DEFINE_float("lock_wait_s", 0.0,
                        "Wait this long for another learner to release the workdir (e.g. its "
                        "SIGTERM grace period) before exiting 2.", flag_values=fv)
+    flags.DEFINE_bool("start_fresh", False,
+                      "When no readable checkpoint is left (all moved aside as corrupt), train "
+                      "from step 0 and move the old audit files aside instead of exiting 1.",
+                      flag_values=fv)
     return fv
+
+
+def _load_failure(path: str | None, err: BaseException) -> str:
+    """One line for a config file whose own code fails: the file, the line, the error."""
+    if isinstance(err, SyntaxError):
+        where = f"{err.filename or path}, line {err.lineno}"
+        return f"could not load config {path}: syntax error ({where}): {err.msg}"
+    tb = err.__traceback__
+    line = None
+    while tb is not None:         # the innermost frame of the config file itself
+        if path and os.path.abspath(tb.tb_frame.f_code.co_filename) == os.path.abspath(path):
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    where = f" (line {line})" if line else ""
+    msg = str(err).splitlines()[0] if str(err) else ""
+    return f"could not load config {path}{where}: {type(err).__name__}: {msg}"
+
+
+def _resolve_feed_path(cfg: Any, config_path: str | None) -> None:
+    """A relative `feed.path` that names nothing from the current directory is resolved against
+    the config file's repository (the parent of its directory, then the directory itself), so
+    the README command works from anywhere; the start-up check names the cwd otherwise."""
+    feed_path = str(cfg.feed.get("path", "") or "") if "feed" in cfg else ""
+    if not feed_path or os.path.isabs(feed_path) or "://" in feed_path or not config_path:
+        return
+    if glob.glob(feed_path):
+        return
+    here = os.path.dirname(os.path.abspath(config_path))
+    for base in (os.path.dirname(here), here):
+        candidate = os.path.join(base, feed_path)
+        if glob.glob(candidate):
+            logging.getLogger(__name__).info("feed.path %s: not found from %s; using %s",
+                                             feed_path, os.getcwd(), candidate)
+            cfg.feed.path = candidate
+            return
 
 
 def _error(msg: str) -> int:
@@ -87,6 +126,8 @@ def _usage(argv: list[str], path: str | None) -> str:
              "                           join a multi-process run (jax.distributed)",
              "  --distributed            jax.distributed.initialize() with auto-detection",
              "  --lock_wait_s S          wait up to S s for another learner to free the workdir",
+             "  --start_fresh            no readable checkpoint left: train from step 0, old",
+             "                           audit files moved aside (default: exit 1)",
              "  -h, --help               this text", ""]
     if path is not None and os.path.isfile(path):
         def walk(prefix: str, node: Mapping[str, Any]):
@@ -211,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(_usage(argv, path))
         except ConfigError as e:
             return _error(str(e))
+        except Exception as e:  # noqa: BLE001 -- the config file's own code failed
+            return _error(_load_failure(path, e))
         return 0
 
     fv = _define_flags(argv)
@@ -226,10 +269,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         return _error("could not load config: " + (lines[-1] if lines else str(e)))
+    except Exception as e:  # noqa: BLE001 -- the config file's own code failed (syntax, names)
+        return _error(_load_failure(path, e))
     if cfg is None:
         return _error("--config is required")
     if not fv.workdir:
         return _error("--workdir is required")
+    _resolve_feed_path(cfg, path)
 
     distributed = bool(fv.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
                        or fv.distributed)
@@ -255,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lock_error = workdir_lock.agree(lock_error, jax.process_index())
         if lock_error:
             return _error(lock_error)
-        summary = train.run(cfg, fv.workdir)
+        summary = train.run(cfg, fv.workdir, start_fresh=fv.start_fresh)
     except ConfigError as e:
         return _error(str(e))
     except FileNotFoundError as e:

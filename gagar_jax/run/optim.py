@@ -31,7 +31,8 @@ class OptimConfig:
 
     Attributes:
       learning_rate: peak learning rate.
-      warmup_steps: linear warmup from 0 over this many optimizer updates.
+      warmup_steps: linear warm-up over this many optimizer updates, the first at
+        learning_rate / warmup_steps (`make_schedule`).
       schedule: cosine (decay to min_lr_ratio * peak at decay_steps) | constant.
       decay_steps: total updates of the cosine schedule, warmup included.
       min_lr_ratio: final learning rate as a fraction of the peak (cosine only).
@@ -74,16 +75,23 @@ class OptimConfig:
 
 
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:
-    """Learning rate as a function of the optimizer update count."""
+    """Learning rate as a function of the optimizer update count (0 = the first update).
+
+    Warm-up over W = `warmup_steps` updates is linear and starts at update 0 with step 1's value:
+    update c < W runs at peak * (c + 1) / W (the first update moves the weights; a warm-up
+    from 0 would waste it), update W - 1 at the peak. After the warm-up: constant, or the cosine
+    from the peak at update W to `min_lr_ratio` * peak at `decay_steps`.
+    """
+    peak, w = cfg.learning_rate, cfg.warmup_steps
     if cfg.schedule == "constant":
-        if cfg.warmup_steps == 0:
-            return optax.constant_schedule(cfg.learning_rate)
-        return optax.join_schedules(
-            [optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps),
-             optax.constant_schedule(cfg.learning_rate)], [cfg.warmup_steps])
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-        decay_steps=cfg.decay_steps, end_value=cfg.learning_rate * cfg.min_lr_ratio)
+        after = optax.constant_schedule(peak)
+    else:
+        after = optax.cosine_decay_schedule(peak, cfg.decay_steps - w, alpha=cfg.min_lr_ratio)
+    if w == 0:
+        return after
+    warmup = optax.linear_schedule(peak / w, peak, w - 1) if w > 1 else (
+        optax.constant_schedule(peak))
+    return optax.join_schedules([warmup, after], [w])
 
 
 def decay_mask(params: PyTree) -> PyTree:

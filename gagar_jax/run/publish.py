@@ -158,7 +158,8 @@ class Publisher:
       workdir: the run's workdir (local or object store).
       keep: published snapshots to keep (>= 1).
       dtype: publish dtype ("bfloat16" | "float32" | "float16"; fp32-kept tensors stay float32).
-      init_from: checkpoint whose serving files and carried tensors (MiMo MTP) are published too.
+      init_from: checkpoint whose serving files and carried tensors (MiMo MTP) are published too,
+        and whose config.json keys the model does not set are carried over.
       publish_fn: optional hook `publish_fn(step, tensors, directory)`, called on every process
         in the writer thread after its files are written, with this process's share
         (stored name -> numpy array, publish dtype): the place for an in-memory weight sync.
@@ -167,9 +168,10 @@ class Publisher:
 
     def __init__(self, workdir: epath.PathLike, *, keep: int = 2, dtype: str = "bfloat16",
                  init_from: str = "", publish_fn: Optional[Callable] = None,
-                 max_shard_bytes: int = 5 * 2**30):
+                 max_shard_bytes: int = 5 * 2**30, min_positions: int = 0):
         _check(0, keep)
         self.root, self.keep, self.dtype, self.init_from = root_of(workdir), keep, dtype, init_from
+        self.min_positions = min_positions    # max_position_embeddings floor (feed.seq_len)
         self.publish_fn, self.max_shard_bytes = publish_fn, max_shard_bytes
         self._plan = None
         self._thread: Optional[threading.Thread] = None
@@ -200,8 +202,8 @@ class Publisher:
         name = _prepare(self.root, step, f"gagar_publish/{self._count}/name")
         final = self.root / name
         if is_primary():
-            (final / "config.json").write_text(json.dumps(hf.config_to_hf(model.cfg, self.dtype),
-                                                          indent=2))
+            (final / "config.json").write_text(json.dumps(hf.published_config(
+                model.cfg, self.dtype, self.init_from, self.min_positions), indent=2))
         barrier(f"gagar_publish_start_{step}")
         share = hf_save.gather_share(leaves, self._plan)   # device-to-host: training waits here
         self._thread = threading.Thread(target=self._write, args=(share, step, final, self._count),

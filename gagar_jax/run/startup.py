@@ -1,5 +1,6 @@
 """Cross-section rules, checked before anything compiles: each failure is one `ConfigError` line.
 
+    check_run(step_cfg, feed_cfg, train_cfg)                  # every run
     check_layout(step_cfg, feed_cfg, mesh, process_count)    # every run
     check_hf_dir(path, "train.init_from", step_cfg.model, feed_cfg)  # fresh runs only
 
@@ -13,11 +14,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import TYPE_CHECKING
 
 from etils import epath
 
 from gagar_jax.config import ConfigError
+from gagar_jax.distributed import is_remote
 from gagar_jax.hf import families as hf_families
 from gagar_jax.hf.config_json import config_from_hf
 from gagar_jax.kernels.experts import registry as expert_registry
@@ -42,15 +45,24 @@ ARCHITECTURE_FIELDS = (
 EP_BACKENDS = ("ep", "ep_a2a")     # expert backends that shard_map over the expert axis
 
 
-def check_run(step_cfg: StepConfig, feed_cfg: FeedConfig, train_cfg: TrainConfig) -> None:
-    """The rules that need no mesh: the feed file exists, publishing has a family to write.
+def check_run(step_cfg: StepConfig, feed_cfg: FeedConfig, train_cfg: TrainConfig, *,
+              source_given: bool = False) -> None:
+    """The rules that need no mesh: one feed source that exists, a KL reference that is read,
+    publishing has a family to write.
 
+    Args:
+      step_cfg, feed_cfg, train_cfg: the run's sections.
+      source_given: the caller passes its own feed source (`train.run(source=...)`), so neither
+        `feed.path` nor `feed.spool_dir` is read.
     Raises:
       ConfigError naming the key.
     """
-    if feed_cfg.path and not any(ch in feed_cfg.path for ch in "*?[") and not epath.Path(
-            feed_cfg.path).exists():
-        raise ConfigError(f"feed.path: no such file: {feed_cfg.path}")
+    if not source_given:
+        _check_feed_source(feed_cfg)
+    if train_cfg.reference_from and not step_cfg.loss.kl_coef > 0:
+        raise ConfigError(f"train.reference_from={train_cfg.reference_from!r} is never read with "
+                          f"loss.kl_coef={step_cfg.loss.kl_coef}: set loss.kl_coef > 0, or clear "
+                          "train.reference_from")
     try:
         family = hf_families.resolve_family(step_cfg.model)
     except ValueError as e:   # an explicit model.hf_family that cannot express the model
@@ -58,6 +70,27 @@ def check_run(step_cfg: StepConfig, feed_cfg: FeedConfig, train_cfg: TrainConfig
     if train_cfg.publish_every and family is None:
         raise ConfigError(f"train.publish_every={train_cfg.publish_every}: "
                           f"{hf_families.export_error(step_cfg.model)}")
+
+
+def _check_feed_source(feed_cfg: FeedConfig) -> None:
+    """Exactly one of feed.path / feed.spool_dir; a file that exists; a spool that exists unless
+    feed.spool_create asks for it (object-store spools have no directories: not checked)."""
+    path, spool = feed_cfg.path, feed_cfg.spool_dir
+    if path and spool:
+        raise ConfigError(f"feed.path={path!r} and feed.spool_dir={spool!r} are both set; the "
+                          "feed reads one source: clear one of them (e.g. --config.feed.path=)")
+    if not path and not spool:
+        raise ConfigError("no feed source: set feed.path (a file or glob of shards) or "
+                          "feed.spool_dir (a live spool directory)")
+    if path and not any(ch in path for ch in "*?[") and not epath.Path(path).exists():
+        where = "" if is_remote(path) or os.path.isabs(path) else (
+            f" (relative paths resolve against the current directory {os.getcwd()})")
+        raise ConfigError(f"feed.path: no such file: {path}{where}")
+    if spool and not is_remote(spool) and not feed_cfg.spool_create:
+        if not os.path.isdir(spool):
+            what = "is not a directory" if os.path.exists(spool) else "does not exist"
+            raise ConfigError(f"feed.spool_dir={spool!r} {what}: create it first, or set "
+                              "feed.spool_create=true to have the learner create it")
 
 
 def check_layout(step_cfg: StepConfig, feed_cfg: FeedConfig, mesh: Mesh,

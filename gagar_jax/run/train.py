@@ -45,8 +45,8 @@ from gagar_jax.feed.multihost import broadcast_from_process0
 from gagar_jax.feed.packing import global_shapes, make_global_batch
 from gagar_jax.hf import api as hf
 from gagar_jax.run import metrics as metrics_lib
-from gagar_jax.run import publish, workdir_lock
-from gagar_jax.run.checkpoint import Checkpointer
+from gagar_jax.run import publish, resume, workdir_lock
+from gagar_jax.run.checkpoint import Checkpointer, NoReadableCheckpoint
 from gagar_jax.run.startup import ARCHITECTURE_FIELDS, check_hf_dir, check_layout, check_run
 from gagar_jax.run.step import StepConfig, init_train_state, make_train_step
 from gagar_jax.sharding import batch_shardings, make_mesh, process_row_block
@@ -220,7 +220,8 @@ class _StepLog:
         return m
 
 
-def run(cfg: Any, workdir: str, *, source: Any = None) -> Optional[dict]:
+def run(cfg: Any, workdir: str, *, source: Any = None, start_fresh: bool = False
+        ) -> Optional[dict]:
     """Trains until `train.steps` or the end of a finite feed; returns the run summary.
 
     Args:
@@ -229,15 +230,21 @@ def run(cfg: Any, workdir: str, *, source: Any = None) -> Optional[dict]:
         existing checkpoint there is resumed from.
       source: optional feed source object (e.g. `IteratorSource` for in-process producers);
         default: `feed.path` / `feed.spool_dir` from the config.
+      start_fresh: when no readable checkpoint is left (damaged ones moved aside) but audit
+        lines of earlier steps exist, train from step 0 with them moved aside instead of
+        raising `resume.ResumeRefused` (`resume.guard_fresh_start`).
     Returns:
       The summary dict (also written to `workdir/summary.json` by process 0).
+    Raises:
+      ConfigError: a config mistake (also a checkpoint of another train state on resume).
+      resume.ResumeRefused: see `start_fresh`.
     """
     # One learner per workdir (the CLI took the lock already, before JAX started).
     if is_primary():
         workdir_lock.acquire(workdir)
     # SIGTERM at any point of the run becomes a checkpoint and a clean exit.
     with _Preemption() as preemption:
-        return _run(cfg, workdir, source, preemption)
+        return _run(cfg, workdir, source, preemption, start_fresh)
 
 
 class _Resources:
@@ -260,11 +267,12 @@ class _Resources:
                 pass
 
 
-def _run(cfg: Any, workdir: str, source: Any, preemption: _Preemption) -> Optional[dict]:
+def _run(cfg: Any, workdir: str, source: Any, preemption: _Preemption,
+         start_fresh: bool) -> Optional[dict]:
     """`run` with the SIGTERM flag installed and background writers stopped on failure."""
     res = _Resources()
     try:
-        return _train(cfg, workdir, source, preemption, res)
+        return _train(cfg, workdir, source, preemption, res, start_fresh)
     except BaseException:
         res.abort()
         raise
@@ -318,7 +326,8 @@ class _Run:
 
 
 def _setup(
-    cfg: ConfigDict, workdir: str, source: Any, preemption: _Preemption, res: _Resources
+    cfg: ConfigDict, workdir: str, source: Any, preemption: _Preemption, res: _Resources,
+    start_fresh: bool = False,
 ) -> _Run:
     """Checks the config, builds the mesh, state, feed and writers; restores a checkpoint."""
     rc = RunConfig.from_config(cfg)
@@ -334,33 +343,54 @@ def _setup(
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from e
     model_cfg = rc.step.model
-    check_run(rc.step, rc.feed, rc.train)
+    check_run(rc.step, rc.feed, rc.train, source_given=source is not None)
     check_layout(rc.step, rc.feed, mesh, pcount)
+    cfg_json = json.loads(cfg.to_json())
     # checkpoint_every = 0: only the forced saves (end of run, SIGTERM).
     ckpt = res.ckpt = Checkpointer(str(wd / "checkpoints"),
                                    save_interval_steps=rc.train.checkpoint_every,
                                    max_to_keep=rc.train.keep_checkpoints)
-    fresh = ckpt.latest_step() is None
-    # Outside weights apply to a fresh run only: a resume restores the checkpoint and never
-    # reads init_from / reference_from (they may be gone, or changed, by then).
-    outside = [(key, path) for key, path in (("train.init_from", rc.train.init_from),
-                                             ("train.reference_from", rc.train.reference_from))
-               if path and fresh]
-    for key, path in outside:
-        check_hf_dir(path, key, model_cfg, rc.feed)
+    latest = ckpt.latest_step()
+    fresh = latest is None
 
-    state, graphdef, shardings = init_train_state(rc.step, mesh, jax.random.PRNGKey(rc.seed))
+    def check_outside():
+        # Outside weights apply to a fresh run only: a resume restores the checkpoint and
+        # never reads init_from / reference_from (they may be gone, or changed, by then).
+        for key, path in (("train.init_from", rc.train.init_from),
+                          ("train.reference_from", rc.train.reference_from)):
+            if path:
+                check_hf_dir(path, key, model_cfg, rc.feed)
+
     if fresh:
+        check_outside()
+    else:   # a config of another train state: exit 2, before compiling or moving anything
+        resume.check_config(ckpt.saved_config(latest), cfg_json, latest, ckpt.directory)
+    state, graphdef, shardings = init_train_state(rc.step, mesh, jax.random.PRNGKey(rc.seed))
+    restored = None
+    if not fresh:
+        try:
+            restored = ckpt.restore(_abstract(state, shardings))
+        except NoReadableCheckpoint as e:     # all damaged (moved aside): maybe a fresh start
+            log.warning("%s; every step was moved aside as unreadable", e)
+            fresh = True
+            check_outside()
+    if fresh:
+        # Never train from step 0 over the audit lines of damaged checkpoints' steps.
+        resume.guard_fresh_start(workdir, ckpt.directory, start_fresh=start_fresh)
         state = _outside_weights(state, rc, shardings)
+    elif start_fresh:
+        log.info("--start_fresh ignored: checkpoint step %d resumed", restored.step)
     if source is None:  # SIGTERM must also end an idle wait on a live spool
         source = make_source(rc.feed, process_count=pcount, stop=lambda: preemption.requested)
     feed = Feed(rc.feed, workdir, vocab_size=model_cfg.vocab_size,
                 num_moe_layers=model_cfg.num_moe_layers, top_k=model_cfg.top_k,
                 num_experts=model_cfg.num_experts, source=source, process_index=pidx,
                 process_count=pcount, rows=rows, cols=cols)
+    # SIGTERM while a batch is still filling: keep its groups for the next run, never train an
+    # undersized batch (a preempted run must equal an uninterrupted one).
+    feed.stopped = lambda: preemption.requested
     audit = None
-    if not fresh:
-        restored = ckpt.restore(_abstract(state, shardings))
+    if restored is not None:
         state = restored.state
         feed.restore(restored.feed)
         audit = restored.audit or None
@@ -375,7 +405,8 @@ def _setup(
     feed.published_version = (int(broadcast_from_process0(published)) if pcount > 1
                               else published)
     publisher = publish.Publisher(workdir, keep=rc.train.keep_published,
-                                  dtype=rc.train.publish_dtype, init_from=rc.train.init_from)
+                                  dtype=rc.train.publish_dtype, init_from=rc.train.init_from,
+                                  min_positions=rc.feed.seq_len)
     writer = res.writer = metrics_lib.MetricsWriter(
         workdir, purge_step=step + 1 if step else None,
         resume=None if audit is None else {
@@ -384,7 +415,7 @@ def _setup(
     run = _Run(rc=rc, workdir=wd, mesh=mesh, state=state, graphdef=graphdef, shardings=shardings,
                feed=feed, ckpt=ckpt, publisher=publisher, writer=writer, progress=progress,
                steplog=_StepLog(feed, writer, progress, rc.train.log_every),
-               cfg_json=json.loads(cfg.to_json()), step=step, start_step=step)
+               cfg_json=cfg_json, step=step, start_step=step)
     feed.on_idle = run.drain        # an idle feed: show the finished step now
     return run
 
@@ -395,7 +426,8 @@ def _loop(run: _Run, preemption: _Preemption) -> bool:
     while run.step < rc.train.steps:
         item = run.feed.next_batch(run.step)
         if item is None:
-            log.info("feed exhausted after step %d", run.step)
+            log.info("SIGTERM while waiting for the feed after step %d" if preemption.requested
+                     else "feed exhausted after step %d", run.step)
             break
         batch_np, info = item
         if step_fn is None:
@@ -452,9 +484,9 @@ def _finish(run: _Run, preempted: bool, elapsed: float) -> dict:
 
 
 def _train(cfg: ConfigDict, workdir: str, source: Any, preemption: _Preemption,
-           res: _Resources) -> Optional[dict]:
+           res: _Resources, start_fresh: bool) -> Optional[dict]:
     """Setup, the loop, the summary; registers what it opens in `res`."""
-    run = _setup(cfg, workdir, source, preemption, res)
+    run = _setup(cfg, workdir, source, preemption, res, start_fresh)
     t0 = time.perf_counter()
     preempted = _loop(run, preemption)
     return _finish(run, preempted, time.perf_counter() - t0)

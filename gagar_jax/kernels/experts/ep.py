@@ -33,6 +33,10 @@ buffers alone, 16 GiB each for Flash at expert = 8, do not fit; docs/scaling.md)
 `ragged_all_to_all` has no XLA:CPU lowering: `ep_a2a` runs on TPU/GPU and
 compiles ahead of time for TPU (tested); the CPU tests check its bookkeeping with an
 all_gather-based emulation of the collective (`emulated_ragged_all_to_all`).
+
+Any token count T works: `_Layout.run` pads T to a multiple of the token shards with rows
+routed to no expert (id -1, weight 0) and cuts them off the output, so a model on a mesh with an
+`expert` axis runs a forward on any length.
 """
 from __future__ import annotations
 
@@ -64,6 +68,7 @@ class _Layout:
     tokens: object          # PartitionSpec entry of the token dimension
     mlp: object             # PartitionSpec entry of F
     tensor_axes: tuple      # mesh axes F is split over (partial sums to add)
+    num_shards: int = 1     # devices the tokens are split over (T is padded to a multiple)
 
     def run(self, local: Callable[..., jax.Array], x_TxD: jax.Array, gate_ExDxF: jax.Array,
             up_ExDxF: jax.Array, down_ExFxD: jax.Array, idx_TxK: jax.Array, weights_TxK: jax.Array,
@@ -73,6 +78,14 @@ class _Layout:
                  P(tok, None), P(tok, None))
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=P(tok, None),
                            check_vma=check_vma)
+        # Any T: pad the tokens to a multiple of the token shards with rows routed to no
+        # expert (id -1, weight 0: no compute, zero output and gradient), cut them off after.
+        t = x_TxD.shape[0]
+        pad = -t % self.num_shards
+        if pad:
+            rows = ((0, pad), (0, 0))
+            x_TxD, weights_TxK = jnp.pad(x_TxD, rows), jnp.pad(weights_TxK, rows)
+            idx_TxK = jnp.pad(idx_TxK.astype(jnp.int32), rows, constant_values=-1)
         args = (x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK.astype(jnp.int32), weights_TxK)
         if any(t == jax.sharding.AxisType.Explicit for t in self.mesh.axis_types):
             # Explicit-sharding meshes make layout changes visible: move inputs to the specs.
@@ -80,7 +93,8 @@ class _Layout:
                 jax.reshard(a, NamedSharding(self.mesh, s))
                 for a, s in zip(args, specs, strict=False)
             )
-        return fn(*args)
+        y_TxD = fn(*args)
+        return y_TxD[:t] if pad else y_TxD
 
 
 def _layout(mesh: Optional[jax.sharding.Mesh | jax.sharding.AbstractMesh], num_tokens: int,
@@ -102,14 +116,11 @@ def _layout(mesh: Optional[jax.sharding.Mesh | jax.sharding.AbstractMesh], num_t
         a for a in sharding.mesh_axes("seq", mesh) if mesh.shape[a] > 1)
     if expert_axis not in tok_axes:
         raise ValueError(f"token axes {tok_axes} must include the expert axis {expert_axis!r}")
-    n_tok = int(np.prod([mesh.shape[a] for a in tok_axes]))
-    if num_tokens % n_tok:
-        raise ValueError(f"tokens T={num_tokens} not divisible by the batch mesh axes "
-                         f"{tok_axes} ({n_tok})")
+    n_tok = int(np.prod([mesh.shape[a] for a in tok_axes]))   # `run` pads T to a multiple
     # F over 'tensor' only where it divides (as sharding.logical_to_spec does).
     tensor_axes = tuple(a for a in sharding.mesh_axes("mlp", mesh)
                         if mesh.shape[a] > 1 and gate_ExDxF.shape[-1] % mesh.shape[a] == 0)
-    return _Layout(mesh, expert_axis, _spec(tok_axes), _spec(tensor_axes), tensor_axes)
+    return _Layout(mesh, expert_axis, _spec(tok_axes), _spec(tensor_axes), tensor_axes, n_tok)
 
 
 def ep_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array, down_ExFxD: jax.Array,
