@@ -41,7 +41,7 @@ _EXPORTS = {
     "Group": "gagar_jax.feed",
     "Trajectory": "gagar_jax.feed",
     # the model and its checkpoints
-    "ModelConfig": "gagar_jax.model.transformer",
+    "ModelConfig": "gagar_jax.model.config",
     "Transformer": "gagar_jax.model.transformer",
     "from_pretrained": "gagar_jax.hf.api",
     "save_pretrained": "gagar_jax.hf.api",

@@ -37,7 +37,7 @@ from benchutil import time_train_step, timed  # noqa: E402
 from gagar_jax import sharding as shd  # noqa: E402
 from gagar_jax.algo.loss import LossConfig  # noqa: E402
 from gagar_jax.aot import flops  # noqa: E402
-from gagar_jax.model.transformer import ModelConfig  # noqa: E402
+from gagar_jax.model.config import ModelConfig  # noqa: E402
 from gagar_jax.run import step as TS  # noqa: E402
 from gagar_jax.run.optim import OptimConfig  # noqa: E402
 

@@ -246,7 +246,7 @@ def write_report(out: str) -> str:
 
 
 def produce(a) -> None:
-    from gagar_jax.model.transformer import ModelConfig
+    from gagar_jax.model.config import ModelConfig
     from gagar_jax.sim import producer
     cfg = _config(_feed_overrides(a) + a.set)
     producer.run_producer(a.workdir, os.path.join(a.workdir, "spool"), _task(a),
@@ -262,7 +262,7 @@ def publish_warm_start(a) -> dict:
     from flax import nnx
 
     from gagar_jax.hf import api as hf
-    from gagar_jax.model.transformer import ModelConfig, Transformer
+    from gagar_jax.model.config import ModelConfig, Transformer
     from gagar_jax.run import publish
     from gagar_jax.sim import experiment as X
     cfg = _config(_feed_overrides(a) + a.set)

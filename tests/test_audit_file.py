@@ -129,7 +129,7 @@ def test_feed_on_a_spool_dead_letter_and_ledger_anywhere(root):
 def test_object_store_workdir_lock_and_init_from_config(tmp_path, monkeypatch):
     from gagar_jax.config import ConfigError
     from gagar_jax.hf.config_json import config_to_hf
-    from gagar_jax.model.transformer import ModelConfig
+    from gagar_jax.model.config import ModelConfig
     from gagar_jax.run import startup
 
     fs = use_memory_bucket(monkeypatch)

@@ -283,7 +283,7 @@ def test_block_fp8_checkpoint_loads(loaded, tmp_path):
 
 def test_unexpressible_configs_are_refused():
     from gagar_jax.hf.families import resolve_family
-    from gagar_jax.model.transformer import ModelConfig
+    from gagar_jax.model.config import ModelConfig
     base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                 head_dim=8, moe_intermediate_size=16, intermediate_size=48, num_experts=4, top_k=2)
     with pytest.raises(
@@ -360,7 +360,7 @@ def test_init_from_refuses_a_checkpoint_of_another_router(tmp_path):
     """Same parameter shapes are not enough: a softmax (Qwen3) checkpoint must not load into a
     sigmoid-router config."""
     from gagar_jax.config import ConfigError, load_config_file
-    from gagar_jax.model.transformer import ModelConfig
+    from gagar_jax.model.config import ModelConfig
     from gagar_jax.run import train
     from gagar_jax.run.step import StepConfig
     cfg = load_config_file(TINY_CONFIG)
@@ -461,7 +461,7 @@ def test_window_convention_round_trips_and_matches_transformers(
 
 def test_hub_checkpoint_window_and_configs_keep_their_meaning():
     from gagar_jax.hf.config_json import window_of
-    from gagar_jax.model.transformer import ModelConfig
+    from gagar_jax.model.config import ModelConfig
     assert window_of({"sliding_window_size": 128}, "vllm") == 128
     assert window_of({"sliding_window_size": 128}, "transformers") == 129
     assert (

@@ -21,7 +21,7 @@ from gagar_jax.run import train
 def _hf_config(cfg, **changes) -> dict:
     """config.json of the configured tiny model (what `hf.save_pretrained` would write)."""
     from gagar_jax.hf.config_json import config_to_hf
-    from gagar_jax.model.transformer import ModelConfig
+    from gagar_jax.model.config import ModelConfig
     hf = config_to_hf(ModelConfig.from_config(cfg.model))
     hf.update(changes)
     return hf

@@ -234,7 +234,7 @@ def test_cli_from_another_directory_finds_the_default_feed_and_splits_layer_type
         tmp_path, monkeypatch):
     """The README command from another cwd: the default relative feed.path resolves against the
     config file's repository; `--config.model.layer_types=full,sliding` is two layer types."""
-    from gagar_jax.model.transformer import ModelConfig
+    from gagar_jax.model.config import ModelConfig
     seen = {}
     monkeypatch.setattr("gagar_jax.run.train.run", lambda cfg, workdir, **kw: seen.update(
         path=cfg.feed.path, types=ModelConfig.from_config(cfg.model).layer_types))

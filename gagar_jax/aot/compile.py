@@ -30,7 +30,7 @@ from gagar_jax.aot.hlo_stats import COLLECTIVES, collective_bytes_per_step, coun
 if TYPE_CHECKING:
     import jax
 
-    from gagar_jax.model.transformer import ModelConfig
+    from gagar_jax.model.config import ModelConfig
 
 # HBM per chip as the TPU compiler counts it (the CompileTimeHbmOom message says 95.73G on v5p).
 HBM_BYTES = {"v5p": int(95.74 * 2**30), "v5e": 16 * 2**30, "v4": 32 * 2**30, "v6e": 32 * 2**30}

@@ -11,7 +11,7 @@ transformers and vLLM load one directory. How `sliding_window_size` maps to the 
 from __future__ import annotations
 
 from gagar_jax.hf import families as hf_families
-from gagar_jax.model.transformer import SLIDING_WINDOW_CONVENTIONS, ModelConfig
+from gagar_jax.model.config import SLIDING_WINDOW_CONVENTIONS, ModelConfig
 
 CONVENTION_KEY = "gagar_sliding_window_convention"  # written by publishing, read on load
 

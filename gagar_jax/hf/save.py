@@ -27,7 +27,7 @@ from gagar_jax.hf import families as hf_families
 from gagar_jax.hf import load as hf_load
 from gagar_jax.hf import units as param_units
 from gagar_jax.hf.safetensors import INDEX_FILE, write_safetensors
-from gagar_jax.model.transformer import ModelConfig
+from gagar_jax.model.config import ModelConfig
 
 SAVE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 

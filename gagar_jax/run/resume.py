@@ -29,7 +29,7 @@ from etils import epath
 from gagar_jax.audit_file import AuditFile
 from gagar_jax.config import ConfigError
 from gagar_jax.distributed import barrier, is_primary, is_remote
-from gagar_jax.model.transformer import ModelConfig
+from gagar_jax.model.config import ModelConfig
 from gagar_jax.run.startup import ARCHITECTURE_FIELDS
 
 log = logging.getLogger(__name__)

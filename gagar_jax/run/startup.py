@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from gagar_jax.config import TrainConfig
     from gagar_jax.feed.config import FeedConfig
-    from gagar_jax.model.transformer import ModelConfig
+    from gagar_jax.model.config import ModelConfig
     from gagar_jax.run.step import StepConfig
 
 # ModelConfig fields that change the model's math (the rest are runtime choices or loss weights).
