@@ -97,7 +97,7 @@ def test_a_gcs_spool_sees_shards_that_another_process_uploads(gcs, prefix):
 def test_init_from_a_block_fp8_checkpoint_in_a_bucket(gcs, prefix, tmp_path):
     """A fresh run's `init_from` on gs:// (block-FP8 e4m3, 32 x 32 scale blocks, two safetensors
     files and an index): the start-up check reads its config.json, and the trainer's weight load
-    (`train._outside_weights`) gives exactly the dequantized weights, as from a local copy."""
+    (`init_weights.outside_weights`) gives exactly the dequantized weights, as from a local copy."""
     import jax
     import ml_dtypes
     from etils import epath
@@ -105,7 +105,7 @@ def test_init_from_a_block_fp8_checkpoint_in_a_bucket(gcs, prefix, tmp_path):
 
     from gagar_jax.feed.config import FeedConfig
     from gagar_jax.hf import api as hf
-    from gagar_jax.run import train
+    from gagar_jax.run import init_weights, train
     from gagar_jax.run.startup import check_hf_dir
     from gagar_jax.run.step import StepConfig, init_train_state
     from gagar_jax.sharding import make_mesh
@@ -150,8 +150,9 @@ def test_init_from_a_block_fp8_checkpoint_in_a_bucket(gcs, prefix, tmp_path):
         cfg.train.init_from = str(bucket_dir)
     check_hf_dir(str(bucket_dir), "train.init_from", step_cfg.model,
                  FeedConfig.from_config(cfg.feed))
-    started = train._outside_weights(state, train.RunConfig.from_config(cfg), shardings)
-    want = train._load_hf_params(str(local), step_cfg, state.params, shardings.params)
+    rc = train.RunConfig.from_config(cfg)
+    started = init_weights.outside_weights(state, rc.train, rc.step, shardings)
+    want = init_weights.load_hf_params(str(local), step_cfg, state.params, shardings.params)
     got_leaves, want_leaves = jax.tree.leaves(started.params), jax.tree.leaves(want)
     assert len(got_leaves) == len(want_leaves)
     for a, b in zip(got_leaves, want_leaves, strict=True):

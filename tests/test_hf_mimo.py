@@ -361,7 +361,7 @@ def test_init_from_refuses_a_checkpoint_of_another_router(tmp_path):
     sigmoid-router config."""
     from gagar_jax.config import ConfigError, load_config_file
     from gagar_jax.model.config import ModelConfig
-    from gagar_jax.run import train
+    from gagar_jax.run import init_weights
     from gagar_jax.run.step import StepConfig
     cfg = load_config_file(TINY_CONFIG)
     hf.save_pretrained(
@@ -370,7 +370,7 @@ def test_init_from_refuses_a_checkpoint_of_another_router(tmp_path):
     with cfg.unlocked():
         cfg.model.router = "sigmoid_bias"
     with pytest.raises(ConfigError, match="does not match.*router='softmax'"):
-        train._load_hf_params(str(tmp_path), StepConfig.from_config(cfg), None, None)
+        init_weights.load_hf_params(str(tmp_path), StepConfig.from_config(cfg), None, None)
 
 
 # ----------------------------------------------------------------------------- engines' keys

@@ -15,7 +15,7 @@ import pytest
 from support.paths import load_tiny_config as tiny_config
 
 from gagar_jax.config import ConfigError
-from gagar_jax.run import train
+from gagar_jax.run import init_weights, train
 
 
 def _hf_config(cfg, **changes) -> dict:
@@ -127,7 +127,7 @@ def test_kl_run_from_init_from_in_a_bucket_workdir_trains_and_resumes_without_it
 
     def touched(*a, **k):
         raise AssertionError("init_from read on resume")
-    monkeypatch.setattr(train, "_load_hf_params", touched)
+    monkeypatch.setattr(init_weights, "load_hf_params", touched)
     monkeypatch.setattr(train, "check_hf_dir", touched)
     with cfg.unlocked():
         cfg.train.steps = 2

@@ -256,7 +256,7 @@ def test_init_from_hf_checkpoint(tmp_path):
     from gagar_jax.config import ConfigError, load_config_file
     from gagar_jax.hf import api as hf
     from gagar_jax.model.transformer import Transformer
-    from gagar_jax.run import train
+    from gagar_jax.run import init_weights
     from gagar_jax.run.step import StepConfig, init_train_state, split_model
     from gagar_jax.sharding import make_mesh
 
@@ -266,7 +266,8 @@ def test_init_from_hf_checkpoint(tmp_path):
     hf.save_pretrained(source, str(tmp_path / "hf"))
     mesh = make_mesh(cfg.mesh)
     state, _, shardings = init_train_state(step_cfg, mesh, jax.random.PRNGKey(0))
-    params = train._load_hf_params(str(tmp_path / "hf"), step_cfg, state.params, shardings.params)
+    params = init_weights.load_hf_params(str(tmp_path / "hf"), step_cfg, state.params,
+                                         shardings.params)
     want = split_model(source)[1]
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  params, want)
@@ -278,4 +279,5 @@ def test_init_from_hf_checkpoint(tmp_path):
     other = StepConfig.from_config(cfg)
     hf.save_pretrained(Transformer(other.model, rngs=nnx.Rngs(1)), str(tmp_path / "other"))
     with pytest.raises(ConfigError, match="does not match"):
-        train._load_hf_params(str(tmp_path / "other"), step_cfg, state.params, shardings.params)
+        init_weights.load_hf_params(str(tmp_path / "other"), step_cfg, state.params,
+                                    shardings.params)

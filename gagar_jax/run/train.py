@@ -28,7 +28,6 @@ import time
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from etils import epath
 from flax import nnx
@@ -43,11 +42,10 @@ from gagar_jax.feed.batcher import BatchInfo, Feed, make_source
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.multihost import broadcast_from_process0
 from gagar_jax.feed.packing import global_shapes, make_global_batch
-from gagar_jax.hf import api as hf
+from gagar_jax.run import init_weights, publish, resume, workdir_lock
 from gagar_jax.run import metrics as metrics_lib
-from gagar_jax.run import publish, resume, workdir_lock
 from gagar_jax.run.checkpoint import Checkpointer, NoReadableCheckpoint
-from gagar_jax.run.startup import ARCHITECTURE_FIELDS, check_hf_dir, check_layout, check_run
+from gagar_jax.run.startup import check_hf_dir, check_layout, check_run
 from gagar_jax.run.step import StepConfig, init_train_state, make_train_step
 from gagar_jax.sharding import batch_shardings, make_mesh, process_row_block
 
@@ -109,59 +107,6 @@ class _Preemption:
             return self.requested
         from jax.experimental import multihost_utils
         return multihost_utils.reached_preemption_sync_point(step)
-
-
-def _load_hf_params(path: str, step_cfg: StepConfig, like: Any, shardings: Any,
-                    with_router_bias: bool = False) -> Any:
-    """Parameters of a HF checkpoint directory, checked against the configured model, sharded
-    (with `with_router_bias`: (params, router bias), the bias on the default device)."""
-    model_cfg = step_cfg.model
-    # Each process reads only its own shards, straight into the training sharding (hf_load).
-    mesh = jax.tree.leaves(shardings)[0].mesh if shardings is not None else None
-    model, ckpt_cfg = hf.from_pretrained(path, dtype=model_cfg.param_dtype, mesh=mesh)
-    # Same shapes are not enough: a softmax checkpoint must not load into a sigmoid config.
-    differ = [f for f in ARCHITECTURE_FIELDS if getattr(ckpt_cfg, f) != getattr(model_cfg, f)]
-    if differ:
-        raise ConfigError(
-            f"{path}: checkpoint architecture does not match the config's model "
-            f"section: checkpoint has {', '.join(f'{f}={getattr(ckpt_cfg, f)!r}' for f in differ)}"
-        )
-    from gagar_jax.run.step import split_model
-    _, params, bias = split_model(model)
-    want = jax.tree.map(lambda x: (x.shape, x.dtype), like)
-    got = jax.tree.map(lambda x: (x.shape, x.dtype), params)
-    if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
-        raise ConfigError(f"{path}: checkpoint architecture does not match the config's model "
-                          "section (set model.* to the checkpoint's shapes)")
-    params = jax.device_put(params, shardings)
-    return (params, bias) if with_router_bias else params
-
-
-def _own_copy(tree: Any, shardings: Any) -> Any:
-    """A copy of `tree` in buffers of its own (the step donates the state: the KL reference
-    must never alias the live parameters)."""
-    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
-
-
-def _outside_weights(state: Any, rc: RunConfig, shardings: Any) -> Any:
-    """A fresh run's state with `init_from` and the KL reference applied.
-
-    The reference (kl_coef > 0) is `reference_from`, else the initial weights; either way it
-    gets its own parameter buffers and its own frozen router bias.
-    """
-    if rc.train.init_from:
-        params, bias = _load_hf_params(rc.train.init_from, rc.step, state.params,
-                                       shardings.params, with_router_bias=True)
-        bias = jax.device_put(bias, shardings.router_bias)  # MiMo: e_score_correction_bias
-        state = state.replace(params=params, router_bias=bias)
-    if state.ref_params is None or not (rc.train.init_from or rc.train.reference_from):
-        return state      # the jitted init gave the reference buffers of its own already
-    ref, ref_bias = state.params, state.router_bias
-    if rc.train.reference_from:
-        ref, ref_bias = _load_hf_params(rc.train.reference_from, rc.step, state.params,
-                                        shardings.params, with_router_bias=True)
-    return state.replace(ref_params=_own_copy(ref, shardings.params),
-                         ref_router_bias=_own_copy(ref_bias, shardings.router_bias))
 
 
 def _abstract(state: Any, shardings: Any) -> Any:
@@ -377,7 +322,7 @@ def _setup(
     if fresh:
         # Never train from step 0 over the audit lines of damaged checkpoints' steps.
         resume.guard_fresh_start(workdir, ckpt.directory, start_fresh=start_fresh)
-        state = _outside_weights(state, rc, shardings)
+        state = init_weights.outside_weights(state, rc.train, rc.step, shardings)
     elif start_fresh:
         log.info("--start_fresh ignored: checkpoint step %d resumed", restored.step)
     if source is None:  # SIGTERM must also end an idle wait on a live spool
