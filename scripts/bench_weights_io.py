@@ -32,6 +32,8 @@ import subprocess
 import sys
 import time
 
+from benchutil import timed_call
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = dict(expert_backend="dense", attention="plain")
 
@@ -102,7 +104,6 @@ def control_read(directory: str) -> tuple:
 
 def cold_load(ckpt: str, mesh, nproc: int, pid: int, fast: dict) -> dict:
     """Loads `ckpt` with a cold cache after process pid - 1 has finished its own cold load."""
-    import jax
     from flax import nnx
 
     from gagar_jax.distributed import kv_client
@@ -111,10 +112,9 @@ def cold_load(ckpt: str, mesh, nproc: int, pid: int, fast: dict) -> dict:
     if pid > 0:
         client.blocking_key_value_get(f"bench_cold/{pid - 1}", 600_000)
     evict(ckpt)
-    before, t0 = read_bytes(), time.perf_counter()
-    model, _ = hf.from_pretrained(ckpt, mesh=mesh, **fast)
-    jax.block_until_ready(nnx.state(model))
-    row = {"load_s": time.perf_counter() - t0, "read_bytes": read_bytes() - before}
+    before = read_bytes()
+    _, load_s = timed_call(lambda: nnx.state(hf.from_pretrained(ckpt, mesh=mesh, **fast)[0]))
+    row = {"load_s": load_s, "read_bytes": read_bytes() - before}
     if client is not None:
         client.key_value_set(f"bench_cold/{pid}", "done")
     return row

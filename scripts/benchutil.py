@@ -40,6 +40,14 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def timed_call(fn) -> tuple:
+    """(result, seconds) of one call of `fn`, its result waited for."""
+    import jax
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return out, time.perf_counter() - t0
+
+
 def best_of(fn, repeats: int) -> float:
     """The fastest of `repeats` timed calls of `fn` (seconds; results waited for)."""
     return min(timed(fn) for _ in range(repeats))
