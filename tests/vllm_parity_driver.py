@@ -1,0 +1,51 @@
+"""vLLM side of tests/test_vllm.py (runs in .venv-vllm; no JAX): one engine, three weight sets.
+
+    .venv-vllm/bin/python tests/vllm_parity_driver.py SPEC.json OUT.json
+
+SPEC: {"workdir", "step1", "step2", "prompt", "gen"}; `latest` names step2. The engine starts on
+step 2 (a fresh load), then reloads step 1 in place, then `latest` (step 2) again. For each: the
+greedy tokens, their log-probs, the prompt log-probs and the captured routing [rows][L][K].
+"""
+import json
+import sys
+
+
+def greedy(llm, prompt, gen):
+    from vllm import SamplingParams
+
+    from gagar_jax.rollout.engine import routes_array
+    sp = SamplingParams(temperature=0.0, max_tokens=gen, logprobs=1, prompt_logprobs=1,
+                        detokenize=False, ignore_eos=True)
+    llm.collective_rpc("gagar_capture_routes", args=(True,))
+    o = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    toks = list(o.outputs[0].token_ids)
+    return {"greedy": toks,
+            "gen_logprobs": [o.outputs[0].logprobs[i][t].logprob for i, t in enumerate(toks)],
+            "prompt_logprobs": [o.prompt_logprobs[i][prompt[i]].logprob
+                                for i in range(1, len(prompt))],
+            "routes": routes_array(llm.collective_rpc("gagar_pop_routes")[0])}
+
+
+def main(spec_path, out_path):
+    import time
+
+    from gagar_jax.rollout.engine import make_llm
+    from gagar_jax.rollout.vllm_extension import reload_latest
+    spec = json.load(open(spec_path))
+    t0 = time.perf_counter()
+    llm = make_llm(spec["step2"], max_model_len=64, seed=0)
+    res = {"start_s": time.perf_counter() - t0}
+    res["fresh"] = greedy(llm, spec["prompt"], spec["gen"])
+    res["reload_info_1"] = llm.collective_rpc("gagar_reload_from", args=(spec["step1"],))[0]
+    assert llm.reset_prefix_cache()
+    res["step1"] = greedy(llm, spec["prompt"], spec["gen"])
+    t0 = time.perf_counter()
+    info = reload_latest(llm, spec["workdir"])
+    res["reload_s"] = time.perf_counter() - t0
+    res["reload_info_2"] = {k: v for k, v in info.items() if k != "path"}
+    res["reloaded"] = greedy(llm, spec["prompt"], spec["gen"])
+    json.dump(res, open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
