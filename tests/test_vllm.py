@@ -1,7 +1,7 @@
 """vLLM (CPU build, .venv-vllm) serves what the learner publishes: both families, no shim.
 
-Per family one engine (tests/vllm_parity_driver.py, in-process, eager, 1 GiB KV): it loads the
-published float32 step 2 as it is, then reloads step 1 in place, then `latest` (step 2). Checked
+One vLLM process for the module (tests/vllm_parity_driver.py), one engine per family in it,
+each in-process, eager, with a 1 GiB KV cache: it loads the published float32 step 2 as it is, then reloads step 1 in place, then `latest` (step 2). Checked
 against the learner's own model on the same weights: greedy tokens, generated and prompt
 log-probs, and the experts every token was routed to (the extension's router hook); and the
 reload back to step 2 equals the fresh load bit for bit.
@@ -48,14 +48,18 @@ def randomize(model, seed):
     nnx.update(model, jax.tree_util.tree_map_with_path(draw, nnx.state(model)))
 
 
+@nnx.jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
 def learner_answers(model):
     """Greedy continuation of PROMPT, log-probs, and the learner's routing of every input token."""
-    fwd = nnx.jit(lambda m, t: m(t))
-    toks = list(PROMPT)
-    for _ in range(GEN):
-        logits = fwd(model, jnp.asarray([toks]))[0][0]
+    toks, n = list(PROMPT), len(PROMPT) + GEN
+    for _ in range(GEN):        # one shape: causal, so the padding after the tokens is inert
+        logits = _forward(model, jnp.asarray([toks + [0] * (n - len(toks))]))[0][0]
         toks.append(int(jnp.argmax(logits[len(toks) - 1])))
-    logits, aux = fwd(model, jnp.asarray([toks]))
+    logits, aux = _forward(model, jnp.asarray([toks]))
     lp = np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
     return {"greedy": toks[len(PROMPT):],
             "gen_logprobs": [float(lp[i - 1, toks[i]]) for i in range(len(PROMPT), len(toks))],
@@ -64,28 +68,38 @@ def learner_answers(model):
             "routes": np.asarray(aux.routed_experts_BxSxLxK[0, :-1]).tolist()}
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def served(request, tmp_path_factory):
-    """(learner answers per step, the engine's results) for one family."""
-    family = request.param
-    cfg = model_config(family)
-    work = str(tmp_path_factory.mktemp(family))
-    refs, dirs = {}, {}
-    for step in (1, 2):
-        model = Transformer(cfg, rngs=nnx.Rngs(step))
-        randomize(model, step)
-        refs[step] = learner_answers(model)
-        dirs[step] = publish.publish_weights(model, step, work, lambda m, d: hf.save_pretrained(m, d))
-    assert publish.read_latest(work)["step"] == 2
-    spec = os.path.join(work, "spec.json")
-    out = os.path.join(work, "vllm.json")
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """Publishes both families (two weight draws each) and runs the one vLLM subprocess."""
+    work = tmp_path_factory.mktemp("vllm")
+    learner, specs = {}, {}
+    for family in CONFIGS:
+        cfg = model_config(family)
+        wd = str(work / family)
+        refs, dirs = {}, {}
+        for step in (1, 2):
+            model = Transformer(cfg, rngs=nnx.Rngs(step))
+            randomize(model, step)
+            refs[step] = learner_answers(model)
+            dirs[step] = publish.publish_weights(model, step, wd,
+                                                 lambda m, d: hf.save_pretrained(m, d))
+        assert publish.read_latest(wd)["step"] == 2
+        learner[family] = (cfg, refs, dirs)
+        specs[family] = {"workdir": wd, "step1": dirs[1], "step2": dirs[2], "prompt": PROMPT,
+                         "gen": GEN}
+    spec, out = str(work / "spec.json"), str(work / "vllm.json")
     with open(spec, "w") as f:
-        json.dump({"workdir": work, "step1": dirs[1], "step2": dirs[2], "prompt": PROMPT,
-                   "gen": GEN}, f)
-    run_vllm([os.path.join(REPO, "tests", "vllm_parity_driver.py"), spec, out], timeout=240)
+        json.dump(specs, f)
+    run_vllm([os.path.join(REPO, "tests", "vllm_parity_driver.py"), spec, out], timeout=300)
     with open(out) as f:
         got = json.load(f)
-    return family, cfg, refs, dirs, got
+    return {family: (family, *learner[family], got[family]) for family in CONFIGS}
+
+
+@pytest.fixture(params=list(CONFIGS))
+def served(request, engines):
+    """(family, model config, learner answers per step, published dirs, the engine's results)."""
+    return engines[request.param]
 
 
 def _max_diff(a, b):

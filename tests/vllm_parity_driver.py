@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python tests/vllm_parity_driver.py SPEC.json OUT.json
 
-SPEC: {"workdir", "step1", "step2", "prompt", "gen"}; `latest` names step2. The engine starts on
+SPEC: {name: {"workdir", "step1", "step2", "prompt", "gen"}}; `latest` names step2. The engine starts on
 step 2 (a fresh load), then reloads step 1 in place, then `latest` (step 2) again. For each: the
 greedy tokens, their log-probs, the prompt log-probs and the captured routing [rows][L][K].
 """
@@ -26,12 +26,11 @@ def greedy(llm, prompt, gen):
             "routes": routes_array(llm.collective_rpc("gagar_pop_routes")[0])}
 
 
-def main(spec_path, out_path):
+def one(spec):
     import time
 
     from gagar_jax.rollout.engine import make_llm
     from gagar_jax.rollout.vllm_extension import reload_latest
-    spec = json.load(open(spec_path))
     t0 = time.perf_counter()
     llm = make_llm(spec["step2"], max_model_len=64, seed=0)
     res = {"start_s": time.perf_counter() - t0}
@@ -44,7 +43,24 @@ def main(spec_path, out_path):
     res["reload_s"] = time.perf_counter() - t0
     res["reload_info_2"] = {k: v for k, v in info.items() if k != "path"}
     res["reloaded"] = greedy(llm, spec["prompt"], spec["gen"])
-    json.dump(res, open(out_path, "w"))
+    return llm, res
+
+
+def main(spec_path, out_path):
+    """SPEC.json holds {name: spec}: the engines run one after the other in this process (one
+    import of vLLM), each shut down before the next starts."""
+    import gc
+
+    from vllm.distributed.parallel_state import (destroy_distributed_environment,
+                                                 destroy_model_parallel)
+    out = {}
+    for name, spec in json.load(open(spec_path)).items():
+        llm, out[name] = one(spec)
+        del llm
+        gc.collect()
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    json.dump(out, open(out_path, "w"))
 
 
 if __name__ == "__main__":
