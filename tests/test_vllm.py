@@ -1,10 +1,11 @@
 """vLLM (CPU build, .venv-vllm) serves what the learner publishes: both families, no shim.
 
 One vLLM process for the module (tests/vllm_parity_driver.py), one engine per family in it,
-each in-process, eager, with a 1 GiB KV cache: it loads the published float32 step 2 as it is, then reloads step 1 in place, then `latest` (step 2). Checked
-against the learner's own model on the same weights: greedy tokens, generated and prompt
-log-probs, and the experts every token was routed to (the extension's router hook); and the
-reload back to step 2 equals the fresh load bit for bit.
+each in-process, eager, with a 1 GiB KV cache: it loads the published float32 step 2 as it is,
+then reloads step 1 in place, then `latest` (step 2). Checked against the learner's own model
+on the same weights: greedy tokens, generated and prompt log-probs, and the experts every token
+was routed to (the extension's router hook); and the reload back to step 2 equals the fresh load
+bit for bit.
 """
 import json
 import os

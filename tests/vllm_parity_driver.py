@@ -2,9 +2,10 @@
 
     .venv-vllm/bin/python tests/vllm_parity_driver.py SPEC.json OUT.json
 
-SPEC: {name: {"workdir", "step1", "step2", "prompt", "gen"}}; `latest` names step2. The engine starts on
-step 2 (a fresh load), then reloads step 1 in place, then `latest` (step 2) again. For each: the
-greedy tokens, their log-probs, the prompt log-probs and the captured routing [rows][L][K].
+SPEC: {name: {"workdir", "step1", "step2", "prompt", "gen"}}; `latest` names step2. Each engine
+starts on step 2 (a fresh load), then reloads step 1 in place, then `latest` (step 2) again. For
+each: the greedy tokens, their log-probs, the prompt log-probs and the captured routing
+[rows][L][K].
 """
 import json
 import sys
@@ -51,8 +52,10 @@ def main(spec_path, out_path):
     import of vLLM), each shut down before the next starts."""
     import gc
 
-    from vllm.distributed.parallel_state import (destroy_distributed_environment,
-                                                 destroy_model_parallel)
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
     out = {}
     for name, spec in json.load(open(spec_path)).items():
         llm, out[name] = one(spec)

@@ -12,7 +12,7 @@ POINTER = "latest"          # = gagar_jax.run.publish.POINTER
 
 
 def read_latest(workdir: str) -> dict | None:
-    """The pointer {"step", "policy_version", "path"} of `workdir`, or None before the first publish.
+    """The pointer {"step", "policy_version", "path"} of `workdir` (None before any publish).
 
     A relative "path" is taken relative to `<workdir>/published/`.
     """

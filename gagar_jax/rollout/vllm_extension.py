@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 from gagar_jax.rollout.pointer import read_latest
 
@@ -39,7 +40,7 @@ def checkpoint_files(path: str) -> list:
     return [os.path.join(path, "model.safetensors")]
 
 
-def _expert_modules(model):
+def _expert_modules(model: Any) -> list:
     """Modules holding packed fused experts (vLLM's RoutedExperts: w13_weight + a kernel)."""
     out = []
     for name, mod in model.named_modules():
@@ -50,7 +51,7 @@ def _expert_modules(model):
     return out
 
 
-def _routers(model):
+def _routers(model: Any) -> list:
     """(name, router) of every experts runner whose router takes a capture hook (MoERunner)."""
     return [(name, mod.router) for name, mod in model.named_modules()
             if hasattr(getattr(mod, "router", None), "set_capture_fn")]
@@ -103,7 +104,9 @@ class GagarWorkerExtension:
         return getattr(self, "_gagar_loaded", "")
 
     def gagar_capture_routes(self, enable: bool = True) -> int:
-        """Starts (or stops) recording the selected expert ids of every MoE layer; the layers hooked.
+        """Starts (or stops) recording the selected expert ids of every MoE layer.
+
+        Returns the number of layers hooked.
 
         The hook is the router's `set_capture_fn`, the one vLLM's own routed-experts capture uses
         (which needs Model Runner V2, so not on CPU): it sees the selected logical expert ids,
@@ -112,19 +115,20 @@ class GagarWorkerExtension:
         self._gagar_routes = []
         routers = _routers(self.model_runner.model)
         for name, router in routers:
-            fn = (lambda ids, name=name: self._gagar_routes.append((name, ids.detach().cpu().clone()))
-                  ) if enable else None
-            router.set_capture_fn(fn)
+            def fn(ids: Any, name: str = name) -> None:
+                self._gagar_routes.append((name, ids.detach().cpu().clone()))
+            router.set_capture_fn(fn if enable else None)
         return len(routers)
 
     def gagar_pop_routes(self) -> list:
-        """[(layer module name, [[expert id] * top_k] * tokens)] in call order since the last pop."""
+        """[(layer module name, [[expert id] * top_k] * tokens)] in call order since the last
+        pop."""
         out = [(n, t.tolist()) for n, t in getattr(self, "_gagar_routes", [])]
         self._gagar_routes = []
         return out
 
 
-def reload_latest(llm, workdir: str) -> dict:
+def reload_latest(llm: Any, workdir: str) -> dict:
     """Engine side: every worker reloads `latest`, then the prefix cache is reset.
 
     Returns the first worker's answer (pointer, tensor count, repacked experts, copied names).
