@@ -53,9 +53,9 @@ def get_config() -> ml_collections.ConfigDict:
     f.spool_poll_s = 0.1
     f.spool_settle_s = 0.0          # the worker renames complete shards (docs/feed.md)
     f.spool_timeout_s = 600.0
-    f.rows_per_batch = 4
-    f.seq_len = 64
-    f.max_traj_tokens = 64
+    f.rows_per_batch = 8            # 4 trajectories of the example task (24 tokens) per row:
+    f.seq_len = 96                  # 32 trajectories = 4 groups of 8 per batch
+    f.max_traj_tokens = 96
     f.max_trajectories = 32
     f.groups_per_batch = 4
     f.max_staleness = 4

@@ -11,8 +11,10 @@ experts every generated token was routed to; the grader's verdicts; one record w
 `policy_version` = the version the engine serves and `sampling` = the sampling parameters,
 written as an atomic shard. Between groups the worker re-reads `latest` and reloads in place
 when it moved (`vllm_extension.reload_latest`), so every group comes from one policy version.
-With `--mixed-per-version M` it waits for a new version after M mixed groups at the current
-one (bounded staleness: the learner trains `feed.groups_per_batch` mixed groups per step).
+With `--mixed-per-version M` / `--groups-per-version G` it waits for a new version after M
+mixed / G groups at the current one (bounded staleness, and no flood of uniform groups once
+the policy solves the task: the learner trains `feed.groups_per_batch` mixed groups per step);
+with `--stall-s` it ends the feed (`_DONE`) when no new version comes.
 SIGTERM / SIGINT end it after the group in flight. Imports no JAX.
 """
 from __future__ import annotations
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"nothing published under {args.workdir} after {args.wait_s} s")
     llm = engine_lib.make_llm(ptr["path"], seed=args.seed, max_model_len=args.max_model_len,
                               logprobs_mode=args.logprobs_mode)
-    version, mixed_here = int(ptr["policy_version"]), 0
+    version, mixed_here, groups_here, capped_since = int(ptr["policy_version"]), 0, 0, None
     writer = SpoolWriter(args.spool or os.path.join(args.workdir, "spool"), args.writer_id)
     log_path = args.log or os.path.join(args.workdir, "rollout", f"{args.writer_id}.jsonl")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
@@ -118,12 +120,24 @@ def run(args: argparse.Namespace) -> dict:
                 except FileNotFoundError as e:   # pruned under us: read `latest` again
                     log.warning("reload failed (%s); retrying", e)
                     continue
-                version, mixed_here = int(info["policy_version"]), 0
+                version = int(info["policy_version"])
+                mixed_here, groups_here, capped_since = 0, 0, None
                 counts["reloads"] += 1
                 logf.write(json.dumps({"reload": version,
                                        "s": round(time.perf_counter() - t0, 4)}) + "\n")
-            elif args.mixed_per_version and mixed_here >= args.mixed_per_version:
-                time.sleep(0.05)                 # enough groups from this version: wait
+            elif ((args.mixed_per_version and mixed_here >= args.mixed_per_version)
+                  or (args.groups_per_version and groups_here >= args.groups_per_version)):
+                # Enough groups from this version: wait for the next one. A learner that cannot
+                # fill a batch from them (the policy's groups are all uniform) never publishes
+                # one: after --stall-s the worker ends the feed (_DONE) and stops.
+                capped_since = capped_since or time.monotonic()
+                if args.stall_s and time.monotonic() - capped_since > args.stall_s:
+                    log.info("no new policy %.0f s after version %d's %d groups: ending the "
+                             "feed", args.stall_s, version, groups_here)
+                    writer.done()
+                    counts["ended_feed"] = True
+                    break
+                time.sleep(0.05)
                 continue
             task = next(tasks)
             t0 = time.perf_counter()
@@ -150,6 +164,7 @@ def run(args: argparse.Namespace) -> dict:
             counts["passes"] += n_pass
             counts["mixed"] += is_mixed
             mixed_here += is_mixed
+            groups_here += 1
             logf.write(json.dumps({"group_id": rec.group_id, "policy_version": version,
                                    "passes": n_pass, "valid": n_valid, "mixed": is_mixed,
                                    "s": round(time.perf_counter() - t0, 4)}) + "\n")
@@ -177,6 +192,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-routing", action="store_true", help="do not record routed experts")
     p.add_argument("--mixed-per-version", type=int, default=0,
                    help="wait for a new version after this many mixed groups (0 = never)")
+    p.add_argument("--groups-per-version", type=int, default=0,
+                   help="wait for a new version after this many groups (0 = never)")
+    p.add_argument("--stall-s", type=float, default=0.0,
+                   help="capped and no new version for this long: write _DONE, stop (0 = never)")
     p.add_argument("--max-groups", type=int, default=0, help="stop after this many (0 = never)")
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
