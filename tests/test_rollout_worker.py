@@ -75,7 +75,7 @@ def test_record_is_what_the_learner_reads(tmp_path):
     assert rec.sampling.temperature == 0.7 and rec.sampling.logprobs_mode == "raw_logprobs"
     assert [x.outcome for x in rec.trajectories] == ["fail", "pass", "fail", "pass"]
     # The learner's feed takes it as it is: validated, mixed, packed, routing replayed.
-    cfg = FeedConfig(path="", rows_per_batch=4, seq_len=64, max_trajectories=8,
+    cfg = FeedConfig(path="", rows_per_batch=4, seq_len=64, max_traj_tokens=64, max_trajectories=8,
                      groups_per_batch=1, max_staleness=100, routing_replay=True)
     feed = Feed(cfg, str(tmp_path), vocab_size=256, num_moe_layers=2, top_k=2, num_experts=4,
                 source=IteratorSource([schema.to_builtins(rec)]))
