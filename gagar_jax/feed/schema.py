@@ -53,6 +53,23 @@ class Grading(msgspec.Struct, omit_defaults=True):
     evidence: Any = None
 
 
+class Sampling(msgspec.Struct, omit_defaults=True):
+    """How the rollout engine sampled the group's completions (optional; docs/feed.md).
+
+    `logprobs_mode` says which log-probs `logprobs` carries: "raw_logprobs" (the model's own
+    distribution, before temperature / top-k / top-p: what the learner computes) or
+    "processed_logprobs" (the distribution actually sampled from). Recorded for the learner's
+    corrections and the audit; the learner does not change its loss on it today.
+    """
+
+    engine: str = ""
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    max_tokens: Optional[int] = None
+    logprobs_mode: Optional[Literal["raw_logprobs", "processed_logprobs"]] = None
+
+
 class PackedArray(msgspec.Struct):
     """A compact array: `shape`, little-endian `dtype`, base64 bytes (`b64`).
 
@@ -100,6 +117,7 @@ class Group(msgspec.Struct, omit_defaults=True):
     policy_version: int             # learner step whose weights generated the rollouts
     grading: Grading
     trajectories: list[Trajectory]
+    sampling: Optional[Sampling] = None     # the engine's sampling parameters (optional)
 
 
 _JSON_DECODER = msgspec.json.Decoder(Group)

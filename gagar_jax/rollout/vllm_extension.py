@@ -104,8 +104,9 @@ class GagarWorkerExtension:
         return getattr(self, "_gagar_loaded", "")
 
     def gagar_capture_routes(self, enable: bool = True) -> int:
-        """Starts (or stops) recording the selected expert ids of every MoE layer; returns the
-        number of layers hooked.
+        """Starts (or stops) recording the selected expert ids of every MoE layer.
+
+        Returns the number of layers hooked.
 
         The hook is the router's `set_capture_fn`, the one vLLM's own routed-experts capture uses
         (which needs Model Runner V2, so not on CPU): it sees the selected logical expert ids,
@@ -114,16 +115,9 @@ class GagarWorkerExtension:
         self._gagar_routes = []
         routers = _routers(self.model_runner.model)
         for name, router in routers:
-            fn = (
-                (
-                    lambda ids, name=name: self._gagar_routes.append(
-                        (name, ids.detach().cpu().clone())
-                    )
-                )
-                if enable
-                else None
-            )
-            router.set_capture_fn(fn)
+            def fn(ids: Any, name: str = name) -> None:
+                self._gagar_routes.append((name, ids.detach().cpu().clone()))
+            router.set_capture_fn(fn if enable else None)
         return len(routers)
 
     def gagar_pop_routes(self) -> list:

@@ -154,6 +154,10 @@ class _StepLog:
         if not m.finite or s["skipped"] > 0:
             log.warning("step %d: non-finite values %s; %d optimizer update(s) skipped",
                         step, list(m.nonfinite), int(s["skipped"]))
+        if n:   # the batch was drawn at learner step `step - 1` (docs/feed.md, staleness)
+            stale = [step - 1 - v for v in info.policy_versions[:n]]
+            s["feed/staleness_mean"] = float(np.mean(stale))
+            s["feed/staleness_max"] = float(max(stale))
         if step % self.log_every == 0:
             self.writer.write(step, {**s, "feed/packing_efficiency": info.packing_efficiency,
                                      "feed/ahead_of_learner": info.counts.get(

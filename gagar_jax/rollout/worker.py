@@ -1,0 +1,220 @@
+"""The rollout worker: vLLM samples groups of the policy `latest` names, a grader grades them, and
+the groups go into the learner's spool as feed records (docs/rollout.md). Runs in .venv-vllm.
+
+    PYTHONPATH=. .venv-vllm/bin/python -m gagar_jax.rollout.worker --workdir runs/loop \\
+        --tasks gagar_jax.rollout.example_task:tasks \\
+        --grader gagar_jax.rollout.example_task:grade --n 8 --temperature 1.0 --top-p 1.0
+
+Per task: one group of `--n` completions (one engine request each, so that the router hook's
+rows belong to one completion), each with its behaviour log-probs (`--logprobs-mode`) and the
+experts every generated token was routed to; the grader's verdicts; one record with
+`policy_version` = the version the engine serves and `sampling` = the sampling parameters,
+written as an atomic shard. Between groups the worker re-reads `latest` and reloads in place
+when it moved (`vllm_extension.reload_latest`), so every group comes from one policy version.
+With `--mixed-per-version M` / `--groups-per-version G` it waits for a new version after M
+mixed / G groups at the current one (bounded staleness, and no flood of uniform groups once
+the policy solves the task: the learner trains `feed.groups_per_batch` mixed groups per step);
+with `--stall-s` it ends the feed (`_DONE`) when no new version comes.
+SIGTERM / SIGINT end it after the group in flight. Imports no JAX.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+
+from gagar_jax.rollout import engine as engine_lib
+from gagar_jax.rollout.feed_writer import SpoolWriter, group_record
+from gagar_jax.rollout.pointer import read_latest
+from gagar_jax.rollout.vllm_extension import reload_latest
+
+log = logging.getLogger("gagar_jax.rollout.worker")
+
+
+class UsageError(ValueError):
+    """A bad flag: one line on stderr, exit code 2."""
+
+
+def load_callable(spec: str, flag: str) -> Callable:
+    """`module:function` -> the function; a one-line error naming the flag otherwise."""
+    mod, _, fn = spec.partition(":")
+    try:
+        obj = getattr(importlib.import_module(mod), fn) if mod and fn else None
+    except (ImportError, AttributeError) as e:
+        raise UsageError(f"{flag} {spec!r}: {e}") from e
+    if not callable(obj):
+        raise UsageError(f"{flag} {spec!r}: expected module:function")
+    return obj
+
+
+def normalize_grades(result: object, n: int) -> tuple:
+    """A grader's answer -> (verdicts, status, evidence); raises ValueError on a bad shape."""
+    status, evidence = "ok", None
+    if isinstance(result, dict):
+        status, evidence = result.get("status", "ok"), result.get("evidence")
+        result = result.get("verdicts")
+    if not isinstance(result, (list, tuple)) or len(result) != n:
+        raise ValueError(f"the grader must return {n} verdicts, got {result!r:.200}")
+    if status not in ("ok", "failed"):
+        raise ValueError(f"grading status must be 'ok' or 'failed', got {status!r}")
+    return list(result), status, evidence
+
+
+class _Stop:
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._set)
+
+    def _set(self, *_):
+        self.requested = True
+
+
+def wait_latest(workdir: str, stop: _Stop, timeout_s: float) -> dict | None:
+    """The `latest` pointer, waiting for the first publish (None on stop or timeout)."""
+    t0 = time.monotonic()
+    while not stop.requested and time.monotonic() - t0 < timeout_s:
+        ptr = read_latest(workdir)
+        if ptr is not None:
+            return ptr
+        time.sleep(0.2)
+    return None
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The worker loop; returns counts {"groups", "mixed", "passes", "completions", "reloads"}."""
+    if args.n < 1:
+        raise UsageError(f"--n must be >= 1, got {args.n}")
+    tasks = load_callable(args.tasks, "--tasks")(args.seed)
+    grader = load_callable(args.grader, "--grader")
+    try:
+        spec = engine_lib.SamplingSpec(temperature=args.temperature, top_p=args.top_p,
+                                       top_k=args.top_k, max_tokens=args.max_tokens,
+                                       logprobs_mode=args.logprobs_mode)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    stop = _Stop()
+    ptr = wait_latest(args.workdir, stop, args.wait_s)
+    if ptr is None:
+        raise SystemExit(f"nothing published under {args.workdir} after {args.wait_s} s")
+    llm = engine_lib.make_llm(ptr["path"], seed=args.seed, max_model_len=args.max_model_len,
+                              logprobs_mode=args.logprobs_mode)
+    version, mixed_here, groups_here, capped_since = int(ptr["policy_version"]), 0, 0, None
+    writer = SpoolWriter(args.spool or os.path.join(args.workdir, "spool"), args.writer_id)
+    log_path = args.log or os.path.join(args.workdir, "rollout", f"{args.writer_id}.jsonl")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    counts = dict(groups=0, mixed=0, passes=0, completions=0, reloads=0, grader_errors=0)
+    with open(log_path, "a") as logf:
+        while not stop.requested and (not args.max_groups or counts["groups"] < args.max_groups):
+            ptr = read_latest(args.workdir)
+            if ptr is not None and int(ptr["policy_version"]) != version:
+                t0 = time.perf_counter()
+                try:
+                    info = reload_latest(llm, args.workdir)
+                except FileNotFoundError as e:   # pruned under us: read `latest` again
+                    log.warning("reload failed (%s); retrying", e)
+                    continue
+                version = int(info["policy_version"])
+                mixed_here, groups_here, capped_since = 0, 0, None
+                counts["reloads"] += 1
+                logf.write(json.dumps({"reload": version,
+                                       "s": round(time.perf_counter() - t0, 4)}) + "\n")
+            elif ((args.mixed_per_version and mixed_here >= args.mixed_per_version)
+                  or (args.groups_per_version and groups_here >= args.groups_per_version)):
+                # Enough groups from this version: wait for the next one. A learner that cannot
+                # fill a batch from them (the policy's groups are all uniform) never publishes
+                # one: after --stall-s the worker ends the feed (_DONE) and stops.
+                capped_since = capped_since or time.monotonic()
+                if args.stall_s and time.monotonic() - capped_since > args.stall_s:
+                    log.info("no new policy %.0f s after version %d's %d groups: ending the "
+                             "feed", args.stall_s, version, groups_here)
+                    writer.done()
+                    counts["ended_feed"] = True
+                    break
+                time.sleep(0.05)
+                continue
+            task = next(tasks)
+            t0 = time.perf_counter()
+            comps = [engine_lib.sample(llm, task["prompt"], spec, routing=not args.no_routing,
+                                       seed=args.seed * 1_000_003 + counts["completions"] + j)
+                     for j in range(args.n)]
+            counts["completions"] += args.n
+            try:
+                verdicts, status, evidence = normalize_grades(
+                    grader(task, [c.tokens for c in comps]), args.n)
+                rec = group_record(f"{args.writer_id}-{task['task_id']}-v{version}",
+                                   task["task_id"], version, task["prompt"], comps, verdicts,
+                                   grader=args.grader, sampling=spec.record(), evidence=evidence,
+                                   grading_ok=status == "ok")
+            except Exception as e:  # noqa: BLE001 -- a grader bug skips the group, loudly
+                counts["grader_errors"] += 1
+                log.error("task %s: grading failed, group skipped: %r", task["task_id"], e)
+                continue
+            writer.write([rec])
+            n_pass = sum(t.outcome == "pass" and not t.hacked for t in rec.trajectories)
+            n_valid = sum(t.outcome != "infra_error" for t in rec.trajectories)
+            is_mixed = 0 < n_pass < n_valid
+            counts["groups"] += 1
+            counts["passes"] += n_pass
+            counts["mixed"] += is_mixed
+            mixed_here += is_mixed
+            groups_here += 1
+            logf.write(json.dumps({"group_id": rec.group_id, "policy_version": version,
+                                   "passes": n_pass, "valid": n_valid, "mixed": is_mixed,
+                                   "s": round(time.perf_counter() - t0, 4)}) + "\n")
+            logf.flush()
+    log.info("worker done: %s", counts)
+    return counts
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gagar_jax.rollout.worker",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", required=True, help="the learner's workdir (published/latest)")
+    p.add_argument("--spool", default="",
+                   help="the learner's feed.spool_dir (default WORKDIR/spool)")
+    p.add_argument("--tasks", default="gagar_jax.rollout.example_task:tasks",
+                   help="module:function(seed) -> iterator of {'task_id', 'prompt'}")
+    p.add_argument("--grader", default="gagar_jax.rollout.example_task:grade",
+                   help="module:function(task, completions) -> verdicts")
+    p.add_argument("--n", type=int, default=8, help="completions per group")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--logprobs-mode", default="raw_logprobs", choices=engine_lib.LOGPROBS_MODES)
+    p.add_argument("--no-routing", action="store_true", help="do not record routed experts")
+    p.add_argument("--mixed-per-version", type=int, default=0,
+                   help="wait for a new version after this many mixed groups (0 = never)")
+    p.add_argument("--groups-per-version", type=int, default=0,
+                   help="wait for a new version after this many groups (0 = never)")
+    p.add_argument("--stall-s", type=float, default=0.0,
+                   help="capped and no new version for this long: write _DONE, stop (0 = never)")
+    p.add_argument("--max-groups", type=int, default=0, help="stop after this many (0 = never)")
+    p.add_argument("--max-model-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--writer-id", default="worker0")
+    p.add_argument("--wait-s", type=float, default=600.0, help="wait this long for `latest`")
+    p.add_argument("--log", default="", help="per-group log (default WORKDIR/rollout/ID.jsonl)")
+    return p
+
+
+def main(argv: list | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parser().parse_args(argv)
+    try:
+        counts = run(args)
+    except UsageError as e:
+        print(f"gagar_jax.rollout.worker: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(counts), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""vLLM side of tests/test_vllm.py (runs in .venv-vllm; no JAX): one engine, three weight sets.
+
+    .venv-vllm/bin/python tests/support/vllm_parity_driver.py SPEC.json OUT.json
+
+SPEC: {name: {"workdir", "step1", "step2", "prompt", "gen"}}; `latest` names step2. Each engine
+starts on step 2 (a fresh load), then reloads step 1 in place, then `latest` (step 2) again. For
+each: the greedy tokens, their log-probs, the prompt log-probs and the captured routing
+[rows][L][K].
+"""
+import json
+import sys
+
+
+def greedy(llm, prompt, gen):
+    from vllm import SamplingParams
+
+    from gagar_jax.rollout.engine import routes_array
+    sp = SamplingParams(temperature=0.0, max_tokens=gen, logprobs=1, prompt_logprobs=1,
+                        detokenize=False, ignore_eos=True)
+    llm.collective_rpc("gagar_capture_routes", args=(True,))
+    o = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    toks = list(o.outputs[0].token_ids)
+    return {"greedy": toks,
+            "gen_logprobs": [o.outputs[0].logprobs[i][t].logprob for i, t in enumerate(toks)],
+            "prompt_logprobs": [o.prompt_logprobs[i][prompt[i]].logprob
+                                for i in range(1, len(prompt))],
+            "routes": routes_array(llm.collective_rpc("gagar_pop_routes")[0])}
+
+
+def one(spec):
+    import time
+
+    from gagar_jax.rollout.engine import make_llm
+    from gagar_jax.rollout.vllm_extension import reload_latest
+    t0 = time.perf_counter()
+    llm = make_llm(spec["step2"], max_model_len=64, seed=0)
+    res = {"start_s": time.perf_counter() - t0}
+    res["fresh"] = greedy(llm, spec["prompt"], spec["gen"])
+    res["reload_info_1"] = llm.collective_rpc("gagar_reload_from", args=(spec["step1"],))[0]
+    assert llm.reset_prefix_cache()
+    res["step1"] = greedy(llm, spec["prompt"], spec["gen"])
+    t0 = time.perf_counter()
+    info = reload_latest(llm, spec["workdir"])
+    res["reload_s"] = time.perf_counter() - t0
+    res["reload_info_2"] = {k: v for k, v in info.items() if k != "path"}
+    res["reloaded"] = greedy(llm, spec["prompt"], spec["gen"])
+    return llm, res
+
+
+def main(spec_path, out_path):
+    """SPEC.json holds {name: spec}: the engines run one after the other in this process (one
+    import of vLLM), each shut down before the next starts."""
+    import gc
+
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
+    out = {}
+    for name, spec in json.load(open(spec_path)).items():
+        llm, out[name] = one(spec)
+        del llm
+        gc.collect()
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    json.dump(out, open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
