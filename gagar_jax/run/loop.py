@@ -68,6 +68,7 @@ def run_loop(workdir: str, *, seed: int = 0, steps: int = 40, learning_rate: flo
     cfg = load_config_file(config)
     init = publish_initial(cfg, workdir, seed)
     spool = os.path.join(workdir, "spool")
+    os.makedirs(spool, exist_ok=True)   # the learner refuses a spool that does not exist
     logs = {name: open(os.path.join(workdir, f"{name}.log"), "w") for name in ("learner", "worker")}
     learner_cmd = [sys.executable, "-m", "gagar_jax", f"--config={config}",
                    f"--workdir={workdir}", f"--config.seed={seed}",
