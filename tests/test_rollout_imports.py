@@ -13,9 +13,12 @@ def test_rollout_package_imports_without_jax(tmp_path):
     (fake / "jax" / "__init__.py").write_text(
         "raise ImportError('jax must not be imported here')\n"
     )
-    code = ("import sys, gagar_jax.rollout, gagar_jax.rollout.vllm_extension as v; "
-            "assert 'jax' not in sys.modules and 'vllm' not in sys.modules, sorted(sys.modules); "
-            "assert callable(v.GagarWorkerExtension.gagar_reload_latest); print('ok')")
+    code = ("import sys, gagar_jax.rollout, gagar_jax.rollout.vllm_extension as v, "
+            "gagar_jax.rollout.delta as d; "
+            "assert not {'jax', 'vllm', 'torch', 'etils'} & set(sys.modules), sorted(sys.modules); "
+            "assert callable(v.GagarWorkerExtension.gagar_reload_latest); "
+            "assert callable(v.GagarWorkerExtension.gagar_apply_version); "
+            "assert callable(d.materialize); print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{REPO}"},
                           timeout=120)
