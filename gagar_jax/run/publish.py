@@ -28,6 +28,12 @@ next publish falls due while the previous one is still writing, it first waits f
 finish (bounded host memory: one share), and the wait is logged. A failed background write is
 raised by the next `publish` or by `close`.
 
+Delta publishing (`full_every` = `train.publish_full_every` = K > 1): every K-th publish is full,
+the K - 1 between are deltas on the version before them (`gagar_jax/hf/delta.py`: the elements
+whose publish-dtype bits changed; each process against its own previous share, kept on its host);
+a delta directory holds config.json and `delta-*.safetensors` only, and its manifest names its
+`base`. Engines apply the chain (`gagar_jax/rollout/delta.py`).
+
 `policy_version` = learner train steps (docs/feed.md, "policy_version"): weights published after
 step n carry n.
 """
