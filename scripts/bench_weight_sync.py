@@ -231,7 +231,9 @@ def main() -> None:
             for lr in args.lrs.split(",")]
     summaries = [summarize(r, ks) for r in runs]
     eng = None
-    if args.vllm_python:
+    if args.vllm_python and not os.path.exists(args.vllm_python):
+        print(f"{args.vllm_python} not found (make vllm): the engine part is skipped")
+    elif args.vllm_python:
         spec = os.path.join(args.out, "engine.json")
         json.dump({"runs": [{"lr": r["lr"], "full": versions(r["work"]["full"]),
                              "delta": versions(r["work"]["delta"])} for r in runs]},
