@@ -70,6 +70,9 @@ def get_config() -> ml_collections.ConfigDict:
     t.publish_every = 0             # publish HF-format weights every N steps (0 = never)
     t.keep_published = 2            # keep the last K published weight sets
     t.publish_dtype = "bfloat16"    # published weights' dtype (router + its bias stay fp32 in MiMo)
+    # K: every K-th publish is full, the K - 1 between are deltas (only the elements that changed
+    # in publish_dtype; engines apply them with gagar_jax.rollout.delta); 1 = every publish full
+    t.publish_full_every = 1
     t.log_every = 1                 # metrics.jsonl / TensorBoard interval, in steps
     # HF Qwen3-MoE / MiMo-V2-Flash directory to start from ("" = random init)
     t.init_from = ""

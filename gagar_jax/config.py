@@ -33,6 +33,7 @@ class TrainConfig:
     publish_every: int         # publish HF weights every N steps (0 = never)
     keep_published: int        # keep the last K published weight sets
     publish_dtype: str         # dtype of published weights ("bfloat16" | "float32" | "float16")
+    publish_full_every: int    # K: a full version every K publishes, deltas between (1 = no deltas)
     log_every: int             # metrics interval in steps
     init_from: str             # HF Qwen3-MoE / MiMo-V2-Flash directory to start from ("" = random);
                                # read on a fresh run only, never on a resume
@@ -42,7 +43,8 @@ class TrainConfig:
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> TrainConfig:
         out = cls(**{f.name: c[f.name] for f in dataclasses.fields(cls)})
-        for name in ("steps", "keep_checkpoints", "keep_published", "log_every"):
+        for name in ("steps", "keep_checkpoints", "keep_published", "log_every",
+                     "publish_full_every"):
             if getattr(out, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(out, name)}")
         for name in ("checkpoint_every", "publish_every"):

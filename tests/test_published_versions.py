@@ -12,11 +12,13 @@ import threading
 import time
 
 import pytest
+from support.delta_models import applicable, model_and_states, raw, set_state
 from support.paths import load_tiny_config as tiny_config
 
+from gagar_jax.hf import delta as hf_delta
 from gagar_jax.hf import safetensors as st
 from gagar_jax.hf import save as hf_save
-from gagar_jax.rollout import pointer
+from gagar_jax.rollout import delta, pointer
 from gagar_jax.run import publish, published, train
 
 
@@ -236,3 +238,69 @@ def test_directories_from_before_manifests_named_their_predecessor_are_kept_by_s
     assert set(published.scan(root)) == {"step_00000003", "step_00000003.a1"}
     publish.publish_weights(4, 4, tmp_path, _fake_save, keep=3)
     assert set(published.scan(root)) == {"step_00000003", "step_00000003.a1", "step_00000004"}
+
+
+# -- every kill point of a delta publish, with the real publisher ---------------------------------
+
+@pytest.fixture(scope="module")
+def delta_states():
+    return model_and_states(7)
+
+
+def _kill_delta_at(monkeypatch, point):
+    if point == "writing":   # half a delta file, then the kill
+        def half(entries, directory, process, max_shard_bytes):
+            with open(os.path.join(directory, hf_delta.file_name(process, 0)), "wb") as f:
+                f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+            raise Kill(point)
+        monkeypatch.setattr(hf_delta, "write_delta_share", half)
+    else:
+        _kill_at(monkeypatch, point)
+
+
+@pytest.mark.parametrize("point", ["writing", "manifest", "pointer", "collecting"])
+def test_a_kill_during_a_delta_publish_keeps_latest_applicable(tmp_path, monkeypatch, point,
+                                                               delta_states):
+    """Full versions every 3 publishes: 1 F, 2 D, 3 D, 4 F, then the delta of step 5 is killed
+    at `point`; the restarted publisher (its first publish full) publishes 5, 6, 7. A thread
+    polls `latest`: every version it names is applicable (its whole chain present); the chain
+    `latest` needs survives collection; each version left materializes to its step's weights."""
+    model, states = delta_states
+    expected = {}
+
+    def publish_steps(pub, steps):
+        for step in steps:
+            pub.publish(set_state(model, states[step]), step)
+            pub.wait()
+            expected[pointer.read_latest(str(tmp_path))["path"]] = step
+
+    with Poller(tmp_path, lambda ptr: applicable(ptr["path"])) as poll:
+        first = publish.Publisher(tmp_path, keep=2, full_every=3)
+        publish_steps(first, range(1, 5))
+        with monkeypatch.context() as m:
+            _kill_delta_at(m, point)
+            first.publish(set_state(model, states[5]), 5)
+            with pytest.raises(RuntimeError, match=point):
+                first.wait()
+        latest = publish.read_latest(tmp_path)["path"]
+        killed_after_pointer = point in ("pointer", "collecting")
+        assert os.path.basename(latest) == ("step_00000005" if killed_after_pointer
+                                            else "step_00000004")
+        if killed_after_pointer:   # the delta is latest: its base (step 4) is still there
+            assert pointer.read_manifest(latest)["kind"] == "delta"
+            assert delta.chain(latest)[0].endswith("step_00000004")
+            expected[latest] = 5
+        publish_steps(publish.Publisher(tmp_path, keep=2, full_every=3), (5, 6, 7))
+    assert not poll.bad, poll.bad[:3]
+    assert len(poll.seen) >= 4      # it did watch `latest` move across fulls and deltas
+    versions = published.scan(published.root_of(tmp_path))
+    # Kept: 7 and 6 (keep 2), and 6's base: the restarted publisher's full step 5.
+    assert sorted(versions) == ["step_00000005.a1", "step_00000006", "step_00000007"]
+    assert [versions[n]["kind"] for n in sorted(versions)] == ["full", "delta", "delta"]
+    for name in versions:
+        path = os.fspath(published.root_of(tmp_path) / name)
+        full = publish.Publisher(tmp_path / "ref" / name, keep=1, dtype="bfloat16")
+        full.publish(set_state(model, states[expected[path]]), expected[path])
+        full.wait()
+        assert raw(delta.materialize(path)) == raw(delta.load_full(
+            publish.read_latest(tmp_path / "ref" / name)["path"])), name

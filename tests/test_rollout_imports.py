@@ -12,13 +12,16 @@ def test_rollout_package_imports_without_jax(tmp_path):
     (fake / "jax").mkdir(parents=True)
     (fake / "jax" / "__init__.py").write_text(
         "raise ImportError('jax must not be imported here')\n")
-    # The worker, its engine wrapper, the feed writer (with the learner's record schema) and the
-    # example task: everything the vLLM environment runs.
-    code = ("import sys, gagar_jax.rollout, gagar_jax.rollout.vllm_extension as v; "
+    # The worker, its engine wrapper, the feed writer (with the learner's record schema), the
+    # example task and the delta reader: everything the vLLM environment runs.
+    code = ("import sys, gagar_jax.rollout, gagar_jax.rollout.vllm_extension as v, "
+            "gagar_jax.rollout.delta as d; "
             "import gagar_jax.rollout.worker, gagar_jax.rollout.engine, "
             "gagar_jax.rollout.feed_writer, gagar_jax.rollout.example_task, gagar_jax.feed.schema; "
-            "assert 'jax' not in sys.modules and 'vllm' not in sys.modules, sorted(sys.modules); "
-            "assert callable(v.GagarWorkerExtension.gagar_reload_latest); print('ok')")
+            "assert not {'jax', 'vllm'} & set(sys.modules), sorted(sys.modules); "
+            "assert callable(v.GagarWorkerExtension.gagar_reload_latest); "
+            "assert callable(v.GagarWorkerExtension.gagar_apply_version); "
+            "assert callable(d.materialize); print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{REPO}"},
                           timeout=120)

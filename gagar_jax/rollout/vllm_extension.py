@@ -6,6 +6,7 @@
     llm.collective_rpc("gagar_capture_routes", args=(True,))
     ... llm.generate(...) ...
     routes = llm.collective_rpc("gagar_pop_routes")[0]
+    info = apply_latest(llm, workdir)   # the same for delta publishes: applies only new deltas
 
 The module imports neither JAX nor any gagar_jax module that does, and vLLM only inside methods
 (the learner's venv has no vLLM). Tested by hand on vLLM 0.32 (CPU build): after a reload the
@@ -99,6 +100,42 @@ class GagarWorkerExtension:
         self._gagar_loaded = path
         return {"tensors": len(tensors), "repacked": len(repacked), "copied": copied}
 
+    def gagar_apply_version(self, path: str) -> dict:
+        """Brings the weights to version `path`, full or delta (`gagar_jax.rollout.delta`).
+
+        When the engine holds a version of `path`'s chain (loaded by an earlier apply), only the
+        deltas after it are applied to the host copy of the checkpoint tensors this worker keeps
+        (the publish dtype, the whole model), and only the layers they touch are reloaded;
+        otherwise the chain is materialized and every layer reloaded. Afterwards the engine
+        holds exactly the weights a full publish of that step would give it. Returns counts and
+        seconds (read: files and the bit copies; reload: vLLM's reload and the fix-ups).
+        """
+        import time
+
+        from gagar_jax.rollout import delta
+
+        t0 = time.perf_counter()
+        held = getattr(self, "_gagar_mirror", None)
+        todo = None
+        if held is not None and self.gagar_loaded() == getattr(self, "_gagar_mirror_path", ""):
+            todo = delta.pending(self._gagar_mirror_path, path)
+        if todo is None:
+            self._gagar_mirror = delta.materialize(path)
+            changed = set(self._gagar_mirror)
+        else:
+            changed = set()
+            for d in todo:
+                changed.update(delta.apply_delta(self._gagar_mirror, d))
+        t1 = time.perf_counter()
+        groups = {reload_group(n) for n in changed}
+        tensors = {n: torch_tensor(t) for n, t in self._gagar_mirror.items()
+                   if reload_group(n) in groups}
+        out = reload_tensors(self.model_runner, tensors, groups) if tensors else {}
+        self._gagar_loaded = self._gagar_mirror_path = path
+        return {**out, "deltas": len(todo) if todo is not None else None, "changed": len(changed),
+                "reloaded": len(tensors), "read_s": t1 - t0,
+                "reload_s": time.perf_counter() - t1}
+
     def gagar_loaded(self) -> str:
         """The directory the last gagar reload read ("" before any)."""
         return getattr(self, "_gagar_loaded", "")
@@ -137,3 +174,59 @@ def reload_latest(llm: Any, workdir: str) -> dict:
     if not llm.reset_prefix_cache():
         raise RuntimeError("vLLM refused to reset the prefix cache after a weight reload")
     return answers[0]
+
+
+def apply_latest(llm: Any, workdir: str) -> dict:
+    """Engine side: every worker brings its weights to the version `latest` names, full or delta
+    (`gagar_apply_version`), then the prefix cache is reset. Returns the pointer and the first
+    worker's answer."""
+    ptr = read_latest(workdir)
+    if ptr is None:
+        raise FileNotFoundError(f"nothing published under {workdir}")
+    answers = llm.collective_rpc("gagar_apply_version", args=(ptr["path"],))
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset the prefix cache after a weight update")
+    return {**ptr, **answers[0]}
+
+
+def reload_group(name: str) -> str:
+    """The part of the model a checkpoint tensor is reloaded with: `model.layers.<i>.<block>`
+    (vLLM fuses tensors only within one: q/k/v, gate/up, a layer's experts) or the tensor's own
+    module (embedding, final norm, lm_head)."""
+    parts = name.split(".")
+    return ".".join(parts[:4] if parts[:2] == ["model", "layers"] else parts[:-1])
+
+
+def torch_tensor(t: Any) -> Any:
+    """A `gagar_jax.rollout.delta.Tensor` as a torch tensor sharing its memory."""
+    import torch
+    x = torch.from_numpy(t.array)
+    views = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn}
+    return x.view(views[t.dtype]) if t.dtype in views else x
+
+
+def reload_tensors(model_runner: Any, tensors: dict, groups: set) -> dict:
+    """Reloads the checkpoint tensors `tensors` (whole `reload_group`s: a layer given none keeps
+    its weights) with vLLM's reload, then the fix-ups of `gagar_reload_from` for those groups:
+    re-packs their fused experts, copies parameters the reload missed (MiMo sinks)."""
+    import torch
+
+    model = model_runner.model
+    model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+    repacked = []
+    for name, mod, fused in _expert_modules(model):
+        if ".".join(name.split(".")[:4]) in groups:   # model.layers.<i>.mlp
+            fused.process_weights_after_loading(mod)
+            repacked.append(name)
+    params = dict(model.named_parameters())
+    copied = []
+    with torch.no_grad():
+        for name, w in tensors.items():
+            p = params.get(name)
+            if p is None or tuple(p.shape) != tuple(w.shape):
+                continue
+            w = w.to(p.dtype)
+            if not torch.equal(p.data, w):
+                p.data.copy_(w)
+                copied.append(name)
+    return {"tensors": len(tensors), "repacked": len(repacked), "copied": copied}

@@ -28,6 +28,12 @@ next publish falls due while the previous one is still writing, it first waits f
 finish (bounded host memory: one share), and the wait is logged. A failed background write is
 raised by the next `publish` or by `close`.
 
+Delta publishing (`full_every` = `train.publish_full_every` = K > 1): every K-th publish is full,
+the K - 1 between are deltas on the version before them (`gagar_jax/hf/delta.py`: the elements
+whose publish-dtype bits changed; each process against its own previous share, kept on its host);
+a delta directory holds config.json and `delta-*.safetensors` only, and its manifest names its
+`base`. Engines apply the chain (`gagar_jax/rollout/delta.py`).
+
 `policy_version` = learner train steps (docs/feed.md, "policy_version"): weights published after
 step n carry n.
 """
@@ -42,10 +48,12 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import jax
+import numpy as np
 from etils import epath
 
 from gagar_jax.distributed import barrier, is_primary, kv_client
 from gagar_jax.hf import api as hf
+from gagar_jax.hf import delta as hf_delta
 from gagar_jax.hf import save as hf_save
 from gagar_jax.model.transformer import Transformer
 from gagar_jax.run import published
@@ -89,10 +97,12 @@ def _prepare(root: epath.Path, step: int, key: str) -> str:
     return name
 
 
-def _finish(root: epath.Path, name: str, step: int, keep: int) -> str:
-    """Process 0, after every file is written: manifest, pointer, collection."""
-    final = published.commit(root, name, step, keep)
-    log.info("published weights for step %d at %s", step, final)
+def _finish(root: epath.Path, name: str, step: int, keep: int, base: Optional[str] = None) -> str:
+    """Process 0, after every file is written: manifest, pointer, collection (a delta on `base`
+    when `base` is given)."""
+    final = published.commit(root, name, step, keep, kind="delta" if base else "full", base=base)
+    log.info("published %s for step %d at %s", f"a delta on {base}" if base else "weights",
+             step, final)
     return final
 
 
@@ -164,12 +174,23 @@ class Publisher:
         in the writer thread after its files are written, with this process's share
         (stored name -> numpy array, publish dtype): the place for an in-memory weight sync.
       max_shard_bytes: bound on one safetensors file.
+      full_every: K: every K-th publish is a full version, the K - 1 between are deltas on the
+        version before them (`hf.delta`; 1 = every publish full, no deltas). The first publish
+        of a Publisher is always full. With K > 1 each process keeps its previous share on the
+        host (publish dtype) to compare against.
     """
 
     def __init__(self, workdir: epath.PathLike, *, keep: int = 2, dtype: str = "bfloat16",
                  init_from: str = "", publish_fn: Optional[Callable] = None,
-                 max_shard_bytes: int = 5 * 2**30, min_positions: int = 0):
+                 max_shard_bytes: int = 5 * 2**30, min_positions: int = 0, full_every: int = 1):
         _check(0, keep)
+        if full_every < 1:
+            raise ValueError(f"full_every must be >= 1, got {full_every}")
+        self.full_every = full_every
+        self._prev: Optional[dict] = None   # the last published share (K > 1), contiguous
+        self._prev_name: Optional[str] = None
+        self._since_full = 0                # publishes since (and with) the last full one
+        self.last_delta: Optional[hf_delta.DeltaStats] = None   # None: the last was full
         self.root, self.keep, self.dtype, self.init_from = root_of(workdir), keep, dtype, init_from
         self.min_positions = min_positions    # max_position_embeddings floor (feed.seq_len)
         self.publish_fn, self.max_shard_bytes = publish_fn, max_shard_bytes
@@ -199,6 +220,9 @@ class Publisher:
             self._plan = hf_save.plan_save(leaves, model.cfg, jax.process_count(), self.dtype,
                                            carried, self.max_shard_bytes)
         self._count += 1
+        # Every process takes the same decision (same counts; a failed write stops the run).
+        base = (self._prev_name if self._prev is not None and self._since_full < self.full_every
+                else None)
         name = _prepare(self.root, step, f"gagar_publish/{self._count}/name")
         final = self.root / name
         if is_primary():
@@ -206,18 +230,18 @@ class Publisher:
                 model.cfg, self.dtype, self.init_from, self.min_positions), indent=2))
         barrier(f"gagar_publish_start_{step}")
         share = hf_save.gather_share(leaves, self._plan)   # device-to-host: training waits here
-        self._thread = threading.Thread(target=self._write, args=(share, step, final, self._count),
+        self._thread = threading.Thread(target=self._write,
+                                        args=(share, step, final, self._count, base),
                                         name=f"gagar-publish-{step}", daemon=True)
         self._thread.start()
         return os.fspath(final)
 
-    def _write(self, share: dict, step: int, final: epath.Path, count: int) -> None:
+    def _write(self, share: dict, step: int, final: epath.Path, count: int,
+               base: Optional[str]) -> None:
         key = f"gagar_publish/{count}/"
         client = kv_client() if jax.process_count() > 1 else None
         try:
-            if self.init_from:
-                share.update(hf_save.read_carried(self._plan, self.init_from))
-            nbytes = hf_save.write_share(share, self._plan, final, jax.process_index())
+            nbytes = self._write_files(share, final, base)
             if self.publish_fn is not None:
                 self.publish_fn(step, share, os.fspath(final))
             status = "ok"
@@ -234,12 +258,34 @@ class Publisher:
                 if other != "ok":
                     raise RuntimeError(f"publish of step {step} failed on {other}")
             if status == "ok":
-                if self.init_from:
-                    copy_serving_files(self.init_from, final)
-                hf_save.write_index(self._plan, final)
-                _finish(self.root, final.name, step, self.keep)
+                if base is None:   # a delta is read on top of its chain's full version
+                    if self.init_from:
+                        copy_serving_files(self.init_from, final)
+                    hf_save.write_index(self._plan, final)
+                _finish(self.root, final.name, step, self.keep, base)
         except BaseException as e:  # noqa: BLE001
             self._error = self._error or e
+
+    def _write_files(self, share: dict, final: epath.Path, base: Optional[str]) -> int:
+        """This process's files of a full version (`base` None) or of a delta on `base`; keeps
+        the share as the next delta's reference when deltas are on. Returns the bytes."""
+        proc = jax.process_index()
+        if self.full_every > 1:   # carried tensors (MiMo MTP) never change: not compared
+            current = {n: np.ascontiguousarray(a) for n, a in share.items()}
+            share.update(current)
+        if base is None:
+            if self.init_from:
+                share.update(hf_save.read_carried(self._plan, self.init_from))
+            nbytes = hf_save.write_share(share, self._plan, final, proc)
+            self._since_full, self.last_delta = 1, None
+        else:
+            entries, stats = hf_delta.encode_share(self._prev, current)
+            nbytes, _ = hf_delta.write_delta_share(entries, final, proc, self.max_shard_bytes)
+            stats.bytes = nbytes
+            self._since_full, self.last_delta = self._since_full + 1, stats
+        if self.full_every > 1:
+            self._prev, self._prev_name = current, final.name
+        return nbytes
 
     def wait(self) -> None:
         """Waits for the write in flight; raises its error, if any."""

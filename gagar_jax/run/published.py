@@ -22,8 +22,10 @@ Rules; each action below is one atomic step, so they hold under every order of k
      between manifest and pointer). The manifest goes first, so a half-deleted directory reads
      as unfinished and is never listed, linked or named.
 
-Manifest: {"step", "policy_version", "seq" (publish count, 1, 2, ...), "kind" ("full"; a delta
-kind names its base), "base" (name or null), "previous" (name or null), "files" (names), "time"}.
+Manifest: {"step", "policy_version", "seq" (publish count, 1, 2, ...), "kind" ("full" or
+"delta": only what changed since `base`, `gagar_jax/hf/delta.py`), "base" (name or null),
+"previous" (name or null), "files" (names), "time"}. A delta is committed only while its base
+is (rule 4 then keeps the base for as long as the delta is kept).
 """
 from __future__ import annotations
 
@@ -136,10 +138,13 @@ def commit(root: epath.Path, name: str, step: int, keep: int, *, kind: str = "fu
     Args:
       root: `published/`. name: the directory (from `new_name`). step: its train step.
       keep: versions that have been `latest` to keep (>= 1), the new one included.
-      kind: "full", or a delta kind whose `base` (a version name) must be applied first.
+      kind: "full", or "delta": `base` (a committed version's name) must be applied first.
     """
     final = root / name
     versions = scan(root)
+    if kind != "full" and (base is None or versions.get(base) is None):
+        # `latest` must name an applicable version: never a delta whose base is gone
+        raise ValueError(f"version {name}: its base {base!r} is not a committed version")
     ptr = read_pointer(root)
     previous = os.path.basename(ptr["path"]) if ptr is not None else None
     if previous not in versions or versions.get(previous) is None:

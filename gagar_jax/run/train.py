@@ -355,7 +355,8 @@ def _setup(
                               else published)
     publisher = publish.Publisher(workdir, keep=rc.train.keep_published,
                                   dtype=rc.train.publish_dtype, init_from=rc.train.init_from,
-                                  min_positions=rc.feed.seq_len)
+                                  min_positions=rc.feed.seq_len,
+                                  full_every=rc.train.publish_full_every)
     writer = res.writer = metrics_lib.MetricsWriter(
         workdir, purge_step=step + 1 if step else None,
         resume=None if audit is None else {

@@ -1,0 +1,113 @@
+"""Delta publishing (gagar_jax/hf/delta.py, gagar_jax/rollout/delta.py; docs/checkpoints.md
+"Delta publishing"): a chain of a full version and deltas materializes to exactly the bytes a
+full publish of the same step writes; the encodings, the multi-process layout, chain resolution
+and what an engine holding an older version applies."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from support.delta_models import model_and_states, raw, set_state
+
+from gagar_jax.hf import delta as hf_delta
+from gagar_jax.rollout import delta, pointer
+from gagar_jax.run import publish, published
+
+STEPS = 7
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same 7 weight states published twice: every publish full, and a full version every
+    3 publishes with deltas between. Returns (full workdir, delta workdir, delta publisher's
+    stats per step, full version per step as raw tensors)."""
+    model, states = model_and_states(STEPS)
+    full_wd, delta_wd = tmp_path_factory.mktemp("full"), tmp_path_factory.mktemp("delta")
+    full = publish.Publisher(full_wd, keep=STEPS, dtype="bfloat16")
+    deltas = publish.Publisher(delta_wd, keep=STEPS, dtype="bfloat16", full_every=3)
+    stats, reference = {}, {}
+    for step in range(1, STEPS + 1):
+        set_state(model, states[step])
+        full.publish(model, step)
+        deltas.publish(model, step)
+        full.wait()
+        deltas.wait()
+        stats[step] = deltas.last_delta
+        reference[step] = raw(delta.load_full(publish.read_latest(full_wd)["path"]))
+    return full_wd, delta_wd, stats, reference
+
+
+def test_base_plus_deltas_equals_a_full_publish_bit_for_bit(runs):
+    full_wd, delta_wd, stats, reference = runs
+    root = published.root_of(delta_wd)
+    kinds = {}
+    for step in range(1, STEPS + 1):
+        path = os.fspath(root / published.step_dir_name(step))
+        m = pointer.read_manifest(path)
+        kinds[step] = m["kind"]
+        assert raw(delta.materialize(path)) == reference[step], step
+        if m["kind"] == "delta":   # chained to the version before it
+            assert m["base"] == published.step_dir_name(step - 1) == m["previous"]
+            assert all(f.startswith("delta-") or f == "config.json" for f in m["files"])
+            assert "model.safetensors" not in os.listdir(path)
+    assert kinds == {1: "full", 2: "delta", 3: "delta", 4: "full", 5: "delta", 6: "delta",
+                     7: "full"}
+    assert delta.chain(os.fspath(root / "step_00000006")) == [
+        os.fspath(root / n) for n in ("step_00000004", "step_00000005", "step_00000006")]
+    s = stats[2]   # sparse for the slightly moved leaves, dense embedding + fp32 router tensors
+    assert s.sparse > 0 and s.dense > 0 and s.unchanged > 0
+    assert 0 < s.changed < s.elements and s.bytes < 0.6 * s.full_bytes
+    assert stats[1] is None and stats[4] is None     # full versions
+
+
+def test_encode_picks_sparse_dense_or_nothing_bitwise():
+    prev = np.arange(100, dtype=np.float32)
+    cur = prev.copy()
+    assert hf_delta.encode("w", prev, cur) == {}
+    cur[[3, 70]] = [-1.0, 0.5]
+    e = hf_delta.encode("w", prev, cur)
+    assert sorted(e) == ["w:idx", "w:val"] and e["w:idx"].tolist() == [3, 70]
+    assert e["w:idx"].dtype == np.int32 and e["w:val"].tolist() == [-1.0, 0.5]
+    z = prev.copy()
+    z[0] = -0.0    # equal as floats, other bits: a change (the bytes must match a full publish)
+    assert hf_delta.encode("w", prev, z)["w:idx"].tolist() == [0]
+    cur[:60] += 1   # 61 changes x 8 bytes >= 400 bytes: the whole tensor is smaller
+    assert list(hf_delta.encode("w", prev, cur)) == ["w"]
+
+
+def test_shares_of_several_processes_and_applying_only_what_an_engine_lacks(tmp_path):
+    """Each process writes its own delta files (its own share against its own previous one);
+    an engine holding an older version of the chain applies only the deltas after it."""
+    root = tmp_path / "published"
+    rng = np.random.default_rng(1)
+    v0 = {f"t{i}": rng.standard_normal((8, 16)).astype(np.float32) for i in range(6)}
+    (root / "step_00000001").mkdir(parents=True)
+    from gagar_jax.hf.safetensors import write_safetensors
+    write_safetensors(root / "step_00000001" / "model.safetensors", v0)
+    published.commit(root, "step_00000001", 1, keep=5)
+    v1 = {n: a.copy() for n, a in v0.items()}
+    v1["t0"][2, 3] = 7.0
+    v1["t4"][:] = 1.0
+    name = published.new_name(root, 2)
+    (root / name).mkdir()
+    shares = [["t0", "t1", "t2"], ["t3", "t4", "t5"]]   # process 0's and process 1's tensors
+    for p, names in enumerate(shares):
+        entries, _ = hf_delta.encode_share({n: v0[n] for n in names}, {n: v1[n] for n in names})
+        hf_delta.write_delta_share(entries, root / name, p, max_shard_bytes=64)
+    published.commit(root, name, 2, keep=5, kind="delta", base="step_00000001")
+    files = pointer.read_manifest(os.fspath(root / name))["files"]
+    assert files == ["delta-00000-00000.safetensors", "delta-00001-00000.safetensors"]
+    got = delta.materialize(os.fspath(root / name))
+    assert sorted(got) == sorted(v1)
+    for n in v1:
+        np.testing.assert_array_equal(got[n].array, v1[n])
+    v0_path, v1_path = os.fspath(root / "step_00000001"), os.fspath(root / name)
+    assert delta.pending(v0_path, v1_path) == [v1_path]
+    assert delta.pending(v1_path, v1_path) == []
+    assert delta.pending(os.fspath(tmp_path / "elsewhere"), v1_path) is None
+    with pytest.raises(ValueError, match="base 'step_00000009' is not a committed version"):
+        published.commit(root, name, 3, keep=5, kind="delta", base="step_00000009")
+    (root / "step_00000001" / publish.MANIFEST).unlink()
+    with pytest.raises(delta.ChainError, match="step_00000001: no manifest"):
+        delta.chain(v1_path)
