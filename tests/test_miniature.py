@@ -79,8 +79,8 @@ def _row(step, **kw):
 
 
 def test_criteria_by_hand():
-    # 6 seeds, 12 steps; entropy: step 0 = 0.4 everywhere; last 10 steps (rows 2..12 -> the
-    # last 11 rows are averaged) constant per arm and seed.
+    # 6 seeds, 12 steps; entropy: step 0 = 0.4 everywhere; last 10 steps (rows 2..11; row 12
+    # is the final evaluation) constant per arm and seed.
     def run(e_last, length, strong=0.5):
         rows = [_row(0, train_entropy=0.4, train_mean_generated=10.0)]
         rows += [_row(t, train_entropy=e_last, train_mean_generated=length,
@@ -130,3 +130,14 @@ def test_strong_credit_share_by_hand():
     adv_T = np.array([0.3, -0.9, 0.5, 0.6, -0.5])   # b=0.3, c=-0.9, d=0.5, a=0.6, e=-0.5
     assert math.isclose(strong_credit_share(records, info, adv_T), (0.6 + 0.5) / (0.6 + 0.3 + 0.5))
     assert math.isnan(strong_credit_share(records, info, -np.abs(adv_T)))
+
+
+def test_last_window_averages_the_last_10_steps_without_the_final_evaluation():
+    # 40 RL steps: train metrics on rows 0..39, evaluations every 5 steps and at row 40.
+    rows = [_row(t, train_entropy=float(t), **({"kl_ref": float(t)} if t % 5 == 0 else {}))
+            for t in range(40)] + [_row(40, kl_ref=40.0)]
+    assert report.last_window(rows, "train_entropy") == np.mean(np.arange(30, 40))
+    assert report.last_window(rows, "kl_ref") == 32.5           # steps 30 and 35, not 40
+    table = report.markdown_table({"binary/0": rows, "binary/1": rows})
+    kl = next(line for line in table.splitlines() if line.startswith("| KL to warm start"))
+    assert kl.split(" | ")[3:5] == ["32.5000 [32.5000, 32.5000]", "40.0000 [40.0000, 40.0000]"]
