@@ -31,7 +31,9 @@ def _env():
 
 
 def _quick(out, *extra):
-    cmd = [sys.executable, os.path.join(REPO, "scripts", "miniature.py"), "--quick", "--out",
+    # --quick-b: --quick's shapes and arms with round three's Design B settings (its note
+    # language, harsh factor table, top-p 0.9, 4 mini-batches): one smoke test covers both.
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "miniature.py"), "--quick-b", "--out",
            out] + list(extra)
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -69,6 +71,14 @@ def test_quick_sweep_runs_every_arm_saves_and_resumes(tmp_path):
                         abs_tol=1e-5)
     for name in ("table.md", "criteria.md", "steps.csv", "curves.png"):
         assert os.path.exists(os.path.join(out, name)), name
+    # Design B's settings reached the sweep: notes were sampled, the harsh table set the factors
+    # (no default-table factor is below 0.2 or between 0.9 and 1), top-p is recorded.
+    with open(os.path.join(out, "meta.json")) as f:
+        args = json.load(f)["args"]
+    assert args["top_p"] == 0.9 and args["factor_table"] == "harsh"
+    assert "train.mini_batches=4" in args["set"]
+    assert runs["binary"][0]["train_note_share"] > 0
+    assert math.isfinite(runs["binary"][0]["train_entropy_note"])
     # A rerun skips every finished run and only rewrites the report.
     stdout = _quick(out)
     assert stdout.count("skip ") == 4 and "saved " not in stdout
@@ -141,3 +151,21 @@ def test_last_window_averages_the_last_10_steps_without_the_final_evaluation():
     table = report.markdown_table({"binary/0": rows, "binary/1": rows})
     kl = next(line for line in table.splitlines() if line.startswith("| KL to warm start"))
     assert kl.split(" | ")[3:5] == ["32.5000 [32.5000, 32.5000]", "40.0000 [40.0000, 40.0000]"]
+
+
+def test_bad_factor_table_is_one_clear_error(capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "miniature_script", os.path.join(REPO, "scripts", "miniature.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for bad in ("defective=2", "bogus=0.5", "strong_best"):
+        try:
+            mod.main(["--factor-table", bad, "--report", "--out", "/nonexistent"])
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"--factor-table {bad} accepted")
+        err = capsys.readouterr().err
+        assert err.startswith("error: --factor-table") and err.count("\n") == 1, err
+    assert mod._table(mod._args(["--factor-table", "harsh"])).defective == 0.1
