@@ -45,6 +45,9 @@ def _args(argv=None):
                         "(on the easy task), harsh factor table, top-p 0.9, 4 mini-batches")
     p.add_argument("--report", action="store_true",
                    help="rewrite tables, plots and the criteria from OUT/runs/*.json (no runs)")
+    p.add_argument("--criteria-b", default="", metavar="EXACT_OUT",
+                   help="with --report on Design B's top-p OUT: also write OUT/criteria_b.md "
+                        "(round three's B1-B3) using the pair without top-p in EXACT_OUT")
     p.add_argument("--workdir", default=os.path.join(REPO, "runs", "miniature"))
     p.add_argument("--out", default=os.path.join(REPO, "docs", "miniature"), help="sweep output")
     p.add_argument("--task", default="hard", choices=("hard", "easy", "easy-notes"),
@@ -282,6 +285,17 @@ def write_report(out: str) -> str:
     return report.write_all(runs, out)
 
 
+def write_criteria_b(out: str, exact_out: str) -> str:
+    """OUT/criteria_b.md: Design B's checks from OUT (top-p) and EXACT_OUT (no top-p) runs."""
+    from gagar_jax.sim import report
+    rows = report.criteria_b(load_runs(out), load_runs(exact_out))
+    text = "| criterion | met | evidence (steps 30-39; paired 95% t-CI) |\n|---|---|---|\n"
+    text += "".join(f"| {n} | {'yes' if ok else 'no'} | {ev} |\n" for n, ok, ev in rows)
+    with open(os.path.join(out, "criteria_b.md"), "w") as f:
+        f.write(text)
+    return text
+
+
 def produce(a) -> None:
     from gagar_jax.model.transformer import ModelConfig
     from gagar_jax.sim import producer
@@ -348,6 +362,8 @@ def main(argv=None) -> int:
         return closed_loop(a)
     if a.report:
         print(write_report(a.out))
+        if a.criteria_b:
+            print(write_criteria_b(a.out, a.criteria_b))
         return 0
     if a.calibrate:
         calibrate(a)

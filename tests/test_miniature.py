@@ -169,3 +169,18 @@ def test_bad_factor_table_is_one_clear_error(capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: --factor-table") and err.count("\n") == 1, err
     assert mod._table(mod._args(["--factor-table", "harsh"])).defective == 0.1
+
+
+def test_design_b_criteria_by_hand():
+    def run(note):
+        return [_row(t, train_entropy_note=note) for t in range(40)] + [_row(40)]
+    topp, exact = {}, {}
+    for s in range(3):
+        topp[f"sum_preserving/{s}"] = run(0.5)
+        topp[f"downweight_only/{s}"] = run(0.56 + 0.01 * s)
+        topp[f"control/{s}"] = run(0.58)
+    exact["sum_preserving/0"], exact["downweight_only/0"] = run(0.5), run(0.53)
+    got = report.criteria_b(topp, exact)
+    assert [ok for _, ok, _ in got] == [True, False, True]
+    assert got[1][2] == "+0.0300, 1 seed(s)"
+    assert [ok for _, ok, _ in report.criteria_b({}, {})] == [False, False, False]

@@ -255,3 +255,37 @@ def write_all(runs: dict, out: str) -> str:
     write_csv(runs, os.path.join(out, "steps.csv"))
     plot(runs, out)
     return table + "\n" + crit
+
+
+def criteria_b(topp: dict, exact: dict) -> list:
+    """Round three's Design B checks (docs/miniature.md): `topp` and `exact` are the runs of the
+    top-p sweep and of the pair without top-p; list of (name, met, evidence). A check whose runs
+    are missing is reported as not met with the evidence "missing runs"."""
+    key = "train_entropy_note"
+    t, e = by_arm(topp), by_arm(exact)
+    out = []
+    if {"downweight_only", "sum_preserving"} <= set(t):
+        d = _paired(t, "downweight_only", "sum_preserving", key, last_window)
+        m, lo, hi = t_ci(list(d.values()))
+        out.append(("B1 top-p: downweight_only - sum_preserving note entropy >= +0.05, CI > 0",
+                    bool(m >= 0.05 and lo > 0), f"{m:+.4f} [{lo:+.4f}, {hi:+.4f}], {len(d)} seeds"))
+    else:
+        out.append(("B1 top-p: downweight_only - sum_preserving", False, "missing runs"))
+    if {"downweight_only", "sum_preserving"} <= set(e):
+        d = _paired(e, "downweight_only", "sum_preserving", key, last_window)
+        m = float(np.mean(list(d.values())))
+        out.append(("B2 no top-p: |downweight_only - sum_preserving| note entropy <= 0.02",
+                    bool(abs(m) <= 0.02), f"{m:+.4f}, {len(d)} seed(s)"))
+    else:
+        out.append(("B2 no top-p: downweight_only - sum_preserving", False, "missing runs"))
+    if {"downweight_only", "sum_preserving", "control"} <= set(t):
+        dc = _paired(t, "control", "sum_preserving", key, last_window)
+        dd = _paired(t, "downweight_only", "sum_preserving", key, last_window)
+        mc, lo, hi = t_ci(list(dc.values()))
+        md = float(np.mean(list(dd.values())))
+        out.append(("B3 top-p: control - sum_preserving note entropy >= +0.05 and within half of "
+                    "downweight_only's", bool(mc >= 0.05 and abs(mc - md) <= 0.5 * abs(md)),
+                    f"{mc:+.4f} [{lo:+.4f}, {hi:+.4f}] vs downweight_only {md:+.4f}"))
+    else:
+        out.append(("B3 top-p: control - sum_preserving", False, "missing runs"))
+    return out
