@@ -3,6 +3,7 @@ the pre-registered criteria (docs/miniature.md).
 
   JAX_PLATFORMS=cpu python scripts/miniature.py --out docs/miniature/round2   # the sweep
   JAX_PLATFORMS=cpu python scripts/miniature.py --quick                       # smoke test
+  JAX_PLATFORMS=cpu python scripts/miniature.py --quick-b   # smoke test of round three's Design B
   JAX_PLATFORMS=cpu python scripts/miniature.py --calibrate --sft-steps 2000  # warm start only
   python scripts/miniature.py --report --out docs/miniature/round2            # tables again
   JAX_PLATFORMS=cpu python scripts/miniature.py --closed-loop --workdir runs/loop   # two processes
@@ -39,12 +40,23 @@ def _args(argv=None):
     p.add_argument("--producer", action="store_true", help="run only the producer process")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: every arm, 1 seed, 2 steps, tiny shapes (the test suite's)")
+    p.add_argument("--quick-b", action="store_true",
+                   help="--quick with round three's Design B settings: its note language "
+                        "(on the easy task), harsh factor table, top-p 0.9, 4 mini-batches")
     p.add_argument("--report", action="store_true",
                    help="rewrite tables, plots and the criteria from OUT/runs/*.json (no runs)")
+    p.add_argument("--criteria-b", default="", metavar="EXACT_OUT",
+                   help="with --report on Design B's top-p OUT: also write OUT/criteria_b.md "
+                        "(round three's B1-B3) using the pair without top-p in EXACT_OUT")
     p.add_argument("--workdir", default=os.path.join(REPO, "runs", "miniature"))
     p.add_argument("--out", default=os.path.join(REPO, "docs", "miniature"), help="sweep output")
-    p.add_argument("--task", default="hard", choices=("hard", "easy"),
-                   help="hard: round two's task (TaskConfig.hard()); easy: round one's")
+    p.add_argument("--task", default="hard", choices=("hard", "easy", "easy-notes"),
+                   help="hard: round two's task (TaskConfig.hard()); easy: round one's; "
+                        "easy-notes: round one's with notes (Design B's smoke test)")
+    p.add_argument("--factor-table", default="default",
+                   help="the feed's tier/rank -> factor table: default, harsh (Design B: strong "
+                        "1.0/0.8, intermediate 0.6->0.3, defective 0.1) or KEY=V,... overrides "
+                        "of grading.FactorTable")
     p.add_argument("--arms", default="binary,downweight_only,sum_preserving,control")
     p.add_argument("--seeds", default="0,1,2,3,4,5")
     p.add_argument("--independent-warm", action="store_true",
@@ -59,7 +71,7 @@ def _args(argv=None):
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-batch", type=int, default=32, help="demonstrations per SFT step")
     p.add_argument("--demos", type=int, default=4000, help="demonstrations in the SFT set")
-    p.add_argument("--recipe", default="calibrated", choices=("calibrated", "round2"),
+    p.add_argument("--recipe", default="calibrated", choices=("calibrated", "round2", "round3b"),
                    help="demonstration recipe (sim.demos.RECIPES); the flags below override it")
     p.add_argument("--demo-mix", default="",
                    help="demonstration styles, e.g. clean=0.1,thrash=0.3 (default: the recipe's)")
@@ -79,11 +91,34 @@ def _args(argv=None):
     p.add_argument("--set", action="append", default=[],
                    help="extra --config.KEY=VALUE overrides for the trainer (and sweep)")
     a = p.parse_args(argv)
-    if a.quick:   # the easy task, so a 150-step warm start already passes some tasks
+    if a.quick or a.quick_b:   # the easy task, so a 150-step warm start already passes some
         a.arms, a.seeds, a.steps, a.groups, a.group_size = ",".join(_ARMS), "0", 2, 4, 8
         a.eval_tasks, a.eval_every, a.probe_size, a.sft_steps, a.sft_lr = 4, 2, 8, 150, 1e-2
         a.task, a.recipe = "easy", "round2"
+    if a.quick_b:  # Design B's channel on the easy task with Design B's note language
+        a.quick, a.task, a.factor_table, a.top_p = True, "easy-notes", "harsh", 0.9
+        a.note_mean = 3.0       # every arm (binary too: the suite's one smoke test of the loop)
+        a.set = a.set + ["train.mini_batches=4", "optim.learning_rate=5e-4"]
     return a
+
+
+HARSH_TABLE = dict(strong_best=1.0, strong_other=0.8, intermediate_best=0.6,
+                   intermediate_worst=0.3, defective=0.1)
+
+
+def _table(a):
+    """The feed's factor table (`--factor-table`); exits 2 on a bad value."""
+    from gagar_jax.algo import grading
+    if a.factor_table == "default":
+        return grading.FactorTable()
+    if a.factor_table == "harsh":
+        return grading.FactorTable(**HARSH_TABLE)
+    try:
+        over = {k: float(v) for k, v in (i.split("=") for i in a.factor_table.split(","))}
+        return grading.FactorTable.from_config(over)
+    except (ValueError, TypeError) as e:
+        print(f"error: --factor-table {a.factor_table!r}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 _ARMS = ("binary", "downweight_only", "sum_preserving", "control")
@@ -91,6 +126,8 @@ _ARMS = ("binary", "downweight_only", "sum_preserving", "control")
 
 def _task(a):
     from gagar_jax.sim import task as task_lib
+    if a.task == "easy-notes":
+        return task_lib.TaskConfig(note_words=300, max_turn_tokens=16)
     return task_lib.TaskConfig.hard() if a.task == "hard" else task_lib.TaskConfig()
 
 
@@ -118,6 +155,8 @@ def _recipe(a):
     from gagar_jax.sim import demos
     over = {k: v for k, v in (("note_prob", a.note_prob), ("note_mean", a.note_mean),
                               ("read_prob", a.read_prob)) if v is not None}
+    if a.quick_b:   # round two's styles (they fit the easy task), Design B's note language
+        over["note_probs"] = demos.ROUND3B_RECIPE.note_probs
     if a.demo_mix:
         over["mix"] = {k: float(v) for k, v in (i.split("=") for i in a.demo_mix.split(","))}
     return dataclasses.replace(demos.RECIPES[a.recipe], **over)
@@ -146,7 +185,8 @@ def _warm(a, cfg, task_cfg, warm_seed: int):
             return pickle.load(f)
     warm = X.warm_start(cfg, task_cfg, seed=warm_seed, sft_steps=a.sft_steps, lr=a.sft_lr,
                         batch_size=a.sft_batch, num_demos=a.demos, recipe=_recipe(a),
-                        eval_tasks=a.eval_tasks, group_size=a.group_size)
+                        eval_tasks=a.eval_tasks, group_size=a.group_size,
+                        lam_cap=float(cfg.loss.lam_cap), table=_table(a))
     os.makedirs(a.workdir, exist_ok=True)
     with open(path + ".tmp", "wb") as f:
         pickle.dump(warm, f)
@@ -164,7 +204,7 @@ def sweep(a) -> None:
     task_cfg = _task(a)
     runs_dir = os.path.join(a.out, "runs")
     os.makedirs(runs_dir, exist_ok=True)
-    learner = X.Learner(cfg)
+    learner = X.Learner(cfg, _table(a))
     probe = measure.ProbeSet(task_cfg, a.probe_size, _recipe(a))
     meta_path = os.path.join(a.out, "meta.json")
     meta = {"command": "python scripts/miniature.py " + " ".join(sys.argv[1:]),
@@ -245,6 +285,17 @@ def write_report(out: str) -> str:
     return report.write_all(runs, out)
 
 
+def write_criteria_b(out: str, exact_out: str) -> str:
+    """OUT/criteria_b.md: Design B's checks from OUT (top-p) and EXACT_OUT (no top-p) runs."""
+    from gagar_jax.sim import report
+    rows = report.criteria_b(load_runs(out), load_runs(exact_out))
+    text = "| criterion | met | evidence (steps 30-39; paired 95% t-CI) |\n|---|---|---|\n"
+    text += "".join(f"| {n} | {'yes' if ok else 'no'} | {ev} |\n" for n, ok, ev in rows)
+    with open(os.path.join(out, "criteria_b.md"), "w") as f:
+        f.write(text)
+    return text
+
+
 def produce(a) -> None:
     from gagar_jax.model.config import ModelConfig
     from gagar_jax.sim import producer
@@ -304,6 +355,7 @@ def closed_loop(a) -> int:
 
 def main(argv=None) -> int:
     a = _args(argv)
+    _table(a)     # a bad --factor-table fails before any work
     if a.producer:
         produce(a)
         return 0
@@ -311,6 +363,8 @@ def main(argv=None) -> int:
         return closed_loop(a)
     if a.report:
         print(write_report(a.out))
+        if a.criteria_b:
+            print(write_criteria_b(a.out, a.criteria_b))
         return 0
     if a.calibrate:
         calibrate(a)

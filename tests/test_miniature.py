@@ -31,7 +31,9 @@ def _env():
 
 
 def _quick(out, *extra):
-    cmd = [sys.executable, os.path.join(REPO, "scripts", "miniature.py"), "--quick", "--out",
+    # --quick-b: --quick's shapes and arms with round three's Design B settings (its note
+    # language, harsh factor table, top-p 0.9, 4 mini-batches): one smoke test covers both.
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "miniature.py"), "--quick-b", "--out",
            out] + list(extra)
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -69,6 +71,14 @@ def test_quick_sweep_runs_every_arm_saves_and_resumes(tmp_path):
                         abs_tol=1e-5)
     for name in ("table.md", "criteria.md", "steps.csv", "curves.png"):
         assert os.path.exists(os.path.join(out, name)), name
+    # Design B's settings reached the sweep: notes were sampled, the harsh table set the factors
+    # (no default-table factor is below 0.2 or between 0.9 and 1), top-p is recorded.
+    with open(os.path.join(out, "meta.json")) as f:
+        args = json.load(f)["args"]
+    assert args["top_p"] == 0.9 and args["factor_table"] == "harsh"
+    assert "train.mini_batches=4" in args["set"]
+    assert runs["binary"][0]["train_note_share"] > 0
+    assert math.isfinite(runs["binary"][0]["train_entropy_note"])
     # A rerun skips every finished run and only rewrites the report.
     stdout = _quick(out)
     assert stdout.count("skip ") == 4 and "saved " not in stdout
@@ -79,8 +89,8 @@ def _row(step, **kw):
 
 
 def test_criteria_by_hand():
-    # 6 seeds, 12 steps; entropy: step 0 = 0.4 everywhere; last 10 steps (rows 2..12 -> the
-    # last 11 rows are averaged) constant per arm and seed.
+    # 6 seeds, 12 steps; entropy: step 0 = 0.4 everywhere; last 10 steps (rows 2..11; row 12
+    # is the final evaluation) constant per arm and seed.
     def run(e_last, length, strong=0.5):
         rows = [_row(0, train_entropy=0.4, train_mean_generated=10.0)]
         rows += [_row(t, train_entropy=e_last, train_mean_generated=length,
@@ -130,3 +140,47 @@ def test_strong_credit_share_by_hand():
     adv_T = np.array([0.3, -0.9, 0.5, 0.6, -0.5])   # b=0.3, c=-0.9, d=0.5, a=0.6, e=-0.5
     assert math.isclose(strong_credit_share(records, info, adv_T), (0.6 + 0.5) / (0.6 + 0.3 + 0.5))
     assert math.isnan(strong_credit_share(records, info, -np.abs(adv_T)))
+
+
+def test_last_window_averages_the_last_10_steps_without_the_final_evaluation():
+    # 40 RL steps: train metrics on rows 0..39, evaluations every 5 steps and at row 40.
+    rows = [_row(t, train_entropy=float(t), **({"kl_ref": float(t)} if t % 5 == 0 else {}))
+            for t in range(40)] + [_row(40, kl_ref=40.0)]
+    assert report.last_window(rows, "train_entropy") == np.mean(np.arange(30, 40))
+    assert report.last_window(rows, "kl_ref") == 32.5           # steps 30 and 35, not 40
+    table = report.markdown_table({"binary/0": rows, "binary/1": rows})
+    kl = next(line for line in table.splitlines() if line.startswith("| KL to warm start"))
+    assert kl.split(" | ")[3:5] == ["32.5000 [32.5000, 32.5000]", "40.0000 [40.0000, 40.0000]"]
+
+
+def test_bad_factor_table_is_one_clear_error(capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "miniature_script", os.path.join(REPO, "scripts", "miniature.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for bad in ("defective=2", "bogus=0.5", "strong_best"):
+        try:
+            mod.main(["--factor-table", bad, "--report", "--out", "/nonexistent"])
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"--factor-table {bad} accepted")
+        err = capsys.readouterr().err
+        assert err.startswith("error: --factor-table") and err.count("\n") == 1, err
+    assert mod._table(mod._args(["--factor-table", "harsh"])).defective == 0.1
+
+
+def test_design_b_criteria_by_hand():
+    def run(note):
+        return [_row(t, train_entropy_note=note) for t in range(40)] + [_row(40)]
+    topp, exact = {}, {}
+    for s in range(3):
+        topp[f"sum_preserving/{s}"] = run(0.5)
+        topp[f"downweight_only/{s}"] = run(0.56 + 0.01 * s)
+        topp[f"control/{s}"] = run(0.58)
+    exact["sum_preserving/0"], exact["downweight_only/0"] = run(0.5), run(0.53)
+    got = report.criteria_b(topp, exact)
+    assert [ok for _, ok, _ in got] == [True, False, True]
+    assert got[1][2] == "+0.0300, 1 seed(s)"
+    assert [ok for _, ok, _ in report.criteria_b({}, {})] == [False, False, False]

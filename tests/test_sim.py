@@ -457,6 +457,34 @@ def test_note_language_is_low_entropy():
     assert 0.4 < h < 0.65, h
 
 
+def test_note_language_with_20_zipf_successors_keeps_the_3_successor_default():
+    # The default draws exactly what the 3-successor language drew before it was generalised.
+    rng = np.random.default_rng(0)
+    old_succ = np.stack([rng.choice(300, 3, replace=False) for _ in range(300)])
+    old_starts = rng.choice(300, 3, replace=False)
+    lang = T.NoteLanguage(HARD, 0)
+    assert (lang.successors == old_succ).all() and (lang.starts == old_starts).all()
+    p = T.zipf_probs(20, 2.0)
+    assert len(p) == 20 and abs(sum(p) - 1) < 1e-12 and abs(p[0] - 1 / 1.5962) < 1e-3
+    assert D.ROUND3B_RECIPE.note_probs == p
+    lang20 = T.NoteLanguage(HARD, 0, p)
+    words = lang20.sample(np.random.default_rng(1), 20000)[1:]
+    # Successor entropy of k^-2 over 20 = 1.40 nats (the plug-in estimate from ~67 samples per
+    # word is biased low by ~(20 - 1) / (2 x 67)); the top successor takes ~0.63 of each word.
+    pairs = collections.Counter(zip(words[:-1], words[1:], strict=False))
+    first = collections.Counter(words[:-1])
+    h = -sum(c / len(words[:-1]) * np.log(c / first[a]) for (a, _), c in pairs.items())
+    h_true = -sum(q * np.log(q) for q in p)
+    assert h_true - 0.2 < h < h_true + 0.02, (h, h_true)
+    top = np.mean([b == WB for (a, b), WB in zip(
+        zip(words[:-1], words[1:], strict=False),
+        (T.WORD_BASE + lang20.successors[a - T.WORD_BASE][0] for a in words[:-1]),
+        strict=False)])
+    assert abs(top - p[0]) < 0.02
+    with pytest.raises(ValueError, match="note_words >= 20"):
+        T.NoteLanguage(T.TaskConfig(note_words=10), 0, p)
+
+
 # ---- the control arm: A_i - c_g through the library's downweight-only advantages -------------
 
 @given(st.lists(st.sampled_from(["strong1", "strong2", "inter1", "inter2", "inter3", "defective",

@@ -9,4 +9,7 @@ arms.py        the three advantage modes and the control ablation
 experiment.py  the in-process closed loop: sample -> grade -> Feed -> train step
 measure.py     per-step measurements: probe entropy, KL to the warm start, lengths
 report.py      tables, plots and the pre-registered criteria of a sweep
+tabular.py     round three's Design A: a tabular policy trained with the library's advantage
+               and loss (every arm x sampler x seed in one vmapped program)
+tabular_report.py  Design A's CSV, tables, criteria and plots
 """

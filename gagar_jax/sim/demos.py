@@ -75,7 +75,15 @@ CALIBRATED_RECIPE = Recipe(
          "sprawl": 0.08, "hack": 0.02, "blind": 0.365, "flail": 0.05},
     read_prob=0.9, scripted=True, note_prob=1.0, note_mean=4.0, note_fixed=True,
     note_probs=(0.95, 0.04, 0.01))
-RECIPES = {"round2": ROUND2_RECIPE, "calibrated": CALIBRATED_RECIPE}
+# Round three's Design B (docs/miniature.md): the calibrated recipe's single-decision styles,
+# sloppier (fewer strong passes, more intermediate and defective ones), and notes from a language
+# with 20 Zipf successors per word (k^-2: top successor 0.63), whose tail top-p 0.9 never samples.
+ROUND3B_RECIPE = dataclasses.replace(
+    CALIBRATED_RECIPE,
+    mix={"clean": 0.07, "checked": 0.03, "out_of_scope": 0.16, "thrash": 0.16, "sprawl": 0.14,
+         "hack": 0.02, "blind": 0.37, "flail": 0.05},
+    note_probs=task_lib.zipf_probs(20, 2.0))
+RECIPES = {"round2": ROUND2_RECIPE, "calibrated": CALIBRATED_RECIPE, "round3b": ROUND3B_RECIPE}
 
 
 def demo_turns(task: task_lib.Task, cfg: task_lib.TaskConfig, style: str,

@@ -71,7 +71,8 @@ def heldout_tasks(task_cfg: task_lib.TaskConfig, n: int) -> list:
 def warm_start(cfg: ml_collections.ConfigDict, task_cfg: task_lib.TaskConfig, *, seed: int,
                sft_steps: int, num_demos: int = 4000, batch_size: int = 32, lr: float = 3e-3,
                recipe: demos.Recipe = demos.ROUND2_RECIPE, eval_tasks: int = 32,
-               group_size: int = 8, lam_cap: float = 1.5) -> WarmStart:
+               group_size: int = 8, lam_cap: float = 1.5,
+               table: Optional[grading.FactorTable] = None) -> WarmStart:
     """Supervised warm start on mixed-quality demonstrations, then the step-0 tier mix.
 
     Args:
@@ -80,7 +81,7 @@ def warm_start(cfg: ml_collections.ConfigDict, task_cfg: task_lib.TaskConfig, *,
       num_demos, batch_size, lr: SFT set size, rows per step, Adam rate.
       recipe: how the demonstrations are drawn (`demos.Recipe`).
       eval_tasks, group_size: held-out report (`extra`: f_bar and the cap rate it implies at
-      `lam_cap`, see `pass_factor_stats`).
+      `lam_cap`, see `pass_factor_stats`). table: the factor table (default: the grader's).
     """
     t0 = time.perf_counter()
     model = Transformer(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(seed))
@@ -97,17 +98,21 @@ def warm_start(cfg: ml_collections.ConfigDict, task_cfg: task_lib.TaskConfig, *,
                                             policy_version=0)
     return WarmStart(params=jax.device_get(params), router_bias=jax.device_get(bias), stats=stats,
                      sft_losses=[float(x) for x in losses], seconds=time.perf_counter() - t0,
-                     extra=pass_factor_stats(records, grading.FactorTable(), lam_cap))
+                     extra=pass_factor_stats(records, table or grading.FactorTable(), lam_cap))
 
 
 class Learner:
-    """The product's jitted train step on a one-process mesh, compiled once per advantage mode."""
+    """The product's jitted train step on a one-process mesh, compiled once per advantage mode.
 
-    def __init__(self, cfg: ml_collections.ConfigDict):
+    `table` is the feed's tier/rank -> factor table (default: the grader's; Design B of round
+    three uses a harsher one)."""
+
+    def __init__(self, cfg: ml_collections.ConfigDict,
+                 table: Optional[grading.FactorTable] = None):
         self.cfg = cfg
         self.mesh = make_mesh(cfg.mesh)
         self.feed_cfg = FeedConfig.from_config(cfg.feed)
-        self.feed_table = grading.FactorTable()
+        self.feed_table = table or grading.FactorTable()
         self._steps: dict = {}      # mode -> (StepConfig, step_fn)
 
     def step_config(self, mode: str) -> StepConfig:

@@ -61,8 +61,16 @@ def series(rows: list, key: str) -> np.ndarray:
 
 
 def last_window(rows: list, key: str, width: int = WINDOW) -> float:
-    """Mean of `key` over the last `width` RL steps (rows steps S-width .. S; NaN-skipping)."""
-    v = series(rows, key)[-(width + 1):]
+    """Mean of `key` over the last `width` RL steps: the rows of steps S-width .. S-1, where S,
+    the last row's step, is the run's step count (NaN-skipping).
+
+    Row S is the final evaluation, after the last update; it is left out so that every metric
+    averages the same `width` rows (held-out metrics and the KL: the evaluations those rows
+    hold, e.g. steps 30 and 35 of a 40-step run). Round two's first report included row S, so
+    its held-out and KL windows spanned 11 rows.
+    """
+    end = rows[-1]["step"]
+    v = np.array([series([r], key)[0] for r in rows if end - width <= r["step"] < end])
     v = v[np.isfinite(v)]
     return float(v.mean()) if v.size else math.nan
 
@@ -121,29 +129,64 @@ def criteria(runs: dict) -> list:
     return out
 
 
+# Paired contrasts that separate the two things criteria 2 and 3e mix (not pre-registered):
+# (a, b, key, what a - b isolates).
+CONTRASTS = (
+    ("control", "binary", "train_entropy", "net-negative credit alone (no quality signal in "
+     "either arm)"),
+    ("downweight_only", "sum_preserving", "heldout_strong_share", "the rescale, at equal "
+     "quality signal"),
+    ("control", "binary", "heldout_strong_share", "net-negative credit alone"),
+)
+
+
+def contrasts(runs: dict) -> list:
+    """(a - b, key, mean, lo, hi, seeds, what it isolates) for `CONTRASTS` present in runs."""
+    arms = by_arm(runs)
+    out = []
+    for a, b, key, what in CONTRASTS:
+        if a in arms and b in arms:
+            d = _paired(arms, a, b, key, last_window)
+            out.append((f"{a} - {b}", key, *t_ci(list(d.values())), len(d), what))
+    return out
+
+
 def criteria_markdown(runs: dict) -> str:
     arms = by_arm(runs)
     lines = ["| criterion | met | evidence (mean over seeds; paired 95% t-CI) |", "|---|---|---|"]
     lines += [f"| {n} | {'yes' if ok else 'no'} | {ev} |" for n, ok, ev in criteria(runs)]
     counts = ", ".join(f"{a}: {len(s)} seeds" for a, s in arms.items())
-    return "\n".join(lines) + f"\n\nRuns: {counts}.\n"
+    text = "\n".join(lines) + f"\n\nRuns: {counts}.\n"
+    rows = contrasts(runs)
+    if rows:
+        text += ("\nContrasts (not pre-registered; last 10 steps, paired 95% t-CI):\n\n"
+                 "| contrast | metric | mean [CI] | seeds | isolates |\n|---|---|---|---|---|\n")
+        text += "".join(f"| {c} | {k} | {m:+.4f} [{lo:+.4f}, {hi:+.4f}] | {n} | {w} |\n"
+                        for c, k, m, lo, hi, n, w in rows)
+    return text
 
 
 def markdown_table(runs: dict) -> str:
     """Per arm: step 0 and the last-10-steps mean of every metric, mean and 95% t-CI."""
     arms = by_arm(runs)
-    lines = ["| metric | arm | step 0 | last 10 steps | vs sum_preserving (paired) |",
-             "|---|---|---|---|---|"]
+    lines = ["| metric | arm | step 0 | last 10 steps | final row | vs sum_preserving (paired) |",
+             "|---|---|---|---|---|---|"]
     for key, label, fmt in METRICS:
         for arm, seeds in arms.items():
             first = [series(r, key)[0] for r in seeds.values()]
             last = [last_window(r, key) for r in seeds.values()]
+            final = [series(r, key)[-1] for r in seeds.values()]
             cell = lambda x, fmt=fmt: _ci(t_ci(x), fmt)  # noqa: E731
             diff = ""
             if arm != "sum_preserving" and "sum_preserving" in arms:
                 diff = cell(list(_paired(arms, arm, "sum_preserving", key, last_window).values()))
-            lines.append(f"| {label} | {arm} | {cell(first)} | {cell(last)} | {diff} |")
-    return "\n".join(lines) + "\n\nMean over seeds [95% t-interval]; NaN = not measured.\n"
+            lines.append(f"| {label} | {arm} | {cell(first)} | {cell(last)} | {cell(final)} "
+                         f"| {diff} |")
+    return "\n".join(lines) + (
+        "\n\nMean over seeds [95% t-interval]; n/a = not measured. \"last 10 steps\" = the rows "
+        "of steps S-10 .. S-1 (S = the run's steps; held-out metrics and the KL: the evaluations "
+        "among them); \"final row\" = row S, the evaluation after the last update (held-out, "
+        "KL and probe metrics only).\n")
 
 
 def _ci(t: tuple[float, float, float], fmt: str) -> str:
@@ -212,3 +255,37 @@ def write_all(runs: dict, out: str) -> str:
     write_csv(runs, os.path.join(out, "steps.csv"))
     plot(runs, out)
     return table + "\n" + crit
+
+
+def criteria_b(topp: dict, exact: dict) -> list:
+    """Round three's Design B checks (docs/miniature.md): `topp` and `exact` are the runs of the
+    top-p sweep and of the pair without top-p; list of (name, met, evidence). A check whose runs
+    are missing is reported as not met with the evidence "missing runs"."""
+    key = "train_entropy_note"
+    t, e = by_arm(topp), by_arm(exact)
+    out = []
+    if {"downweight_only", "sum_preserving"} <= set(t):
+        d = _paired(t, "downweight_only", "sum_preserving", key, last_window)
+        m, lo, hi = t_ci(list(d.values()))
+        out.append(("B1 top-p: downweight_only - sum_preserving note entropy >= +0.05, CI > 0",
+                    bool(m >= 0.05 and lo > 0), f"{m:+.4f} [{lo:+.4f}, {hi:+.4f}], {len(d)} seeds"))
+    else:
+        out.append(("B1 top-p: downweight_only - sum_preserving", False, "missing runs"))
+    if {"downweight_only", "sum_preserving"} <= set(e):
+        d = _paired(e, "downweight_only", "sum_preserving", key, last_window)
+        m = float(np.mean(list(d.values())))
+        out.append(("B2 no top-p: |downweight_only - sum_preserving| note entropy <= 0.02",
+                    bool(abs(m) <= 0.02), f"{m:+.4f}, {len(d)} seed(s)"))
+    else:
+        out.append(("B2 no top-p: downweight_only - sum_preserving", False, "missing runs"))
+    if {"downweight_only", "sum_preserving", "control"} <= set(t):
+        dc = _paired(t, "control", "sum_preserving", key, last_window)
+        dd = _paired(t, "downweight_only", "sum_preserving", key, last_window)
+        mc, lo, hi = t_ci(list(dc.values()))
+        md = float(np.mean(list(dd.values())))
+        out.append(("B3 top-p: control - sum_preserving note entropy >= +0.05 and within half of "
+                    "downweight_only's", bool(mc >= 0.05 and abs(mc - md) <= 0.5 * abs(md)),
+                    f"{mc:+.4f} [{lo:+.4f}, {hi:+.4f}] vs downweight_only {md:+.4f}"))
+    else:
+        out.append(("B3 top-p: control - sum_preserving", False, "missing runs"))
+    return out

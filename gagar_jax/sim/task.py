@@ -286,26 +286,36 @@ def play(task: Task, cfg: TaskConfig, turns: Iterable[Sequence[int]]) -> Episode
 
 
 class NoteLanguage:
-    """A low-entropy bigram language over `cfg.note_words` word tokens (fixed by `seed`).
+    """A bigram language over `cfg.note_words` word tokens (fixed by `seed`).
 
-    Each word has three successors with probabilities `probs` (peaked: ~0.5 nats per word);
-    a note starts at one of three start words. `sample(rng, n)` draws `NOTE w_1 .. w_n`.
+    Each word has `len(probs)` successors with probabilities `probs` (default three, peaked:
+    ~0.5 nats per word; round three's Design B uses 20 Zipf successors, `zipf_probs`); a note
+    starts at one of as many start words. `sample(rng, n)` draws `NOTE w_1 .. w_n`.
     """
 
     def __init__(self, cfg: TaskConfig, seed: int = 0,
                  probs: tuple[float, ...] = (0.85, 0.1, 0.05)):
-        if cfg.note_words < 3:
-            raise ValueError(f"NoteLanguage needs note_words >= 3, got {cfg.note_words}")
+        k = len(probs)
+        if cfg.note_words < max(3, k):
+            raise ValueError(f"NoteLanguage needs note_words >= {max(3, k)} (3 and one per "
+                             f"successor), got {cfg.note_words}")
         rng = np.random.default_rng(seed)
         W = cfg.note_words
-        self.successors = np.stack([rng.choice(W, 3, replace=False) for _ in range(W)])
-        self.starts = rng.choice(W, 3, replace=False)
+        self.successors = np.stack([rng.choice(W, k, replace=False) for _ in range(W)])
+        self.starts = rng.choice(W, k, replace=False)
         self.probs = np.asarray(probs, np.float64) / np.sum(probs)
 
     def sample(self, rng: np.random.Generator, n: int) -> list:
-        w = int(self.starts[rng.choice(3, p=self.probs)])
+        k = len(self.probs)
+        w = int(self.starts[rng.choice(k, p=self.probs)])
         out = [NOTE]
         for _ in range(n):
             out.append(WORD_BASE + w)
-            w = int(self.successors[w][rng.choice(3, p=self.probs)])
+            w = int(self.successors[w][rng.choice(k, p=self.probs)])
         return out
+
+
+def zipf_probs(n: int, exponent: float) -> tuple[float, ...]:
+    """`n` successor probabilities proportional to k^-exponent, k = 1..n."""
+    w = np.arange(1, n + 1, dtype=np.float64) ** -float(exponent)
+    return tuple(float(x) for x in w / w.sum())
