@@ -65,10 +65,11 @@ def devices():
 # The longest files first: `make test` runs two xdist workers with a file per worker
 # (--dist loadfile), handed out in collection order, so a long file collected last would run
 # alone at the end.
-_LONG_FIRST = ("test_train_mesh.py", "test_weights_io.py", "test_train.py", "test_train_signals.py",
-               "test_train_step.py", "test_startup.py", "test_gcs.py",
-               "test_reliability.py", "test_miniature.py", "test_aot.py", "test_configs.py",
-               "test_hf_mimo.py", "test_bench_device.py", "test_sim.py")
+_LONG_FIRST = ("test_vllm.py", "test_train_mesh.py", "test_loop.py", "test_weights_io.py",
+               "test_train.py", "test_train_signals.py", "test_train_step.py", "test_startup.py",
+               "test_gcs.py", "test_miniature.py", "test_reliability.py", "test_policy_loss.py",
+               "test_aot.py", "test_configs.py", "test_hf_mimo.py", "test_published_versions.py",
+               "test_bench_device.py", "test_sim.py", "test_miniature_tabular.py")
 
 
 def pytest_collection_modifyitems(config, items):
