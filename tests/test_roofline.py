@@ -50,7 +50,7 @@ HLO = """\
   %buf = bf16[32,4]{1,0} get-tuple-element(%p), index=3
   %all-gather.3 = bf16[4,8]{1,0} all-gather(%x), replica_groups=[2,4]<=[8], dimensions={0}
   %fusion.1 = f32[16]{0} fusion(%x), kind=kCustom, calls=%all-reduce-scatter.2
-  %ragged = bf16[32,4]{1,0} ragged-all-to-all(%rows, %buf, %o, %s, %oo, %r), replica_groups={{0,1,2,3}}
+  %rg = bf16[32,4]{1,0} ragged-all-to-all(%rows, %buf, %a, %b, %c, %d), replica_groups={{0,1,2,3}}
   ROOT %t = (s32[], bf16[4,8]) tuple(%i, %y)
 }
 
@@ -137,3 +137,28 @@ def test_roofline_by_hand():
     assert r["mfu_bound_one_torus_dim_imbalanced"] == pytest.approx(2 / 6)
     v5p = roofline.CHIPS["v5p"]
     assert v5p.peak_bf16_flops == 459e12 and v5p.ici_bytes_per_s == 600e9
+
+
+def test_peak_buffers_reads_the_compilers_peak_section(tmp_path):
+    from gagar_jax.aot import buffers
+    stem = tmp_path / "module_0001.jit_f.after_optimizations"
+    (tmp_path / (stem.name + "-live-range.txt")).write_text(
+        "HloLiveRange (max 9):\n  BufferLiveRange:\n    a{}:0-3\n"
+        "  Live ranges at 7 (peak):\n"
+        "    fusion.1{}: 2048 bytes (cumulative: 2048 bytes)\n"
+        "    while.2{1}: 4096 bytes (cumulative: 6144 bytes)\n"
+        "  Stack trace breakdown for peak usage: 6 144 bytes\n")
+    (tmp_path / (stem.name + ".txt")).write_text(
+        'FileNames\n1 "/x/gagar_jax/kernels/experts/ep.py"\n\nFunctionNames\n1 "f"\n\n'
+        "FileLocations\n1 {file_name_id=1 function_name_id=1 line=42 end_line=42}\n\n"
+        "StackFrames\n1 {file_location_id=1 parent_frame_id=1}\n\n"
+        '  %fusion.1 = bf16[32,16]{1,0} fusion(%p), metadata={op_name="jit(f)/mul" '
+        "stack_frame_id=1}\n"
+        "  %while.2 = (s32[], f32[32,32]{1,0}) while(%t), condition=%c, body=%b\n")
+    r = buffers.peak_buffers(str(tmp_path))
+    assert r["peak_step"] == 7 and r["peak_bytes"] == 6144
+    first, second = r["buffers"]
+    assert (first["bytes"], first["shape"], first["instruction"]) == (4096, "f32[32,32]",
+                                                                      "while.2{1}")
+    assert (second["shape"], second["op_name"], second["source"]) == (
+        "bf16[32,16]", "jit(f)/mul", "gagar_jax/kernels/experts/ep.py:42")
