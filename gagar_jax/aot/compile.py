@@ -159,6 +159,7 @@ class AotReport:
     roofline: dict = dataclasses.field(default_factory=dict)
     chip: dict = dataclasses.field(default_factory=dict)      # hardware figures and source
     peak_buffers: list = dataclasses.field(default_factory=list)   # live at the memory peak
+    commit: str = ""             # the source tree compiled (`git describe --always --dirty`)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
