@@ -65,9 +65,10 @@ def main(argv) -> int:
         print(json.dumps(report))
         return 0
     overrides = tuple(a for a in argv[1:] if a.startswith("--config."))
+    commit = _commit()   # before the (minutes-long) compile: the tree it reads
     report = aot.compile_report(fv.config, fv.topology, name=name, dump_dir=fv.dump_dir,
                                 overrides=overrides)
-    report = dataclasses.replace(report, commit=_commit())
+    report = dataclasses.replace(report, commit=commit)
     out = fv.out or f"aot_{name}_{fv.topology.replace(':', '_')}.json"
     aot.write_report(report, out)
     print(report.table())
