@@ -32,7 +32,9 @@ def get_config() -> ml_collections.ConfigDict:
     m.remat = "none"                # none | full | save_matmuls
     m.attention = "blockwise"       # blockwise | plain
     m.attn_block = 64               # query/key block for the blockwise path
-    m.expert_backend = "grouped"    # dense | ragged | grouped | ep
+    m.expert_backend = "grouped"    # dense | ragged | grouped | ep | ep_a2a | megablox | auto
+    m.ep_local_ffn = "auto"         # ep_a2a's per-chip FFN: grouped | megablox | auto
+    m.ep_chunks = 0                 # ep_a2a's token chunks per exchange (0 = expert-axis size)
     m.logprob_vocab_chunk = 128     # vocab chunk for log-probs/entropy
     m.logprob_keep_logits_mib = 0   # 0: the log-prob backward recomputes logits (memory flat in V)
     m.router_aux_loss_coef = 1e-3

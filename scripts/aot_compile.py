@@ -11,11 +11,23 @@ Library: `gagar_jax/aot/compile.py`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import subprocess
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu must not look for a real TPU here
+
+
+def _commit() -> str:
+    """The tree being compiled, as `git describe --always --dirty` ("" outside a checkout)."""
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def main(argv) -> int:
@@ -53,8 +65,10 @@ def main(argv) -> int:
         print(json.dumps(report))
         return 0
     overrides = tuple(a for a in argv[1:] if a.startswith("--config."))
+    commit = _commit()   # before the (minutes-long) compile: the tree it reads
     report = aot.compile_report(fv.config, fv.topology, name=name, dump_dir=fv.dump_dir,
                                 overrides=overrides)
+    report = dataclasses.replace(report, commit=commit)
     out = fv.out or f"aot_{name}_{fv.topology.replace(':', '_')}.json"
     aot.write_report(report, out)
     print(report.table())

@@ -68,6 +68,15 @@ def test_tiny_flops(tiny_report):
     assert r["model_flops_per_step"] > 0
     assert r["batch"]["micro_batches"] == 2 and r["batch"]["rows"] == 16
     assert r["batch"]["attention"].startswith("splash/")   # "auto" for TPU devices
+    # Issue 29: hardware FLOPs (whole attention blocks, the head's logit recompute) exceed the
+    # model FLOPs; the splash kernels' own cost makes the compiler's figure a flagged third.
+    assert r["hardware_flops_per_step"] > r["model_flops_per_step"]
+    assert any("splash" in f for f in r["cost_analysis_flags"])
+    roof = r["roofline"]
+    assert roof["compute_s_hardware_flops"] > roof["compute_s_model_flops"] > 0
+    assert 0 < roof["mfu_bound_one_torus_dim_imbalanced"] <= roof["mfu_bound_full_ici_balanced"]
+    assert r["traffic"]["all-gather"]["ring_bytes"] > 0 and r["chip"]["name"] == "v5p"
+    assert r["peak_buffers"] is not None and r["commit"]
 
 
 def test_tiny_collectives_counted(tiny_report):

@@ -1,5 +1,4 @@
 """Expert backends: every backend against a NumPy loop and `dense`, forward and gradients."""
-import types
 
 import jax
 import jax.numpy as jnp
@@ -7,13 +6,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.close import assert_rel_close
-from support.experts import GRAD_ARGS, expert_mesh, loss_and_grads
+from support.experts import expert_mesh, loss_and_grads
 
-from gagar_jax import sharding
-from gagar_jax.aot import compile as aot
 from gagar_jax.kernels.experts import dispatch
 from gagar_jax.kernels.experts import ep as experts_ep
 from gagar_jax.kernels.experts import local as experts
@@ -123,28 +119,7 @@ def test_emulated_ragged_all_to_all_matches_the_documented_example():
     np.testing.assert_array_equal(fn(*args), [[1, 3, 0, 0], [2, 2, 4, 0]])
 
 
-# TPU executables cached by an earlier run cannot be read back on a CPU host; JAX then warns
-# and compiles afresh, which is what this test wants anyway.
-@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache")
-def test_ep_a2a_compiles_ahead_of_time_for_tpu(problem, tmp_path):
-    devices = aot.topology_devices("v5p:2x2x1")
-    mesh = sharding.make_mesh(types.SimpleNamespace(data=1, fsdp=1, expert=4, tensor=1), devices)
-    specs = (P(("data", "fsdp", "expert")), P("expert"), P("expert"), P("expert"),
-             P(("data", "fsdp", "expert")), P(("data", "fsdp", "expert")))
-    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s))
-              for a, s in zip(problem, specs, strict=False)]
-
-    def loss(x, g, u, d, idx, w):
-        y = experts_registry.expert_ffn(x, g, u, d, idx, w, backend="ep_a2a", mesh=mesh)
-        return jnp.sum(jnp.sin(y))
-
-    lowered = jax.jit(jax.grad(loss, argnums=GRAD_ARGS)).lower(*shapes)
-    # Forward dispatch + return and their transposes in the backward pass.
-    assert lowered.as_text().count("ragged_all_to_all") >= 4
-    result = aot.compile_lowered(lowered, dump_dir=str(tmp_path))
-    assert result.error == "" and result.memory is not None
-    hlo = "".join(p.read_text() for p in tmp_path.glob("*after_optimizations.txt"))
-    assert "ragged-all-to-all" in hlo  # survives TPU optimization as the native collective
+# The real ragged_all_to_all compiled for TPU: tests/test_ep_a2a.py.
 
 
 def test_ep_with_explicit_mesh_argument_and_no_ambient_mesh(problem, reference):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from support.close import assert_rel_close
+from support.paths import load_tiny_config
 
 from gagar_jax.kernels.attention import blockwise
 from gagar_jax.kernels.attention import context as attention_context
@@ -81,3 +82,14 @@ def test_auto_is_resolved_once_for_the_mesh():
     ep_mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
     assert resolve_kernels(cfg, ep_mesh).expert_backend == "ep"
     assert resolve_kernels(r, ep_mesh) == r   # resolved choices stay
+
+
+def test_ep_a2a_local_ffn_and_chunks_are_config_keys():
+    m = load_tiny_config().model
+    assert (m.ep_local_ffn, m.ep_chunks) == ("auto", 0)
+    base = dict(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=2,
+                head_dim=4, moe_intermediate_size=8, intermediate_size=8, num_experts=2, top_k=1)
+    for bad, match in ((dict(ep_local_ffn="fast"), "ep_local_ffn"), (dict(ep_chunks=-1),
+                                                                      "ep_chunks")):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig(**base, **bad)

@@ -24,8 +24,13 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import ml_collections
 
-from gagar_jax.aot import flops
-from gagar_jax.aot.hlo_stats import COLLECTIVES, collective_bytes_per_step, count_collectives  # noqa: F401
+from gagar_jax.aot import buffers, flops, roofline
+from gagar_jax.aot.hlo_stats import (  # noqa: F401
+    COLLECTIVES,
+    collective_bytes_per_step,
+    collective_traffic,
+    count_collectives,
+)
 
 if TYPE_CHECKING:
     import jax
@@ -145,6 +150,16 @@ class AotReport:
     error: str = ""
     overrides: tuple = ()        # command-line config overrides applied to the config file
     collective_bytes: dict = dataclasses.field(default_factory=dict)  # per device and step
+    # Item-2/3 figures (docs/scaling.md "FLOPs, bytes and the roofline"):
+    hardware_flops_per_step: float = 0.0   # with remat recomputation (roofline.py)
+    flops_breakdown: dict = dataclasses.field(default_factory=dict)   # per token, by part
+    cost_analysis_flags: tuple = ()         # why the compiler's figure is neither of the above
+    traffic: dict = dataclasses.field(default_factory=dict)   # ring bytes per chip, by op
+    ragged: dict = dataclasses.field(default_factory=dict)    # ep_a2a exchange, per chip
+    roofline: dict = dataclasses.field(default_factory=dict)
+    chip: dict = dataclasses.field(default_factory=dict)      # hardware figures and source
+    peak_buffers: list = dataclasses.field(default_factory=list)   # live at the memory peak
+    commit: str = ""             # the source tree compiled (`git describe --always --dirty`)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -189,6 +204,34 @@ class AotReport:
                 )
             ]
         rows += [("model FLOPs per step (6N + attn)", f"{self.model_flops_per_step:.3e}")]
+        if self.hardware_flops_per_step:
+            rows += [("hardware FLOPs per step (remat)", f"{self.hardware_flops_per_step:.3e}")]
+        if self.cost_analysis_flags:
+            rows += [("cost_analysis caveats", "; ".join(self.cost_analysis_flags))]
+        for op, rec in self.traffic.items():
+            if rec["ring_bytes"]:
+                rows += [(f"{op} ring bytes per chip", g(rec["ring_bytes"]))]
+        if self.ragged:
+            rows += [(f"ragged a2a ring, balanced / x{self.ragged['imbalance']:.1f}",
+                      f"{g(self.ragged['balanced'])} / {g(self.ragged['imbalanced'])}")]
+        r = self.roofline
+        if r:
+            s, pct = (lambda k: f"{r[k]:.2f} s"), (lambda k: f"{r[k]:.1%}")  # noqa: E731
+            rows += [
+                ("step at peak: model / hardware FLOPs",
+                 f"{s('compute_s_model_flops')} / {s('compute_s_hardware_flops')}"),
+                ("comm: full ICI / one torus dim",
+                 f"{s('comm_s_full_ici_balanced')} / {s('comm_s_one_torus_dim_balanced')} "
+                 f"(imbalanced {s('comm_s_full_ici_imbalanced')} / "
+                 f"{s('comm_s_one_torus_dim_imbalanced')})"),
+                ("MFU bound: full ICI / one torus dim",
+                 f"{pct('mfu_bound_full_ici_balanced')} / {pct('mfu_bound_one_torus_dim_balanced')}"
+                 f" (imbalanced {pct('mfu_bound_full_ici_imbalanced')} / "
+                 f"{pct('mfu_bound_one_torus_dim_imbalanced')})"),
+            ]
+        for b in self.peak_buffers[:8]:
+            rows += [(f"peak buffer {g(b['bytes'])}",
+                      f"{b['shape']} {b['source'] or b['instruction']}")]
         rows += [(f"{op} ops", str(n)) for op, n in self.collectives.items()]
         rows += [(f"{op} bytes per step", g(n)) for op, n in self.collective_bytes.items()
                  if op in COLLECTIVES]
@@ -268,6 +311,7 @@ def lower_train_step(cfg: ml_collections.ConfigDict,
             "micro_batches": step_cfg.micro_batches,
             "rows_per_shard": max(1, micro_rows // batch_shards),
             "expert_backend": mc.expert_backend,
+            "ep_local_ffn": mc.ep_local_ffn if mc.expert_backend == "ep_a2a" else "",
             "remat": mc.remat,
             # as compiled: "auto" resolved for the mesh's devices
             "attention": f"{attention_registry.resolve(mc.attention, mesh)}/{mc.attn_block}",
@@ -287,6 +331,8 @@ class CompileResult:
     seconds: float
     error: str = ""
     collective_bytes: dict = dataclasses.field(default_factory=dict)
+    traffic: dict = dataclasses.field(default_factory=dict)
+    peak_buffers: dict = dataclasses.field(default_factory=dict)
 
 
 def compile_lowered(lowered: jax.stages.Lowered, dump_dir: str = "") -> CompileResult:
@@ -322,13 +368,22 @@ def compile_lowered(lowered: jax.stages.Lowered, dump_dir: str = "") -> CompileR
         hlo = "".join(texts)
         per_step = [collective_bytes_per_step(t) for t in texts]
         moved = {k: sum(b[k] for b in per_step) for k in per_step[0]} if per_step else {}
+        traffic = {}
+        for t in texts:
+            for op, rec in collective_traffic(t).items():
+                acc = traffic.setdefault(op, {"bytes": 0, "ring_bytes": 0.0, "by_group": {}})
+                acc["bytes"] += rec["bytes"]
+                acc["ring_bytes"] += rec["ring_bytes"]
+                for n, b in rec["by_group"].items():
+                    acc["by_group"][n] = acc["by_group"].get(n, 0) + b
+        peak = buffers.peak_buffers(dump, top=40, min_bytes=2**27)
     memory = MemoryFigures.from_compiled(compiled.memory_analysis())
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return CompileResult(per_device_bytes=memory.total, memory=memory,
                          flops_per_device=float(cost.get("flops", 0.0)),
                          collectives=count_collectives(hlo), seconds=seconds,
-                         collective_bytes=moved)
+                         collective_bytes=moved, traffic=traffic, peak_buffers=peak)
 
 
 def compile_report(cfg: ml_collections.ConfigDict, topology: str, *, name: str = "",
@@ -352,13 +407,38 @@ def compile_report(cfg: ml_collections.ConfigDict, topology: str, *, name: str =
     model_cfg, b = meta["model_config"], meta["batch"]
     counts = flops.param_counts(model_cfg)
     tokens = b["rows"] * b["seq_len"]
+    model_flops = flops.train_flops_per_token(model_cfg, b["seq_len"]) * tokens
+    chunks = meta["mesh"].get("expert", 1) if model_cfg.expert_backend == "ep_a2a" else 1
+    hw = roofline.hardware_flops_per_token(model_cfg, b["seq_len"], expert_chunks=chunks)
+    flags = ["while-loop bodies counted once (layer scans, micro-batches, chunks)"]
+    if model_cfg.expert_backend == "megablox" or (model_cfg.expert_backend == "ep_a2a"
+                                                  and model_cfg.ep_local_ffn == "megablox"):
+        flags.append("megablox gmm declares 2*rows*K*N over its whole worst-case row buffer")
+    if b["attention"].startswith("splash"):
+        flags.append("splash declares its own cost (Mosaic kernel)")
+    chip = roofline.CHIPS.get(generation, roofline.CHIPS["v5p"])
+    traffic = {op: {**rec, "by_group": {str(n): v for n, v in rec["by_group"].items()}}
+               for op, rec in r.traffic.items()}
+    ragged = {}
+    ring = imbalanced = 0.0
+    if traffic:
+        sends = traffic.get("ragged-all-to-all", {}).get("bytes", 0)
+        ragged = roofline.ragged_traffic(sends, meta["mesh"].get("expert", 1))
+        ring = sum(rec["ring_bytes"] for rec in traffic.values())
+        imbalanced = ring - ragged["balanced"] + ragged["imbalanced"]
+    roof = roofline.roofline(model_flops=model_flops, hardware_flops=hw["total"] * tokens,
+                             chips=len(devices), ring_bytes=ring,
+                             ring_bytes_imbalanced=imbalanced, chip=chip) if traffic else {}
     return AotReport(
         config=name, topology=topology, num_devices=len(devices), mesh=meta["mesh"], batch=b,
         fits=bool(not r.error and r.per_device_bytes is not None and r.per_device_bytes <= hbm),
         per_device_bytes=r.per_device_bytes, hbm_bytes=hbm, memory=r.memory,
         flops_per_device=r.flops_per_device,
-        model_flops_per_step=flops.train_flops_per_token(model_cfg, b["seq_len"]) * tokens,
+        model_flops_per_step=model_flops,
         collectives=r.collectives, compile_seconds=r.seconds,
         params_total=counts.total, params_active=counts.active,
         paper=_paper_estimate(model_cfg, meta["mesh"], b["rows_per_shard"], b["seq_len"]),
-        error=r.error, overrides=tuple(overrides), collective_bytes=r.collective_bytes)
+        error=r.error, overrides=tuple(overrides), collective_bytes=r.collective_bytes,
+        hardware_flops_per_step=hw["total"] * tokens, flops_breakdown=hw,
+        cost_analysis_flags=tuple(flags), traffic=traffic, ragged=ragged, roofline=roof,
+        chip=dataclasses.asdict(chip), peak_buffers=r.peak_buffers.get("buffers", []))

@@ -53,6 +53,10 @@ class ModelConfig:
         on CPU, ragged / ep_a2a on TPU and GPU).
       ep_local_ffn: `ep_a2a`'s per-device expert FFN, "grouped" | "megablox" | "auto" (the
         default: megablox when compiling for TPU at widths its kernels lower for).
+      ep_chunks: `ep_a2a` exchanges a chip's tokens in this many chunks, one after another; its
+        dropless receive buffers are n_expert * T_local * K / ep_chunks rows (0, the default:
+        the expert-axis size, i.e. T_local * K rows). More chunks: smaller buffers, more and
+        smaller exchanges (docs/scaling.md).
       "auto" values are resolved once, for the mesh's devices, when the model or the train state
       is built (`resolve_kernels`).
       logprob_vocab_chunk: vocab chunk of the log-prob / entropy computation.
@@ -108,6 +112,7 @@ class ModelConfig:
     attn_block: int = 512
     expert_backend: str = "auto"
     ep_local_ffn: str = "auto"
+    ep_chunks: int = 0
     logprob_vocab_chunk: int = 8192
     logprob_keep_logits_mib: int = 0
     router_aux_loss_coef: float = 1e-3
@@ -138,6 +143,9 @@ class ModelConfig:
                      "top_k", "attn_block", "logprob_vocab_chunk"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
+        if self.ep_chunks < 0:
+            raise ValueError(f"model.ep_chunks must be >= 0 (0 = the expert-axis size), "
+                             f"got {self.ep_chunks}")
         if self.logprob_keep_logits_mib < 0:
             raise ValueError(f"model.logprob_keep_logits_mib must be >= 0, "
                              f"got {self.logprob_keep_logits_mib}")

@@ -87,7 +87,8 @@ class MoE(nnx.Module):
             idx_TxK,
             out.weights_TxK.astype(dt),
             backend=cfg.expert_backend,
-            **({"local": cfg.ep_local_ffn} if cfg.expert_backend == "ep_a2a" else {}),
+            **({"local": cfg.ep_local_ffn, "chunks": cfg.ep_chunks or None}
+               if cfg.expert_backend == "ep_a2a" else {}),
         )
         y = constrain(y_TxD.reshape(B, S, D), "batch", "seq", None)
         stats = MoEStats(aux_loss=out.aux_loss, z_loss=out.z_loss, expert_load_E=out.load_E,

@@ -104,3 +104,22 @@ def combine(y_SxD: jax.Array, plan: Plan, weights_TxK: jax.Array) -> jax.Array:
     t, k = weights_TxK.shape
     yk_TxKxD = take_rows(y_SxD, plan.slot_N, plan.row_assign_S[:, None]).reshape(t, k, -1)
     return jnp.einsum("tk,tkd->td", weights_TxK.astype(y_SxD.dtype), yk_TxKxD)
+
+
+# --------------------------------------------------------------------------- varying-axes types
+def varying_axes(*arrays: jax.Array) -> frozenset:
+    """Mesh axes any of `arrays` varies over (inside `shard_map`; empty outside)."""
+    return frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays))
+
+
+def to_varying(a: jax.Array, axes: tuple | frozenset) -> jax.Array:
+    """`a` typed as varying over `axes` too (`pcast` of the axes it does not vary over yet).
+
+    The cast is free in the forward pass; in the backward pass it is where the cotangent is
+    summed over those axes, so expert backends cast at the cheapest place: tokens over
+    'tensor' on the chip's own rows (not on a worst-case receive buffer), weights over the
+    token axes once per layer (not once per chunk or expert).
+    """
+    missing = frozenset(axes) - varying_axes(a)
+    return jax.lax.pcast(a, tuple(sorted(missing)), to="varying") if missing else a
+

@@ -66,6 +66,7 @@ class _Layout:
     mesh: object
     expert_axis: str
     tokens: object          # PartitionSpec entry of the token dimension
+    token_axes: tuple       # mesh axes the tokens are split over
     mlp: object             # PartitionSpec entry of F
     tensor_axes: tuple      # mesh axes F is split over (partial sums to add)
     num_shards: int = 1     # devices the tokens are split over (T is padded to a multiple)
@@ -120,7 +121,8 @@ def _layout(mesh: Optional[jax.sharding.Mesh | jax.sharding.AbstractMesh], num_t
     # F over 'tensor' only where it divides (as sharding.logical_to_spec does).
     tensor_axes = tuple(a for a in sharding.mesh_axes("mlp", mesh)
                         if mesh.shape[a] > 1 and gate_ExDxF.shape[-1] % mesh.shape[a] == 0)
-    return _Layout(mesh, expert_axis, _spec(tok_axes), _spec(tensor_axes), tensor_axes, n_tok)
+    return _Layout(mesh, expert_axis, _spec(tok_axes), tok_axes, _spec(tensor_axes), tensor_axes,
+                   n_tok)
 
 
 def ep_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array, down_ExFxD: jax.Array,
@@ -143,6 +145,10 @@ def ep_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array, down_Ex
               w: jax.Array):
         gather = lambda a: jax.lax.all_gather(a, ax, axis=0, tiled=True)  # noqa: E731
         first = jax.lax.axis_index(ax) * wg.shape[0]
+        # Where the backward pass sums (see dispatch.to_varying): dx over 'tensor' on the
+        # chip's rows before the gather, the weight gradients over the token axes once.
+        x, w = (dispatch.to_varying(a, lay.tensor_axes) for a in (x, w))
+        wg, wu, wd = (dispatch.to_varying(a, lay.token_axes) for a in (wg, wu, wd))
         y = experts.grouped_ffn(gather(x), wg, wu, wd, gather(idx) - first, gather(w),
                                 block=block, big_block=big_block)
         y = jax.lax.psum_scatter(y, ax, scatter_dimension=0, tiled=True)
@@ -188,7 +194,7 @@ LOCAL_FFNS = ("grouped", "megablox")   # ep_a2a's per-device expert FFN
 
 def _local_ffn(local: str, platform: str, block: int, big_block: int,
                interpret: Optional[bool]):
-    """(FFN, is a Pallas kernel) for `ep_a2a` (`registry.resolve_local` chooses for "auto")."""
+    """The per-device FFN of `ep_a2a` (`registry.resolve_local` chooses for "auto")."""
     if local not in LOCAL_FFNS:
         raise ValueError(f"ep_a2a local={local!r}; expected one of {LOCAL_FFNS} (an 'auto' is "
                          f"resolved by kernels.experts.registry.resolve_local)")
@@ -196,8 +202,8 @@ def _local_ffn(local: str, platform: str, block: int, big_block: int,
         return functools.partial(
             experts_megablox.local_ffn,
             interpret=platform != "tpu" if interpret is None else interpret,
-        ), True
-    return functools.partial(experts.grouped_ffn, block=block, big_block=big_block), False
+        )
+    return functools.partial(experts.grouped_ffn, block=block, big_block=big_block)
 
 
 def ep_a2a_ffn(
@@ -236,8 +242,12 @@ def ep_a2a_ffn(
     """
     lay = _layout(mesh, x_TxD.shape[0], gate_ExDxF, "ep_a2a")
     ax = lay.expert_axis
-    expert_ffn, kernel = _local_ffn(local, sharding.device_platform(lay.mesh), block, big_block,
-                                    interpret)
+    expert_ffn = _local_ffn(local, sharding.device_platform(lay.mesh), block, big_block,
+                            interpret)
+    # megablox's kernels carry no mesh-axis types (see megablox.megablox_ffn): unchecked there,
+    # and shard_map then adds the cotangent sums at its boundary (the same places as the casts).
+    typed = local != "megablox"
+    cast = dispatch.to_varying if typed else (lambda a, axes: a)
 
     def one_chunk(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array, idx: jax.Array,
                   w: jax.Array):
@@ -264,20 +274,35 @@ def ep_a2a_ffn(
         plan = dispatch.Plan(slot_N=pos_N, row_assign_S=order_N, row_token_S=order_N // k,
                              sizes_E=send)
         rows_R = n_dev * n_rows                             # worst case: all rows to one device
-        x_recv = exchange(dispatch.gather_tokens(x, plan, k), jnp.zeros((rows_R, d), x.dtype),
-                          axis_name=ax, **fwd)
-        e_recv = exchange((key_s - dest_s * e_local)[:, None].astype(jnp.int32),
-                          jnp.full((rows_R, 1), -1, jnp.int32), axis_name=ax, **fwd)
-        y_recv = expert_ffn(x_recv, wg, wu, wd, e_recv, jnp.ones((rows_R, 1), x.dtype))
-        y_sorted = exchange(y_recv, jnp.zeros((n_rows, d), y_recv.dtype), axis_name=ax, **back)
+        # Typed as varying over 'tensor' here, on the chunk's t rows, so that the backward pass
+        # adds dx's 'tensor' partial sums on them (not on the n_dev * t * K received rows).
+        x, w = (cast(a, lay.tensor_axes) for a in (x, w))
+
+        def send(rows: jax.Array, into: jax.Array, plan_: dict) -> jax.Array:
+            # ragged_all_to_all types its result like its `output` buffer: a fresh buffer is
+            # invariant, and the backward pass would then sum the received rows' cotangents
+            # over the token axes (a wrong gradient: every chip holds different rows). Type
+            # the buffer like the rows it receives.
+            into = cast(into, dispatch.varying_axes(rows) | {ax})
+            return exchange(rows, into, axis_name=ax, **plan_)
+
+        x_recv = send(dispatch.gather_tokens(x, plan, k), jnp.zeros((rows_R, d), x.dtype), fwd)
+        e_recv = send((key_s - dest_s * e_local)[:, None].astype(jnp.int32),
+                      jnp.full((rows_R, 1), -1, jnp.int32), fwd)
+        y_recv = expert_ffn(x_recv, wg, wu, wd, e_recv,
+                            cast(jnp.ones((rows_R, 1), x.dtype), dispatch.varying_axes(x_recv)))
+        y_sorted = send(y_recv, jnp.zeros((n_rows, d), y_recv.dtype), back)
         y = dispatch.combine(y_sorted, plan, w)
         # Partial sums over F's 'tensor' shards: add them on the t tokens, not on the
         # n_dev * t * K worst-case rows (return exchange and combine are linear, and every
         # 'tensor' shard routes the same tokens the same way).
         return jax.lax.psum(y, lay.tensor_axes) if lay.tensor_axes else y
 
-    def local(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array, idx: jax.Array,
-              w: jax.Array):
+    def per_device(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array, idx: jax.Array,
+                   w: jax.Array):
+        # Weights typed as varying over the token axes before the chunk loop: their gradients
+        # are summed over those axes once per layer, not once per chunk.
+        wg, wu, wd = (cast(a, lay.token_axes) for a in (wg, wu, wd))
         c = _chunks(x.shape[0], chunks, jax.lax.axis_size(ax))
         if c == 1:
             return one_chunk(x, wg, wu, wd, idx, w)
@@ -287,6 +312,5 @@ def ep_a2a_ffn(
         _, y = jax.lax.scan(body, None, (split(x), split(idx), split(w)))
         return y.reshape(x.shape[0], -1)
 
-    # Pallas kernels' outputs carry no varying-axes types: run unchecked with megablox.
-    return lay.run(local, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK,
-                   check_vma=not kernel)
+    return lay.run(per_device, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK,
+                   check_vma=typed)

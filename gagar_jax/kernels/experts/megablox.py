@@ -20,7 +20,8 @@ real kernels.
 Under a mesh whose token axes are larger than 1, the kernel runs per shard inside `shard_map`
 (a Pallas call has no SPMD partitioning rule: left to the partitioner it would gather every
 token onto every device): tokens stay on their shard, experts are whole on each shard except F
-split over 'tensor', whose partial sums are added with a psum. Expert parallelism is
+split over 'tensor', whose partial sums are added with a psum. The kernels carry no mesh-axis types,
+so these `shard_map`s run with `check_vma=False` (see `megablox_ffn`). Expert parallelism is
 `ep_a2a` with this function as its local FFN (`ep_local_ffn="megablox"`).
 """
 from __future__ import annotations
@@ -60,22 +61,28 @@ def _weight_tile(tile: int, d: int, f: int) -> int:
 
 
 def _gmm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, tiles: tuple[int, int, int],
-         interpret: bool):
+         interpret: bool) -> jax.Array:
     return megablox_ops.gmm(lhs, rhs, sizes, lhs.dtype, tiles, None, None, False, interpret)
 
 
 def grouped_swiglu(x_SxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
                    down_ExFxD: jax.Array, sizes_E: jax.Array, *,
                    tiling: tuple[int, int, int] = DEFAULT_TILING,
-                   interpret: Optional[bool] = None) -> jax.Array:
+                   interpret: Optional[bool] = None, zero_unrouted: bool = True) -> jax.Array:
     """SwiGLU of each expert's run of rows (rows sorted by expert, `sizes_E` rows each).
 
+    Gate and up run as one `gmm` over the concatenated [E, D, 2F] weights: x is read once, and
+    the backward pass makes one [S, D] input gradient instead of two summed.
+
     Args:
-      x_SxD: rows sorted by expert; rows past sum(sizes_E) are ignored (output 0).
+      x_SxD: rows sorted by expert; rows past sum(sizes_E) are ignored.
       gate_ExDxF, up_ExDxF, down_ExFxD: expert weights.
       sizes_E: int32 rows per expert.
       tiling: (rows, contraction, output) tile sizes of the kernels.
       interpret: run the kernels in Pallas interpret mode (None: unless compiling for TPU).
+      zero_unrouted: output 0 in the rows past sum(sizes_E); False leaves them unwritten (for
+        callers that never read them, like `dispatch.combine`: the select costs an [S, D]
+        buffer in the forward pass and another in the backward).
     Returns:
       y_SxD in x's dtype.
     """
@@ -92,9 +99,17 @@ def grouped_swiglu(x_SxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
     wt = _weight_tile(min(tiling[1], tiling[2]), d, f)
     tiles = (tm, wt, wt)
     sizes = sizes_E.astype(jnp.int32)
-    h = jax.nn.silu(_gmm(x, gate_ExDxF, sizes, tiles, interpret)) * _gmm(
-        x, up_ExDxF, sizes, tiles, interpret)
+    if interpret or lowers_on_tpu(d, 2 * f):
+        wt2 = _weight_tile(min(tiling[1], tiling[2]), d, 2 * f)   # the fused [D, 2F] gate/up
+        gu = _gmm(x, jnp.concatenate([gate_ExDxF, up_ExDxF], axis=-1), sizes, (tm, wt2, wt2),
+                  interpret)
+        h = jax.nn.silu(gu[:, :f]) * gu[:, f:]
+    else:   # D == F off the 128 grid: a [D, 2F] tile would not lower
+        h = jax.nn.silu(_gmm(x, gate_ExDxF, sizes, tiles, interpret)) * _gmm(
+            x, up_ExDxF, sizes, tiles, interpret)
     y = _gmm(h, down_ExFxD, sizes, tiles, interpret)[:s]
+    if not zero_unrouted:
+        return y
     # Rows of no group are never written by the kernel: zero them (where, not multiply: NaN).
     routed = jnp.arange(s) < jnp.sum(sizes)
     return jnp.where(routed[:, None], y, jnp.zeros((), y.dtype))
@@ -107,8 +122,9 @@ def local_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array, down
     """`megablox_ffn` on the tokens of one shard (no mesh handling; e.g. inside `shard_map`)."""
     plan = dispatch.padded_plan(idx_TxK, gate_ExDxF.shape[0], block=1)
     xs_NxD = dispatch.gather_tokens(x_TxD, plan, idx_TxK.shape[1])
+    # combine reads only the routed rows: the rows the kernel leaves unwritten need no zeroing.
     ys_NxD = grouped_swiglu(xs_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, plan.sizes_E,
-                            tiling=tiling, interpret=interpret)
+                            tiling=tiling, interpret=interpret, zero_unrouted=False)
     return dispatch.combine(ys_NxD, plan, weights_TxK)
 
 
@@ -152,7 +168,11 @@ def megablox_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
 
     specs = (P(tok, None), P(None, None, mlp), P(None, None, mlp), P(None, mlp, None),
              P(tok, None), P(tok, None))
-    # The kernels' outputs carry no varying-axes types: no vma checking inside (nor needed).
+    # The kernels' outputs carry no varying-axes types (megablox's `gmm` builds its output
+    # shape without them, and its index arithmetic mixes typed and untyped values): unchecked.
+    # Without the check shard_map sums each input's cotangent over the axes its spec does not
+    # name, at the boundary: dx over 'tensor' on the shard's rows, weight gradients over the
+    # token axes, once each; tests/test_experts_megablox.py checks every gradient.
     fn = jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=P(tok, None),
                        check_vma=False)
     return fn(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK.astype(jnp.int32), weights_TxK)
