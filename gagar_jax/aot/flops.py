@@ -56,7 +56,7 @@ def _get(cfg: Any, name: str, default: Any):
         return default
 
 
-def _attention_layout(cfg: Any):
+def attention_layout(cfg: Any):
     """Per layer (sliding, KV heads, value head width) for the model's layer types."""
     types = tuple(_get(cfg, "layer_types", ()))
     kv_s = _get(cfg, "sliding_num_kv_heads", 0) or cfg.num_kv_heads
@@ -85,7 +85,7 @@ def param_counts(cfg: Any) -> ParamCounts:
     qk_norm, sinks = _get(cfg, "qk_norm", True), _get(cfg, "attention_sinks", False)
     attention = sum(D * H * hd + D * kv * (hd + dv) + H * dv * D + (2 * hd if qk_norm else 0)
                     + (H if sliding and sinks else 0)
-                    for sliding, kv, dv in _attention_layout(cfg))
+                    for sliding, kv, dv in attention_layout(cfg))
     per_expert = 3 * D * cfg.moe_intermediate_size
     return ParamCounts(
         embedding=V * D,
@@ -116,7 +116,7 @@ def attention_flops_per_token(cfg: Any, seq_len: int) -> float:
     window = _get(cfg, "sliding_window", 0)
     return sum(2.0 * cfg.num_heads * (cfg.head_dim + dv)
                * mean_keys_per_query(seq_len, window if sliding else 0)
-               for sliding, _, dv in _attention_layout(cfg))
+               for sliding, _, dv in attention_layout(cfg))
 
 
 def train_flops_per_token(cfg: Any, seq_len: int) -> float:

@@ -99,7 +99,7 @@ def hardware_flops_per_token(cfg: Any, seq_len: int, *, expert_chunks: int = 1) 
     window = _get(cfg, "sliding_window", 0)
     block = _get(cfg, "attn_block", 512)
     attention = 0.0
-    for sliding, _, dv in flops._attention_layout(cfg):
+    for sliding, _, dv in flops.attention_layout(cfg):
         keys = computed_keys_per_query(seq_len, window if sliding else 0, block)
         hd = cfg.head_dim
         fwd = 2.0 * cfg.num_heads * (hd + dv) * keys
