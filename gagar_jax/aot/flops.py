@@ -56,7 +56,7 @@ def _get(cfg: Any, name: str, default: Any):
         return default
 
 
-def attention_layout(cfg: Any):
+def attention_layout(cfg: Any) -> list[tuple[bool, int, int]]:
     """Per layer (sliding, KV heads, value head width) for the model's layer types."""
     types = tuple(_get(cfg, "layer_types", ()))
     kv_s = _get(cfg, "sliding_num_kv_heads", 0) or cfg.num_kv_heads
