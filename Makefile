@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# vLLM's own venv (its pins conflict with .venv's); defined here, before the rules that need it:
+# make expands a rule's prerequisites when it reads the rule.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
 # libtpu is installed for ahead-of-time TPU compiles; the embedded default runs on CPU.
 export JAX_PLATFORMS ?= cpu
@@ -38,8 +42,6 @@ bench: $(STAMP)
 # pulls CUDA torchvision/torchaudio/torchcodec and triton, which break imports on CPU, so they
 # are removed. The project itself goes in without its dependencies (no JAX there):
 # gagar_jax.rollout is all vLLM needs (msgspec and numpy come with vLLM).
-VLLM_VENV := .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.installed
 vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml
