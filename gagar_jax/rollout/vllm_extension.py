@@ -73,32 +73,14 @@ class GagarWorkerExtension:
 
     def gagar_reload_from(self, path: str) -> dict:
         """Reloads a published directory in place (same architecture as the loaded one)."""
-        import torch
         from safetensors.torch import load_file
 
-        model = self.model_runner.model
         tensors = {}
         for f in checkpoint_files(path):
             tensors.update(load_file(f))
-        self.model_runner.reload_weights(weights_iterator=iter(tensors.items()),
-                                         is_checkpoint_format=True)
-        repacked = []
-        for name, mod, fused in _expert_modules(model):
-            fused.process_weights_after_loading(mod)
-            repacked.append(name)
-        params = dict(model.named_parameters())
-        copied = []
-        with torch.no_grad():
-            for name, w in tensors.items():
-                p = params.get(name)
-                if p is None or tuple(p.shape) != tuple(w.shape):
-                    continue
-                w = w.to(p.dtype)
-                if not torch.equal(p.data, w):
-                    p.data.copy_(w)
-                    copied.append(name)
+        out = reload_tensors(self.model_runner, tensors, groups=None)
         self._gagar_loaded = path
-        return {"tensors": len(tensors), "repacked": len(repacked), "copied": copied}
+        return out
 
     def gagar_apply_version(self, path: str) -> dict:
         """Brings the weights to version `path`, full or delta (`gagar_jax.rollout.delta`).
@@ -205,17 +187,18 @@ def torch_tensor(t: Any) -> Any:
     return x.view(views[t.dtype]) if t.dtype in views else x
 
 
-def reload_tensors(model_runner: Any, tensors: dict, groups: set) -> dict:
+def reload_tensors(model_runner: Any, tensors: dict, groups: set | None) -> dict:
     """Reloads the checkpoint tensors `tensors` (whole `reload_group`s: a layer given none keeps
-    its weights) with vLLM's reload, then the fix-ups of `gagar_reload_from` for those groups:
-    re-packs their fused experts, copies parameters the reload missed (MiMo sinks)."""
+    its weights; `groups` None: the whole model) with vLLM's reload, then its CPU fix-ups for
+    those groups: re-packs their fused experts (vLLM's reload does not), copies parameters the
+    reload missed (MiMo's attention sinks)."""
     import torch
 
     model = model_runner.model
     model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
     repacked = []
     for name, mod, fused in _expert_modules(model):
-        if ".".join(name.split(".")[:4]) in groups:   # model.layers.<i>.mlp
+        if groups is None or ".".join(name.split(".")[:4]) in groups:   # model.layers.<i>.mlp
             fused.process_weights_after_loading(mod)
             repacked.append(name)
     params = dict(model.named_parameters())
