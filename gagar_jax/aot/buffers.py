@@ -14,6 +14,8 @@ import glob
 import os
 import re
 
+from gagar_jax.aot import hlo_stats
+
 _PEAK = re.compile(r"^\s+Live ranges at (\d+) \(peak\):")
 _LIVE = re.compile(r"^\s+(.+?)(\{[\d,]*\})?: (\d+) bytes \(cumulative")
 _SHAPE = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (\(.*?\)(?= [a-z])|[a-z0-9]+\[[\d,]*\])")
@@ -25,16 +27,7 @@ def _element(shape: str, index: str) -> str:
     for i in (int(k) for k in index.strip("{}").split(",") if k):
         if not shape.startswith("("):
             break
-        parts, depth, cur = [], 0, ""
-        for ch in shape[1:-1]:
-            if ch == "," and depth == 0:
-                parts.append(cur.strip())
-                cur = ""
-                continue
-            depth += ch in "(["
-            depth -= ch in ")]"
-            cur += ch
-        parts.append(cur.strip())
+        parts = hlo_stats.tuple_elements(shape)
         shape = parts[i] if i < len(parts) else ""
     return shape
 

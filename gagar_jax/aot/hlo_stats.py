@@ -163,7 +163,7 @@ def _array_bytes(shapes: str) -> list[int]:
             for dt, dims in _ARRAY.findall(shapes)]
 
 
-def _top_level(shape: str) -> list[str]:
+def tuple_elements(shape: str) -> list[str]:
     """Elements of a tuple type `(a, (b, c), d)` (the type itself if it is not a tuple)."""
     shape = re.sub(r"/\*index=\d+\*/|\{[^{}]*\}", "", shape).strip()
     if not shape.startswith("("):
@@ -218,7 +218,7 @@ def collective_traffic(hlo_text: str) -> dict:
             if m:
                 op, result = m.group(2), m.group(1)
                 n = group_size(line)
-                parts = _top_level(result)
+                parts = tuple_elements(result)
                 if "-start(" in line and len(parts) > 1:
                     result = parts[0] if op == "collective-permute" else parts[1]
                 nbytes = sum(_array_bytes(result))

@@ -3,7 +3,7 @@ gagar_jax/run/published.py and docs/checkpoints.md, "Versions and collection").
 
 `latest` names a complete version directory at every moment, and nothing writes into or deletes
 a directory while `latest` names it. Reload when `path` changes, not only `step`: a resumed
-learner publishes a step again into a new directory (`step_XXXXXXXX.a1`). The learner keeps
+learner publishes a step again into a new directory (`step_<8-digit step>.a1`). The learner keeps
 `train.keep_published` versions after `latest` moves on; a reader slower than that may find its
 directory gone and should read `latest` again. Local paths only (what a rollout host mounts); no
 JAX, no etils.

@@ -124,7 +124,7 @@ def publish_weights(model: Any, step: int, workdir: epath.PathLike,
     existing empty directory (its own share of the files, like `hf.save_pretrained`).
 
     Returns:
-      The path of the published directory (a new one: `step_XXXXXXXX`, or `.a<k>` if the step
+      The path of the published directory (a new one: `step_<8-digit step>`, or `.a<k>` if the step
       was published before).
     """
     _check(step, keep)
