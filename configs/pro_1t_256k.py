@@ -1,4 +1,5 @@
-"""`pro_1t` on rows of 256k tokens with context parallelism (see configs/flash_310b_256k.py).
+"""`pro_1t` on long rows with context parallelism: 32 groups x 8 trajectories of ~180k tokens
+per step in 16 micro-batches of 16 rows of 196608 tokens (see configs/flash_310b_256k.py).
 
 Run:  gagar-train --config configs/pro_1t_256k.py --workdir gs://BUCKET/runs/pro_long \
         --config.feed.spool_dir=gs://BUCKET/spool
@@ -20,21 +21,21 @@ def get_config() -> ml_collections.ConfigDict:
     c = load_config_file(str(pathlib.Path(__file__).with_name("pro_1t.py")))
 
     # 1024 chips = fsdp 2 x expert 8 x context 8 x tensor 8: rows split 16 ways over fsdp x
-    # expert, each 8 ways along S (32768 tokens per chip); parameters over fsdp x context x tensor.
+    # expert, each 8 ways along S (24576 tokens per chip); parameters over fsdp x context x tensor.
     c.mesh.data = 1
     c.mesh.fsdp = 2
     c.mesh.expert = 8
     c.mesh.context = 8
     c.mesh.tensor = 8
 
-    c.train.micro_batches = 2         # 16 rows per micro-batch: one row per batch shard
+    c.train.micro_batches = 16        # 16 rows per micro-batch: one row per batch shard
 
-    c.loss.max_response_len = 262_144
+    c.loss.max_response_len = 196_608
 
     f = c.feed
-    f.rows_per_batch = 32             # B: 32 x 262144 = 8.4M tokens per step
-    f.seq_len = 262_144               # S
-    f.max_traj_tokens = 262_144
-    f.max_trajectories = 256          # T
-    f.groups_per_batch = 32           # G
+    f.rows_per_batch = 256            # B: 256 x 196608 = 50.3M token slots per step
+    f.seq_len = 196_608               # S: one ~180k trajectory per row (~8% padding)
+    f.max_traj_tokens = 196_608       # longer trajectories are rejected (dead-lettered)
+    f.max_trajectories = 256          # T: 32 groups x 8
+    f.groups_per_batch = 32           # G: the RL batch (docs/scaling.md, "An RL batch")
     return c

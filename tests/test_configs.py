@@ -146,6 +146,22 @@ def test_pod_meshes_fill_their_slice_and_divide_shapes(name, chips):
 
 
 
+@pytest.mark.parametrize("name", ["flash_310b_256k", "pro_1t_256k"])
+def test_long_configs_train_an_rl_batch(name):
+    """Issue 29: >= 32 groups x 8 trajectories of ~180k tokens per step, padding under 15%,
+    accumulated over micro-batches with no more tokens per chip than the 32k configs."""
+    cfg = _load(name)
+    f, mesh = cfg.feed, cfg.mesh
+    assert f.groups_per_batch >= 32 and f.max_trajectories >= 8 * f.groups_per_batch
+    per_row = f.seq_len // 180_000                      # ~180k trajectories a row holds whole
+    assert per_row >= 1 and f.rows_per_batch * per_row >= 8 * f.groups_per_batch
+    assert 1 - per_row * 180_000 / f.seq_len < 0.15     # padding at the paper's mean length
+    assert f.max_traj_tokens >= 190_000                 # the paper's longest mean (192k) fits
+    batch_shards = mesh.data * mesh.fsdp * mesh.expert
+    micro_rows = f.rows_per_batch // (cfg.train.mini_batches * cfg.train.micro_batches)
+    assert micro_rows // batch_shards * f.seq_len // mesh.context <= 32_768
+
+
 @pytest.mark.parametrize("name", ["flash_310b", "pro_1t", "tiny_mimo"])
 def test_mimo_configs_export_as_mimo(name):
     mc = ModelConfig.from_config(_load(name).model)
