@@ -7,7 +7,8 @@ short tables below. Mesh axes:
 
   data    pure data parallelism (parameters replicated)
   fsdp    data parallelism with parameters sharded along their model width (ZeRO-3 style)
-  expert  expert parallelism: expert weights split along E; tokens are also split over it
+  expert  expert parallelism: expert weights split along E; tokens are also split over it, and
+          the dense weights' model width too (ZeRO-3 over it, as over fsdp)
   context context (sequence) parallelism: every [B, S, ...] activation split along S, so a
           256k-token row spreads over `context` chips. Parameters are stored split over it like
           over fsdp (ZeRO-3: a chip keeps 1 / (fsdp * context) of the model width) and their
@@ -40,7 +41,14 @@ MESH_DEFAULTS = {"context": 1}   # axes a mesh config may leave out (configs fro
 LOGICAL_RULES: dict[str, Any] = {
     "batch": ("data", "fsdp", "expert"),  # token rows: every non-model axis splits the batch
     "seq": "context",                     # the sequence of token rows (context parallelism)
-    "embed": ("fsdp", "context"),         # parameter model width (activations keep D whole)
+    # Parameter model width, ZeRO-3 style. Dense (non-expert) weights are stored over every axis
+    # the batch and the sequence split (a chip keeps 1 / (fsdp * expert * context) of them, as
+    # MaxText does); expert weights, already split over `expert` along E, over fsdp x context.
+    "embed": ("fsdp", "expert", "context"),
+    "expert_embed": ("fsdp", "context"),
+    # The residual stream's width between blocks: what `remat` saves per layer is split over
+    # `tensor` (each block gathers its input whole; its partial sums reduce-scatter back).
+    "resid": "tensor",
     "vocab": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
@@ -61,9 +69,9 @@ PARAM_AXES: dict[str, tuple] = {
     "sinks": ("heads",),                      # [H] attention-sink logits (sliding layers)
     "router": ("embed", None),                # [D, E], small: replicated over experts
     "router_bias": (None,),                   # [E]
-    "expert_gate": ("expert", "embed", "mlp"),  # [E, D, F]
-    "expert_up": ("expert", "embed", "mlp"),
-    "expert_down": ("expert", "mlp", "embed"),  # [E, F, D]
+    "expert_gate": ("expert", "expert_embed", "mlp"),  # [E, D, F]
+    "expert_up": ("expert", "expert_embed", "mlp"),
+    "expert_down": ("expert", "mlp", "expert_embed"),  # [E, F, D]
     "mlp_gate": ("embed", "mlp"),             # [D, I]
     "mlp_up": ("embed", "mlp"),
     "mlp_down": ("mlp", "embed"),             # [I, D]

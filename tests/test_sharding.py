@@ -49,23 +49,24 @@ def test_logical_to_spec_rules_and_divisibility():
     assert sharding.logical_to_spec(("batch",), (6,), mesh) == P(("data", "fsdp"))
     wide = mesh_of(1, 1, 1, 8)
     assert sharding.logical_to_spec(("embed", "kv_heads", None), (64, 2, 16), wide) == P(
-        "fsdp", None, None
+        ("fsdp", "expert"), None, None
     )
+    assert sharding.logical_to_spec(("expert_embed",), (64,), wide) == P("fsdp")
     with pytest.raises(KeyError, match="unknown logical axis"):
         sharding.logical_to_spec(("nope",))
 
 
 EXPECTED = {  # mesh (1, 2, 2, 2): fsdp=2, expert=2, tensor=2
-    "embedding": P("tensor", "fsdp"),
-    "lm_head": P("fsdp", "tensor"),
+    "embedding": P("tensor", ("fsdp", "expert")),   # dense weights: width over fsdp x expert
+    "lm_head": P(("fsdp", "expert"), "tensor"),
     "final_norm/scale": P(None),
-    "moe_layers/attn/wq": P(None, "fsdp", "tensor", None),
-    "moe_layers/attn/wk": P(None, "fsdp", "tensor", None),
-    "moe_layers/attn/wo": P(None, "tensor", None, "fsdp"),
+    "moe_layers/attn/wq": P(None, ("fsdp", "expert"), "tensor", None),
+    "moe_layers/attn/wk": P(None, ("fsdp", "expert"), "tensor", None),
+    "moe_layers/attn/wo": P(None, "tensor", None, ("fsdp", "expert")),
     "moe_layers/attn/q_norm/scale": P(None, None),
-    "moe_layers/mlp/router": P(None, "fsdp", None),
+    "moe_layers/mlp/router": P(None, ("fsdp", "expert"), None),
     "moe_layers/mlp/router_bias": P(None, None),
-    "moe_layers/mlp/expert_gate": P(None, "expert", "fsdp", "tensor"),
+    "moe_layers/mlp/expert_gate": P(None, "expert", "fsdp", "tensor"),   # width over fsdp only
     "moe_layers/mlp/expert_up": P(None, "expert", "fsdp", "tensor"),
     "moe_layers/mlp/expert_down": P(None, "expert", "tensor", "fsdp"),
 }

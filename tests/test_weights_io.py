@@ -153,7 +153,7 @@ def test_streaming_load_on_a_mesh_equals_an_independent_reader(small_ckpt, devic
     model, _ = hf.from_pretrained(str(small_ckpt), mesh=mesh, **FAST)
     raw = load_file(str(small_ckpt / "model.safetensors"))   # the safetensors package's reader
     wq = model.moe_layers.attn.wq[...]
-    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, ("fsdp", "expert"), "tensor", None)
     np.testing.assert_array_equal(
         np.asarray(wq[1]), raw["model.layers.2.self_attn.q_proj.weight"].T.reshape(32, 4, 8)
     )
@@ -182,7 +182,8 @@ def test_streaming_load_on_a_mesh_equals_an_independent_reader(small_ckpt, devic
 def test_units_reshard_to_their_owner(devices):
     x = np.arange(2 * 4 * 6 * 8, dtype=np.float32).reshape(2, 4, 6, 8)   # [L, E, D, F]
     mesh = sharding.make_mesh(types.SimpleNamespace(data=1, fsdp=2, expert=2, tensor=2))
-    xs = jax.device_put(x, sharding.named_sharding(mesh, ("layers", "expert", "embed", "mlp")))
+    xs = jax.device_put(x, sharding.named_sharding(mesh, ("layers", "expert", "expert_embed",
+                                                           "mlp")))
     lu = param_units.plan({"moe_layers/mlp/expert_gate": xs}, 1, lambda n, v: "bfloat16")[
         "moe_layers/mlp/expert_gate"]
     assert (lu.lead, lu.units, lu.unit_shape) == (2, 8, (6, 8))

@@ -244,12 +244,14 @@ class AotReport:
 
 def _paper_estimate(model_cfg: ModelConfig, mesh: dict, rows_per_shard: int, seq_len: int) -> dict:
     """State and remat activation bytes per device, worked out on paper (see docs/scaling.md)."""
-    width = mesh["fsdp"] * mesh.get("context", 1)  # the model width D is stored over both
+    width = mesh["fsdp"] * mesh.get("context", 1)  # experts' model width D is stored over both
     expert_shards = mesh["expert"] * width * mesh["tensor"]
-    state = flops.state_bytes_per_device(model_cfg, expert_shards, width * mesh["tensor"])
-    # A row is split along S over context: a chip holds seq_len / context of each of its rows.
+    # Dense weights' width is stored over expert too (sharding.LOGICAL_RULES["embed"]).
+    state = flops.state_bytes_per_device(model_cfg, expert_shards, expert_shards)
+    # A row is split along S over context: a chip holds seq_len / context of each of its rows,
+    # and the saved residual stream's width is split over tensor ("resid").
     act = flops.remat_activation_bytes_per_device(
-        model_cfg, rows_per_shard * seq_len // mesh.get("context", 1))
+        model_cfg, rows_per_shard * seq_len // mesh.get("context", 1)) / mesh["tensor"]
     return {"params_bytes": state.params, "grads_bytes": state.grads,
             "optimizer_bytes": state.optimizer, "state_bytes": state.state,
             "activation_bytes": act}

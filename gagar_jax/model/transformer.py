@@ -66,12 +66,15 @@ class Block(nnx.Module):
 
     def __call__(self, x_BxSxD: jax.Array, segment_ids_BxS: jax.Array, positions_BxS: jax.Array,
                  routed_BxSxK: jax.Array | None = None):
+        # The block's input arrives split along D over `tensor` ("resid": what remat keeps per
+        # layer is 1/tensor of the residual stream) and is gathered whole here; the output is
+        # split again, so the partial sums of the output projections reduce-scatter.
         x_BxSxD = constrain(x_BxSxD, "batch", "seq", None)
         h = x_BxSxD + self.attn(self.attn_norm(x_BxSxD), segment_ids_BxS, positions_BxS)
         if self.is_moe:
             y, stats = self.mlp(self.mlp_norm(h), segment_ids_BxS > 0, routed_BxSxK)
-            return h + y, stats
-        return h + self.mlp(self.mlp_norm(h)), None
+            return constrain(h + y, "batch", "seq", "resid"), stats
+        return constrain(h + self.mlp(self.mlp_norm(h)), "batch", "seq", "resid"), None
 
 
 def _stack(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs, sliding: bool = False) -> Block:
