@@ -77,6 +77,8 @@ def test_tiny_flops(tiny_report):
     assert 0 < roof["mfu_bound_one_torus_dim_imbalanced"] <= roof["mfu_bound_full_ici_balanced"]
     assert r["traffic"]["all-gather"]["ring_bytes"] > 0 and r["chip"]["name"] == "v5p"
     assert r["peak_buffers"] is not None and r["commit"]
+    # XLA's peak live set holds at least the largest buffer it lists.
+    assert r["peak_live_bytes_xla"] >= max((b["bytes"] for b in r["peak_buffers"]), default=1) > 0
 
 
 def test_tiny_collectives_counted(tiny_report):

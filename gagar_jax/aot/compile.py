@@ -159,6 +159,7 @@ class AotReport:
     roofline: dict = dataclasses.field(default_factory=dict)
     chip: dict = dataclasses.field(default_factory=dict)      # hardware figures and source
     peak_buffers: list = dataclasses.field(default_factory=list)   # live at the memory peak
+    peak_live_bytes_xla: int = 0   # all buffers live at XLA's heap peak (parameters included)
     commit: str = ""             # the source tree compiled (`git describe --always --dirty`)
 
     def to_json(self) -> dict:
@@ -443,4 +444,5 @@ def compile_report(cfg: ml_collections.ConfigDict, topology: str, *, name: str =
         error=r.error, overrides=tuple(overrides), collective_bytes=r.collective_bytes,
         hardware_flops_per_step=hw["total"] * tokens, flops_breakdown=hw,
         cost_analysis_flags=tuple(flags), traffic=traffic, ragged=ragged, roofline=roof,
-        chip=dataclasses.asdict(chip), peak_buffers=r.peak_buffers.get("buffers", []))
+        chip=dataclasses.asdict(chip), peak_buffers=r.peak_buffers.get("buffers", []),
+        peak_live_bytes_xla=r.peak_buffers.get("peak_bytes", 0))
