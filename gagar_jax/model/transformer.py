@@ -136,6 +136,8 @@ class Transformer(nnx.Module):
         policy = REMAT_POLICIES[self.cfg.remat]
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        # The carry (what remat saves per layer) enters split like every block's output.
+        x = constrain(x, "batch", "seq", "resid")
         return jax.lax.scan(body, x, (state, routed_LxBxSxK))
 
     def _scan_pattern(self, spec: LayerStack, x: jax.Array, segment_ids_BxS: jax.Array,
@@ -169,6 +171,7 @@ class Transformer(nnx.Module):
                 return x, None
             return x, jax.tree.map(lambda *a: jnp.stack(a), *stats)
 
+        x = constrain(x, "batch", "seq", "resid")   # the carry, split as in `_scan`
         x, stats = jax.lax.scan(body, x, ([s for _, s in splits], routed_RxPxBxSxK))
         if stats is not None:
             stats = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stats)
