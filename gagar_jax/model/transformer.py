@@ -131,6 +131,7 @@ class Transformer(nnx.Module):
 
         def body(x: jax.Array, inputs: tuple):
             layer_state, routed = inputs
+            x = constrain(x, "batch", "seq", "resid")   # the carry as saved: split (see below)
             return nnx.merge(graphdef, layer_state)(x, segment_ids_BxS, positions_BxS, routed)
 
         policy = REMAT_POLICIES[self.cfg.remat]
@@ -163,6 +164,9 @@ class Transformer(nnx.Module):
 
         def body(x: jax.Array, inputs: tuple):
             states, routed = inputs
+            # The carry is what the first position's remat saves: constrained here, in the body,
+            # or XLA keeps that one full width (the scan's initial sharding alone does not hold).
+            x = constrain(x, "batch", "seq", "resid")
             stats = []
             for k in range(p):
                 x, st = applies[k](x, states[k], None if routed is None else routed[k])
