@@ -18,8 +18,8 @@ AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/flash_310
 Numbers (gagar_jax/aot/flops.py, checked by tests/test_configs.py): 308.8B total, 15.4B active
 params. Global batch: 256 rows x 32768 tokens = 8.4M tokens, two micro-batches of 128 rows.
 Compiled for v5p:8x8x8 (fsdp 16 x expert 8 x tensor 4, `ep_a2a` with megablox over 16 chunks):
-44.9 GiB per chip (docs/aot/flash_310b_megablox16_84314bc_v5p_8x8x8.json; 53.6 before issue 29,
-docs/scaling.md), 107.7
+34.3 GiB per chip (docs/aot/flash_310b_3e90e06_v5p_8x8x8.json; 44.9 before issue 29's dense-weight
+and residual sharding, 53.6 before issue 29, docs/scaling.md), 107.7
 model GFLOPs per token (docs/aot/flash_310b_mimo_v5p_8x8x8.json, docs/scaling.md; the former
 global-attention stand-in: 38.9 GiB, 184.0 GFLOPs, docs/aot/flash_310b_ep_a2a_v5p_8x8x8.json).
 """
@@ -77,7 +77,8 @@ def get_config() -> ml_collections.ConfigDict:
     m.attn_block = 512
     m.expert_backend = "ep_a2a"       # ragged all-to-all dispatch to the expert owners (TPU)
     # Its per-chip FFN: the megablox TPU kernels, over 16 chunks of 2048 tokens (1 GiB dropless
-    # receive buffers): 44.9 GiB per chip; 8 chunks: 53.4; grouped (8 chunks): 45.9
+    # receive buffers): 44.9 GiB per chip (34.3 with the sharding of 3e90e06); 8 chunks: 53.4;
+    # grouped (8 chunks): 45.9
     # (docs/scaling.md "Every GiB and every byte").
     m.ep_local_ffn = "megablox"
     m.ep_chunks = 16
