@@ -85,8 +85,9 @@ _STATS = re.compile(r"Memory analysis: CompiledMemoryStats\(([^)]*)\)")
 
 def buffer_assignment_totals(text: str) -> dict:
     """Bytes per memory space from a `*buffer-assignment.txt`: {"hbm" (color 0, thread-local left
-    out), "thread_local" (color 0), "other_colors": {color: bytes}, "allocations"}."""
-    hbm = thread_local = n = 0
+    out), "parameters" (of it, the entry parameters: memory_analysis' arguments), "thread_local"
+    (color 0), "other_colors": {color: bytes} (TPU: 1 = VMEM, 2 = SMEM, ...), "allocations"}."""
+    hbm = params = thread_local = n = 0
     other: dict[str, int] = {}
     for m in _ALLOC.finditer(text):
         size, rest = int(m.group(1)), m.group(2)
@@ -98,7 +99,9 @@ def buffer_assignment_totals(text: str) -> dict:
             thread_local += size
         else:
             hbm += size
-    return {"hbm": hbm, "thread_local": thread_local, "other_colors": other, "allocations": n}
+            params += size if ", parameter " in rest else 0
+    return {"hbm": hbm, "parameters": params, "thread_local": thread_local,
+            "other_colors": other, "allocations": n}
 
 
 def dump_buffer_assignment(dump_dir: str) -> dict:
@@ -238,18 +241,28 @@ def _env(dump_dir: str, module_re: str = "") -> dict:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
 
 
-def run_maxtext(variant: str, workdir: str, cap_gb: float, timeout_s: int) -> dict:
-    """Compiles one variant and measures it; what it reached when it did not finish."""
+def run_maxtext(variant: str, workdir: str, cap_gb: float, timeout_s: int,
+                remeasure: bool = False) -> dict:
+    """Compiles one variant (unless `remeasure` and it ran before) and measures what it reached:
+    all three figures when it finished, the dump's when it stopped after buffer assignment."""
     from gagar_jax.aot import compile as aot
     out = os.path.join(workdir, variant)
     dump = os.path.join(out, "dump")
-    os.makedirs(dump, exist_ok=True)
-    for f in glob.glob(os.path.join(dump, "*")):
-        os.remove(f)
+    run_json = os.path.join(out, "run.json")
     print(f"MaxText {variant}: {' '.join(f'{k}={v}' for k, v in VARIANTS[variant].items())}",
           flush=True)
-    run = run_capped(maxtext_argv(variant), os.path.join(out, "log.txt"),
-                     _env(dump, "jit_train_step"), cap_gb, timeout_s)
+    if remeasure and os.path.exists(run_json):
+        with open(run_json) as f:
+            run = json.load(f)
+    else:
+        os.makedirs(dump, exist_ok=True)
+        for f in glob.glob(os.path.join(dump, "*")):
+            if os.path.isfile(f):
+                os.remove(f)
+        run = run_capped(maxtext_argv(variant), os.path.join(out, "log.txt"),
+                         _env(dump, "jit_train_step"), cap_gb, timeout_s)
+        with open(run_json, "w") as f:
+            json.dump(run, f, indent=2)
     with open(os.path.join(out, "log.txt"), errors="replace") as f:
         log = f.read()
     memory = parse_memory_analysis(log)
@@ -263,7 +276,7 @@ def run_maxtext(variant: str, workdir: str, cap_gb: float, timeout_s: int) -> di
     elif run["killed_by_cap"] or run["rc"] in (-9, 137):
         col["status"] = f"killed by the {cap_gb:g} GiB host-memory cap"
     else:
-        errors = [ln for ln in log.splitlines() if re.match(r"\w*(Error|Exception)\b", ln)]
+        errors = [ln for ln in log.splitlines() if re.match(r"[\w.]*(Error|Exception)\b", ln)]
         col["status"] = f"failed (rc {run['rc']}): {errors[-1] if errors else log[-300:]}"
     if not memory and col["buffer_assignment"]:
         col["status"] += " (buffer assignment read from the dump)"
@@ -294,11 +307,17 @@ def side_by_side_table(columns: list[dict]) -> str:
     def ma(c, key):
         return _gib(c["memory_analysis"][key]) if c.get("memory_analysis") else "-"
 
+    def args(c):
+        if c.get("memory_analysis"):
+            return ma(c, "arguments")
+        b = c.get("buffer_assignment") or {}
+        return f"{_gib(b['parameters'])} (b)" if "parameters" in b else "-"
+
     def total(c):
         if c.get("memory_analysis"):
             return _gib(c["memory_analysis"]["total"])
         oom = c.get("hbm_oom") or {}
-        return f"> {_gib(oom['required_bytes'])} (HBM OOM)" if oom.get("required_bytes") else "-"
+        return f"HBM OOM at {_gib(oom['required_bytes'])}" if oom.get("required_bytes") else "-"
 
     def ba(c):
         b = c.get("buffer_assignment") or {}
@@ -312,7 +331,7 @@ def side_by_side_table(columns: list[dict]) -> str:
         b = c.get("max_rss_bytes")
         return "-" if not b else _gib(b)
 
-    rows = [("arguments GiB (memory_analysis)", lambda c: ma(c, "arguments")),
+    rows = [("arguments GiB (memory_analysis)", args),
             ("temporaries GiB (memory_analysis)", lambda c: ma(c, "temporaries")),
             ("(a) total GiB, memory_analysis", total),
             ("(b) total GiB, buffer assignment (HBM)", ba),
@@ -341,6 +360,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mem_cap_gb", type=float, default=12.0,
                    help="cgroup-v1 memory cap of each compile (0: none)")
     p.add_argument("--timeout_s", type=int, default=3600, help="per compile")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure the variants' earlier compiles in --workdir, compile no more")
     p.add_argument("--gagar_report", default="", help="an aot_compile.py report (JSON)")
     p.add_argument("--gagar_dump", default="", help="that compile's --dump_dir")
     p.add_argument("--compile_gagar", action="store_true",
@@ -370,7 +391,7 @@ def main(argv: list[str]) -> int:
             os.path.join(REPO, "docs", "aot", f"flash_310b_splash_{commit}_v5p_8x8x8.json"))
     columns = [gagar_column(a.gagar_report, a.gagar_dump)] if a.gagar_report else []
     for v in variants:
-        columns.append(run_maxtext(v, a.workdir, a.mem_cap_gb, a.timeout_s))
+        columns.append(run_maxtext(v, a.workdir, a.mem_cap_gb, a.timeout_s, a.remeasure))
     table = side_by_side_table(columns)
     print(table)
     with open(out, "w") as f:

@@ -33,9 +33,10 @@ LOG = ("Jitting and compilation complete!\nMemory analysis: CompiledMemoryStats(
 
 def test_buffer_assignment_totals_excerpt():
     t = sbs.buffer_assignment_totals(EXCERPT)
-    # HBM: 1024 + 512 + 4096 + 64 + 16; thread-local 8 apart; colors 1 and 6 apart.
-    assert t == {"hbm": 5712, "thread_local": 8, "other_colors": {"1": 2048, "6": 32},
-                 "allocations": 8}
+    # HBM: 1024 + 512 + 4096 + 64 + 16, of it parameters 1024 + 512; thread-local 8 apart;
+    # colors 1 and 6 apart.
+    assert t == {"hbm": 5712, "parameters": 1536, "thread_local": 8,
+                 "other_colors": {"1": 2048, "6": 32}, "allocations": 8}
 
 
 def test_parse_memory_analysis_log():
@@ -56,15 +57,18 @@ def test_side_by_side_table_cells():
              "max_rss_bytes": None}
     oom = {"name": "default", "status": "compile-time HBM OOM", "compile_seconds": 1200.4,
            "memory_analysis": None, "hbm_oom": {"required_bytes": int(96.5 * gib)},
-           "buffer_assignment": {}, "peak_live_bytes": None, "max_rss_bytes": 11 * gib}
+           "buffer_assignment": {"hbm": int(96.5 * gib), "parameters": 7 * gib},
+           "peak_live_bytes": int(80.25 * gib), "max_rss_bytes": 11 * gib}
     lines = sbs.side_by_side_table([gagar, oom]).splitlines()
     assert lines[0] == "| | gagar_jax | MaxText default |"
     assert lines[1] == "|---|---|---|"
     rows = {ln.split(" | ")[0][2:]: ln.split(" | ")[1:] for ln in lines[2:]}
-    assert rows["arguments GiB (memory_analysis)"] == ["8.00", "- |"]
-    assert rows["(a) total GiB, memory_analysis"] == ["53.50", "> 96.50 (HBM OOM) |"]
-    assert rows["(b) total GiB, buffer assignment (HBM)"] == ["52.00", "- |"]
-    assert rows["(c) XLA peak live set GiB"] == ["49.25", "- |"]
+    # Without memory_analysis, the arguments are the buffer assignment's parameters.
+    assert rows["arguments GiB (memory_analysis)"] == ["8.00", "7.00 (b) |"]
+    assert rows["temporaries GiB (memory_analysis)"] == ["45.00", "- |"]
+    assert rows["(a) total GiB, memory_analysis"] == ["53.50", "HBM OOM at 96.50 |"]
+    assert rows["(b) total GiB, buffer assignment (HBM)"] == ["52.00", "96.50 |"]
+    assert rows["(c) XLA peak live set GiB"] == ["49.25", "80.25 |"]
     assert rows["compile s"] == ["551", "1200 |"]
     assert rows["host peak RSS GiB"] == ["-", "11.00 |"]
 
