@@ -273,6 +273,8 @@ def run_maxtext(variant: str, workdir: str, cap_gb: float, timeout_s: int,
         col["status"] = "compiled"
     elif oom:
         col["status"] = "compile-time HBM OOM"
+    elif run["rc"] == "timeout":
+        col["status"] = f"stopped at the {run['wall_seconds']:.0f} s limit (--timeout_s)"
     elif run["killed_by_cap"] or run["rc"] in (-9, 137):
         col["status"] = f"killed by the {cap_gb:g} GiB host-memory cap"
     else:
@@ -333,6 +335,7 @@ def side_by_side_table(columns: list[dict]) -> str:
 
     rows = [("arguments GiB (memory_analysis)", args),
             ("temporaries GiB (memory_analysis)", lambda c: ma(c, "temporaries")),
+            ("code GiB (memory_analysis)", lambda c: ma(c, "code")),
             ("(a) total GiB, memory_analysis", total),
             ("(b) total GiB, buffer assignment (HBM)", ba),
             ("(c) XLA peak live set GiB", lambda c: _gib(c.get("peak_live_bytes"))),
