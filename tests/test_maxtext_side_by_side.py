@@ -52,7 +52,7 @@ def test_side_by_side_table_cells():
     gib = 2**30
     gagar = {"name": "gagar", "status": "compiled", "compile_seconds": 551.2,
              "memory_analysis": {"arguments": 8 * gib, "temporaries": 45 * gib,
-                                 "total": int(53.5 * gib)},
+                                 "code": gib // 2, "total": int(53.5 * gib)},
              "buffer_assignment": {"hbm": 52 * gib}, "peak_live_bytes": int(49.25 * gib),
              "max_rss_bytes": None}
     oom = {"name": "default", "status": "compile-time HBM OOM", "compile_seconds": 1200.4,
@@ -66,6 +66,7 @@ def test_side_by_side_table_cells():
     # Without memory_analysis, the arguments are the buffer assignment's parameters.
     assert rows["arguments GiB (memory_analysis)"] == ["8.00", "7.00 (b) |"]
     assert rows["temporaries GiB (memory_analysis)"] == ["45.00", "- |"]
+    assert rows["code GiB (memory_analysis)"] == ["0.50", "- |"]
     assert rows["(a) total GiB, memory_analysis"] == ["53.50", "HBM OOM at 96.50 |"]
     assert rows["(b) total GiB, buffer assignment (HBM)"] == ["52.00", "96.50 |"]
     assert rows["(c) XLA peak live set GiB"] == ["49.25", "80.25 |"]
