@@ -8,11 +8,15 @@ STAMP := $(VENV)/.installed
 # make expands a rule's prerequisites when it reads the rule.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# MaxText's own venv (Python 3.12; its pins conflict with .venv's), for the side by side.
+MAXTEXT_VENV := .venv-maxtext
+MAXTEXT_VERSION := 0.2.5
+MAXTEXT_STAMP := $(MAXTEXT_VENV)/.installed-$(MAXTEXT_VERSION)
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
 # libtpu is installed for ahead-of-time TPU compiles; the embedded default runs on CPU.
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: train test lint bench clean vllm loop
+.PHONY: train test lint bench clean vllm loop maxtext side_by_side
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +62,28 @@ $(VLLM_STAMP): pyproject.toml
 # (docs/rollout.md, "The loop"); about 5 minutes on two cores.
 loop: $(STAMP) $(VLLM_STAMP)
 	$(PY) scripts/loop.py --workdir runs/loop --seeds 0 1 2 --control --steps 40
+
+# MaxText 0.2.5 beside the learner, in its own venv (docs/scaling.md, "Side by side with
+# MaxText"); neither target is part of `make test` or CI. The [tpu] extra brings libtpu; its pins
+# are lower bounds (jax>=0.11.1, libtpu>=0.0.46), so jax[tpu] is held at that floor (libtpu
+# 0.0.46.x). PYTHON312: python3.12 if it runs, else a pyenv 3.12.
+PYTHON312 ?= $(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || \
+	ls $(HOME)/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)
+maxtext: $(MAXTEXT_STAMP)
+
+$(MAXTEXT_STAMP):
+	@test -n "$(PYTHON312)" || { echo "make maxtext: no Python 3.12 found; set PYTHON312=" >&2; exit 2; }
+	test -x $(MAXTEXT_VENV)/bin/python || $(PYTHON312) -m venv $(MAXTEXT_VENV)
+	$(MAXTEXT_VENV)/bin/pip install -q -U pip
+	$(MAXTEXT_VENV)/bin/pip install -q 'maxtext[tpu]==$(MAXTEXT_VERSION)' 'jax[tpu]==0.11.1' 'jaxlib==0.11.1'
+	$(MAXTEXT_VENV)/bin/python -c "import maxtext.trainers.pre_train.train_compile, libtpu; print('maxtext', '$(MAXTEXT_VERSION)')"
+	touch $(MAXTEXT_STAMP)
+
+# MaxText's train_compile of the Flash-shaped gemma4 model for v5p-1024 (three variants, one at a
+# time under a 12 GiB memory cap), beside gagar_jax's report: SIDE_BY_SIDE_ARGS="--gagar_report
+# docs/aot/R.json --gagar_dump DIR" (or --compile_gagar).
+side_by_side: $(STAMP) $(MAXTEXT_STAMP)
+	$(PY) scripts/maxtext_side_by_side.py $(SIDE_BY_SIDE_ARGS)
 
 clean:
 	rm -rf runs .cache .pytest_cache .hypothesis
