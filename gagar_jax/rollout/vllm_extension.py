@@ -318,9 +318,10 @@ def plan_fast_apply(model: Any, tensors: dict) -> dict:
     module's tensors.
 
     Returns {"dest": {name: [modules]}, "feeds": {module: [names]}, "program": {module:
-    [(attr, dst view, name, src view)]}, "slow": [modules]}. `slow` modules are left to vLLM's
-    reload: one written by anything but a copy of a view of the tensor being loaded (a loader
-    that buffers, converts or fills), or written in a kernel tensor vLLM does not restore
+    [(attr, dst view, name, src view or fill value)]}, "slow": [modules]}. `slow` modules are
+    left to vLLM's reload: one written by anything but a copy of a view of the tensor being
+    loaded or a fill (a loader that buffers or converts), or written in a kernel tensor vLLM
+    does not restore
     (`bias`, `e_score_correction_bias`), or with checkpoint-format tensors not all loaded, an
     attention layer (processed after the others), a kernel tensor two modules share (tied
     weights), and every module fed by a name that also feeds one of those.
