@@ -13,10 +13,13 @@ so the bytes per publish at K are (full + (K - 1) x mean delta) / K. Every delta
 materialized and compared with the full publish of the same step, byte for byte.
 
 Then, in vLLM's environment (`--vllm-python`, default .venv-vllm/bin/python; its workers import
-this checkout through PYTHONPATH), one engine serves each learning rate's publishes: first a full
-reload of every step's full version (`gagar_reload_from`), then, from the delta chain's base, the
-apply of every delta (`gagar_apply_version`); after each, greedy tokens and log-probs of a fixed
-prompt, which must equal those after the full reload of the same step.
+this checkout through PYTHONPATH), one engine serves each learning rate's publishes, from the delta
+chain's base; per delta, one after the other (so under the same machine load): the apply by vLLM's
+reload of the touched layers (`gagar_apply_version(fast=False)`, the old path), the fast apply
+(`gagar_apply_version`), a full reload of the same step's full version (`gagar_reload_from`),
+with untimed re-syncs between them. After the fast apply and after the full reload: greedy tokens
+and log-probs of a fixed prompt, and `gagar_weights_digest` (every parameter and buffer, every
+packed linear's output on a fixed input), which must be equal.
 """
 from __future__ import annotations
 
@@ -133,31 +136,41 @@ def engine(spec_file: str) -> None:
                 "prompt_logprobs": [{str(k): v.logprob for k, v in p.items()} if p else None
                                     for p in o.prompt_logprobs]}
 
-    def timed_rpc(llm, name, path):
+    def timed_rpc(llm, name, path, **kwargs):
         t0 = time.perf_counter()
-        info = llm.collective_rpc(name, args=(path,))[0]
+        info = llm.collective_rpc(name, args=(path,), kwargs=kwargs)[0]
         assert llm.reset_prefix_cache()
         return time.perf_counter() - t0, info
 
     first = spec["runs"][0]["full"][0]
     t0 = time.perf_counter()
     llm = LLM(model=first, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-              max_model_len=256, seed=0, worker_extension_cls=EXT)
+              max_model_len=256, seed=0, worker_extension_cls=EXT, gpu_memory_utilization=0.5)
     result = {"start_s": time.perf_counter() - t0, "runs": []}
+    rpc = lambda name, *a, **k: llm.collective_rpc(name, args=a, kwargs=k)[0]   # noqa: E731
     for run in spec["runs"]:
-        rows = []
-        for path in run["full"][1:]:
-            s, _ = timed_rpc(llm, "gagar_reload_from", path)
-            rows.append({"step": read_manifest(path)["step"], "reload_s": s, "ref": answer(llm)})
-        base_s, _ = timed_rpc(llm, "gagar_apply_version", run["delta"][0])
-        for row, path in zip(rows, run["delta"][1:], strict=True):
-            assert read_manifest(path)["step"] == row["step"]
+        rows, deltas = [], run["delta"]
+        rpc("gagar_apply_version", deltas[0])      # the chain's base: a full load
+        for prev, path, full in zip(deltas[:-1], deltas[1:], run["full"][1:], strict=True):
+            assert read_manifest(path)["step"] == read_manifest(full)["step"]
+            # paired under the same load: vLLM's reload of the touched layers (the old apply),
+            # the fast apply, a full reload of the same step; untimed re-syncs between them
+            old_s, old = timed_rpc(llm, "gagar_apply_version", path, fast=False)
+            rpc("gagar_apply_version", prev)
             s, info = timed_rpc(llm, "gagar_apply_version", path)
-            row.update(apply_s=s, apply_read_s=info["read_s"], apply_reload_s=info["reload_s"],
-                       reloaded=info["reloaded"], deltas=info["deltas"],
-                       equal=answer(llm) == row["ref"])
-            print(json.dumps({k: v for k, v in row.items() if k != "ref"}), flush=True)
-        result["runs"].append({"lr": run["lr"], "base_apply_s": base_s, "rows": rows})
+            got, got_w = answer(llm), rpc("gagar_weights_digest")
+            full_s, _ = timed_rpc(llm, "gagar_reload_from", full)
+            ref, ref_w = answer(llm), rpc("gagar_weights_digest")
+            rpc("gagar_apply_version", path)
+            row = {"step": read_manifest(path)["step"], "reload_s": full_s, "apply_s": s,
+                   "apply_read_s": info["read_s"], "apply_reload_s": info["reload_s"],
+                   "old_apply_s": old_s, "old_reloaded": old["reloaded"],
+                   "rebuilt": len(info["rebuilt"]), "fed": info["reloaded"],
+                   "slow_groups": len(info["slow_groups"]), "deltas": info["deltas"],
+                   "equal": got == ref, "tensors_equal": got_w == ref_w, "tensors": len(ref_w)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        result["runs"].append({"lr": run["lr"], "rows": rows})
     json.dump(result, open(spec_file + ".out", "w"))
 
 
@@ -190,21 +203,30 @@ def render(summaries: list, eng: dict | None, args: argparse.Namespace) -> str:
             f"({s['deltas']} deltas) |")
     if eng is not None:
         out += ["", f"vLLM 0.32 CPU build, one engine (start {eng['start_s']:.0f} s), bf16, "
-                "`enforce_eager`; each figure is a mean over the steps, the `collective_rpc` and "
-                "prefix-cache reset included:", "",
-                "| lr | full reload s | delta apply s (read + bit copies / vLLM reload) | "
-                "apply / reload | tensors reloaded per delta | engine equal to the full "
-                "reload's (tokens, log-probs) |", "|---|---|---|---|---|---|"]
+                "`enforce_eager`; per step, under the same load, vLLM's reload of the touched "
+                "layers (the old apply), the fast apply and a full reload of the same step, "
+                "each the `collective_rpc` and prefix-cache reset; means over the steps, and "
+                "the median of the per-step ratios:", "",
+                "| lr | full reload s | fast apply s (read + bit copies / rebuild) | "
+                "fast / full: mean (median) | old apply s | old / full: mean (median) | "
+                "modules rebuilt (tensors fed) | engine equal to the full reload's: tokens and "
+                "log-probs / every tensor and packed linear |", "|---|---|---|---|---|---|---|---|"]
         for r in eng["runs"]:
             rows = r["rows"]
             full = np.mean([x["reload_s"] for x in rows])
             app = np.mean([x["apply_s"] for x in rows])
+            old = np.mean([x["old_apply_s"] for x in rows])
+            med = {k: np.median([x[k] / x["reload_s"] for x in rows])
+                   for k in ("apply_s", "old_apply_s")}
             out.append(
-                f"| {r['lr']:g} | {full:.2f} | {app:.2f} "
-                f"({np.mean([x['apply_read_s'] for x in rows]):.2f} / "
-                f"{np.mean([x['apply_reload_s'] for x in rows]):.2f}) | {100 * app / full:.0f}% "
-                f"| {np.mean([x['reloaded'] for x in rows]):.0f} | "
-                f"{sum(x['equal'] for x in rows)}/{len(rows)} |")
+                f"| {r['lr']:g} | {full:.2f} | {app:.3f} "
+                f"({np.mean([x['apply_read_s'] for x in rows]):.3f} / "
+                f"{np.mean([x['apply_reload_s'] for x in rows]):.3f}) | {100 * app / full:.0f}% "
+                f"({100 * med['apply_s']:.0f}%) | {old:.2f} | {100 * old / full:.0f}% "
+                f"({100 * med['old_apply_s']:.0f}%) | {np.mean([x['rebuilt'] for x in rows]):.0f}"
+                f" ({np.mean([x['fed'] for x in rows]):.0f}) | "
+                f"{sum(x['equal'] for x in rows)}/{len(rows)} / "
+                f"{sum(x['tensors_equal'] for x in rows)}/{len(rows)} |")
     return "\n".join(out) + "\n"
 
 

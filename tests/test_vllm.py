@@ -69,6 +69,45 @@ def learner_answers(model):
             "routes": np.asarray(aux.routed_experts_BxSxLxK[0, :-1]).tolist()}
 
 
+# A few elements of a few tensors change between the delta chain's base (the step-1 draw) and
+# its delta, step 3: (learner leaf, index, the modules vLLM must rebuild, or None: left to vLLM's
+# reload: MiMo's router bias is a kernel tensor vLLM does not restore on a reload).
+EDITS = {
+    "qwen3_moe": [("moe_layers/attn/wq", (0, 3, 1, 5), "model.layers.0.self_attn.qkv_proj"),
+                  ("moe_layers/mlp/expert_gate", (1, 2, 7, 4),
+                   "model.layers.1.mlp.experts.routed_experts"),
+                  ("lm_head", (9, 30), "lm_head")],
+    "mimo_v2_flash": [("dense_layers/mlp/mlp_gate", (0, 5, 6), "model.layers.0.mlp.gate_up_proj"),
+                      ("moe_layers_1/attn/sinks", (0, 1), "model.layers.2.self_attn"),
+                      ("moe_layers/mlp/router_bias", (0, 2), None)],
+}
+
+
+def delta_chain(cfg, family, root):
+    """Publishes the step-1 draw (float32, full), then it with EDITS as a delta (step 3), and
+    that step in full elsewhere: {"base", "delta", "full"} directories."""
+    model = Transformer(cfg, rngs=nnx.Rngs(1))
+    randomize(model, 1)
+    chain = publish.Publisher(str(root / "chain"), keep=3, dtype="float32", full_every=8)
+    dirs = {"base": chain.publish(model, 1)}
+    chain.wait()
+
+    def edit(path, x):
+        name = "/".join(str(getattr(k, "key", k)) for k in path[:-1])
+        for leaf, index, _ in EDITS[family]:
+            if name == leaf:
+                x = x.at[index].add(0.5)
+        return x
+    nnx.update(model, jax.tree_util.tree_map_with_path(edit, nnx.state(model)))
+    dirs["delta"] = chain.publish(model, 3)
+    chain.wait()
+    assert chain.last_delta is not None and chain.last_delta.changed == len(EDITS[family])
+    full = publish.Publisher(str(root / "full"), keep=1, dtype="float32")
+    dirs["full"] = full.publish(model, 3)
+    full.wait()
+    return {k: str(v) for k, v in dirs.items()}
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """Publishes both families (two weight draws each) and runs the one vLLM subprocess."""
@@ -87,7 +126,7 @@ def engines(tmp_path_factory):
         assert publish.read_latest(wd)["step"] == 2
         learner[family] = (cfg, refs, dirs)
         specs[family] = {"workdir": wd, "step1": dirs[1], "step2": dirs[2], "prompt": PROMPT,
-                         "gen": GEN}
+                         "gen": GEN, "delta": delta_chain(cfg, family, work / f"{family}_delta")}
     spec, out = str(work / "spec.json"), str(work / "vllm.json")
     with open(spec, "w") as f:
         json.dump(specs, f)
@@ -141,3 +180,22 @@ def test_captured_routing_equals_learner_routing(served, run, step):
     learner = np.sort(np.asarray(refs[step]["routes"]), axis=-1)
     assert engine.shape == (len(PROMPT) + GEN - 1, cfg.num_moe_layers, cfg.top_k)
     np.testing.assert_array_equal(engine, learner)
+
+
+def test_delta_apply_rebuilds_only_changed_modules_bit_for_bit(served):
+    """The fast apply of a delta (`gagar_apply_version`) leaves the engine equal to a full
+    reload of the same step: every parameter and buffer, every packed linear's output on a
+    fixed input (`gagar_weights_digest`), greedy tokens and log-probs; it rebuilds only the
+    modules whose tensors changed, and leaves what it cannot trace to vLLM's reload."""
+    family, cfg, refs, dirs, got = served
+    d = got["delta"]
+    assert d["info"]["deltas"] == 1 and d["info"]["changed"] == len(EDITS[family])
+    assert d["digest_diff"] == [], family
+    assert d["digest_outs"] >= 2 * cfg.num_layers + 2     # q/k/v + o per layer, embedding, head
+    assert d["applied"] == d["reloaded"]
+    assert d["applied"]["greedy"] != got["fresh"]["greedy"] or \
+        d["applied"]["gen_logprobs"] != got["fresh"]["gen_logprobs"]
+    want = sorted(m for _, _, m in EDITS[family] if m)
+    assert d["info"]["rebuilt"] == want
+    slow = [".".join(["model", "layers", "1", "mlp"])] if family == "mimo_v2_flash" else []
+    assert d["info"]["slow_groups"] == slow

@@ -2,10 +2,12 @@
 
     .venv-vllm/bin/python tests/support/vllm_parity_driver.py SPEC.json OUT.json
 
-SPEC: {name: {"workdir", "step1", "step2", "prompt", "gen"}}; `latest` names step2. Each engine
-starts on step 2 (a fresh load), then reloads step 1 in place, then `latest` (step 2) again. For
-each: the greedy tokens, their log-probs, the prompt log-probs and the captured routing
-[rows][L][K].
+SPEC: {name: {"workdir", "step1", "step2", "prompt", "gen", "delta"?}}; `latest` names step2.
+Each engine starts on step 2 (a fresh load), then reloads step 1 in place, then `latest` (step 2)
+again. For each: the greedy tokens, their log-probs, the prompt log-probs and the captured
+routing [rows][L][K]. With "delta" ({"base", "delta", "full"}): then the chain's base and its
+delta applied (`gagar_apply_version`), against a full reload of the delta's step (answers and
+`gagar_weights_digest`).
 """
 import json
 import sys
@@ -44,7 +46,29 @@ def one(spec):
     res["reload_s"] = time.perf_counter() - t0
     res["reload_info_2"] = {k: v for k, v in info.items() if k != "path"}
     res["reloaded"] = greedy(llm, spec["prompt"], spec["gen"])
+    if "delta" in spec:
+        res["delta"] = delta(llm, spec)
     return llm, res
+
+
+def delta(llm, spec):
+    """The delta chain's base, then its delta (the fast apply), against a full reload of the
+    same step: answers and weight digests of both."""
+    d = spec["delta"]
+    for path in (d["base"], d["delta"]):
+        info = llm.collective_rpc("gagar_apply_version", args=(path,))[0]
+        assert llm.reset_prefix_cache()
+    out = {"info": {k: info[k] for k in ("deltas", "changed", "rebuilt", "slow_groups")},
+           "applied": greedy(llm, spec["prompt"], spec["gen"])}
+    applied = llm.collective_rpc("gagar_weights_digest")[0]
+    llm.collective_rpc("gagar_reload_from", args=(d["full"],))
+    assert llm.reset_prefix_cache()
+    out["reloaded"] = greedy(llm, spec["prompt"], spec["gen"])
+    ref = llm.collective_rpc("gagar_weights_digest")[0]
+    out["digest_n"], out["digest_outs"] = len(ref), sum(k.endswith(":out") for k in ref)
+    out["digest_diff"] = sorted(k for k in ref.keys() | applied.keys()
+                                if ref.get(k) != applied.get(k))
+    return out
 
 
 def main(spec_path, out_path):
