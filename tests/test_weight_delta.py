@@ -78,7 +78,8 @@ def test_encode_picks_sparse_dense_or_nothing_bitwise():
 
 def test_shares_of_several_processes_and_applying_only_what_an_engine_lacks(tmp_path):
     """Each process writes its own delta files (its own share against its own previous one);
-    an engine holding an older version of the chain applies only the deltas after it."""
+    an engine holding an older version of the chain applies only the deltas after it, writing
+    every entry (dense ones too) into the arrays it holds, views included."""
     root = tmp_path / "published"
     rng = np.random.default_rng(1)
     v0 = {f"t{i}": rng.standard_normal((8, 16)).astype(np.float32) for i in range(6)}
@@ -106,6 +107,12 @@ def test_shares_of_several_processes_and_applying_only_what_an_engine_lacks(tmp_
     assert delta.pending(v0_path, v1_path) == [v1_path]
     assert delta.pending(v1_path, v1_path) == []
     assert delta.pending(os.fspath(tmp_path / "elsewhere"), v1_path) is None
+    held = delta.load_full(v0_path)     # an engine's host copy: views into one flat array
+    flat = np.concatenate([held[n].array.reshape(-1) for n in sorted(held)])
+    for i, n in enumerate(sorted(held)):
+        held[n].array = flat[i * 128:(i + 1) * 128].reshape(8, 16)
+    assert sorted(delta.apply_delta(held, v1_path)) == ["t0", "t4"]    # sparse, dense
+    np.testing.assert_array_equal(flat, np.concatenate([v1[n].reshape(-1) for n in sorted(v1)]))
     with pytest.raises(ValueError, match="base 'step_00000009' is not a committed version"):
         published.commit(root, name, 3, keep=5, kind="delta", base="step_00000009")
     (root / "step_00000001" / publish.MANIFEST).unlink()

@@ -114,14 +114,21 @@ def load_full(path: str) -> dict:
 
 def apply_delta(weights: dict, path: str) -> list:
     """Applies the delta version `path` to `weights` (name -> Tensor, the version it is on) in
-    place; returns the names changed. A sparse entry is a bit copy into the existing array."""
+    place; returns the names changed. Every entry is a bit copy into the existing array (which
+    may be a view into a larger one: an engine's loader layout) when that array is writable and
+    of the entry's dtype and shape; a dense entry replaces the tensor otherwise."""
     changed = []
     for f in delta_files(path, read_manifest(path) or {}):
         entries = read_safetensors(f)
         for name, t in entries.items():
             if name.endswith(IDX) or name.endswith(VAL):
                 continue
-            weights[name] = t
+            dst = weights.get(name)
+            if dst is not None and dst.dtype == t.dtype and dst.array.shape == t.array.shape \
+                    and dst.array.flags.writeable:
+                dst.array[...] = t.array
+            else:
+                weights[name] = t
             changed.append(name)
         for key in [k for k in entries if k.endswith(IDX)]:
             name = key[: -len(IDX)]
