@@ -186,7 +186,8 @@ def test_delta_apply_rebuilds_only_changed_modules_bit_for_bit(served):
     """The fast apply of a delta (`gagar_apply_version`) leaves the engine equal to a full
     reload of the same step: every parameter and buffer, every packed linear's output on a
     fixed input (`gagar_weights_digest`), greedy tokens and log-probs; it rebuilds only the
-    modules whose tensors changed, and leaves what it cannot trace to vLLM's reload."""
+    modules whose tensors changed, handing them the host copy's loader-layout tiles the
+    deltas wrote into, and leaves what it cannot trace to vLLM's reload."""
     family, cfg, refs, dirs, got = served
     d = got["delta"]
     assert d["info"]["deltas"] == 1 and d["info"]["changed"] == len(EDITS[family])
@@ -199,3 +200,6 @@ def test_delta_apply_rebuilds_only_changed_modules_bit_for_bit(served):
     assert d["info"]["rebuilt"] == want
     slow = [".".join(["model", "layers", "1", "mlp"])] if family == "mimo_v2_flash" else []
     assert d["info"]["slow_groups"] == slow
+    # the kernel tensors handed over from the host copy's loader-layout tiles (no copy):
+    # qkv_proj, w13, w2, lm_head / gate_up_proj, the sinks' attention
+    assert d["info"]["tiled"] == {"qwen3_moe": 4, "mimo_v2_flash": 2}[family]

@@ -126,14 +126,16 @@ class GagarWorkerExtension:
             if not hasattr(self, "_gagar_pool"):
                 self._gagar_pool = {}
             out = fast_apply(self.model_runner, mirror, changed, self._gagar_plan_for(mirror),
-                             self._gagar_pool)
+                             self._gagar_pool, getattr(self, "_gagar_tiles", {}))
         else:
             groups = {reload_group(n) for n in changed}
             tensors = {n: torch_tensor(t) for n, t in mirror.items() if reload_group(n) in groups}
             out = reload_tensors(self.model_runner, tensors, groups) if tensors else {}
             out["reloaded"] = len(tensors)
-            if todo is None and fast:
-                self._gagar_plan_for(mirror)     # traced now, with the full load, once
+            if todo is None and fast:        # traced now, with the full load, once
+                self._gagar_tiles = tile_mirror(mirror, self._gagar_plan_for(mirror))
+            elif todo is None:
+                self._gagar_tiles = {}
         self._gagar_loaded = self._gagar_mirror_path = path
         return {**out, "deltas": len(todo) if todo is not None else None, "changed": len(changed),
                 "read_s": t1 - t0, "reload_s": time.perf_counter() - t1}
@@ -146,7 +148,8 @@ class GagarWorkerExtension:
             try:
                 plan = plan_fast_apply(self.model_runner.model, mirror)
             except Exception as e:    # noqa: BLE001 - any loader the trace cannot follow
-                plan = {"dest": {}, "feeds": {}, "program": {}, "slow": [], "error": repr(e)}
+                plan = {"dest": {}, "feeds": {}, "program": {}, "layout": {}, "slow": [],
+                        "error": repr(e)}
             self._gagar_plan = {**plan, "names": sorted(mirror)}
         return self._gagar_plan
 
@@ -343,7 +346,7 @@ def plan_fast_apply(model: Any, tensors: dict) -> dict:
              for attr, t in lw.tensors(m).items() if t.is_meta}
     real.update({_storage(t): name for name, m in modules.items()
                  for t in lw.tensors(m).values() if not t.is_meta})
-    dest, program, slow, impure, cur = {}, {}, set(shared), set(), [None, None]
+    dest, program, slow, impure, cur, layout = {}, {}, set(shared), set(), [None, None], {}
 
     class Trace(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
@@ -353,6 +356,9 @@ def plan_fast_apply(model: Any, tensors: dict) -> dict:
                 args[0] if args and isinstance(args[0], torch.Tensor) else None)
             key = _storage(first) if first is not None else None
             hit = owner.get(key)
+            if hit is not None:
+                layout.setdefault(hit[0], {})[hit[1]] = (
+                    tuple(hit[2].shape), tuple(hit[2].stride()), hit[2].dtype)
             if hit is not None and func is torch.ops.aten.copy_.default and cur[0] is not None \
                     and _storage(args[1]) == _storage(cur[1]):
                 dest.setdefault(cur[0], set()).add(hit[0])
@@ -400,11 +406,11 @@ def plan_fast_apply(model: Any, tensors: dict) -> dict:
         slow |= more
     return {"dest": {n: sorted(d) for n, d in dest.items()},
             "feeds": {m: sorted(n) for m, n in feeds.items()}, "program": program,
-            "slow": sorted(slow)}
+            "layout": layout, "slow": sorted(slow)}
 
 
 def fast_apply(model_runner: Any, mirror: dict, changed: set, plan: dict,
-               pool: dict | None = None) -> dict:
+               pool: dict | None = None, tiles: dict | None = None) -> dict:
     """Rebuilds the modules whose checkpoint tensors `changed` (the plan's `dest`) from `mirror`
     (name -> Tensor, the new version): each is put back in checkpoint format (vLLM's restore
     metadata), loaded by the model's own `load_weights` with every tensor that feeds it,
@@ -412,16 +418,19 @@ def fast_apply(model_runner: Any, mirror: dict, changed: set, plan: dict,
     experts' layout), copied into its kernel tensors, its fused experts re-packed: what vLLM's
     reload does for a layer, without its element counting and without visiting the rest of
     the model. Changed names the plan cannot place (or slow modules) go to `reload_tensors`
-    by `reload_group`. Returns the module names rebuilt, the tensors fed, the slow groups.
+    by `reload_group`. `tiles` (`tile_mirror`): checkpoint-format tensors the mirror's tensors
+    are views of, handed to their modules as they are (no copy). Returns the module names
+    rebuilt, the tensors fed, the slow groups.
     """
     import torch
 
-    lw, pool = _layerwise(), {} if pool is None else pool
+    lw, pool, tiles = _layerwise(), {} if pool is None else pool, tiles or {}
+    _retile(mirror, tiles, changed)
     model = model_runner.model
     dest, slow = plan["dest"], set(plan["slow"])
     is_fast = {n: bool(dest.get(n)) and not set(dest[n]) & slow for n in changed}
     groups = {reload_group(n) for n, ok in is_fast.items() if not ok}
-    out = {"slow_groups": sorted(groups), "tensors": 0, "repacked": 0, "copied": []}
+    out = {"slow_groups": sorted(groups), "tensors": 0, "repacked": 0, "copied": [], "tiled": 0}
     if groups:
         tensors = {n: torch_tensor(t) for n, t in mirror.items() if reload_group(n) in groups}
         out.update(reload_tensors(model_runner, tensors, groups))
@@ -430,7 +439,8 @@ def fast_apply(model_runner: Any, mirror: dict, changed: set, plan: dict,
     rebuilt = sorted(n for part in parts for n in part)
     with torch.no_grad():
         for part in parts:
-            _rebuild(model, {n: model.get_submodule(n) for n in part}, mirror, plan, pool, lw)
+            out["tiled"] += _rebuild(model, {n: model.get_submodule(n) for n in part}, mirror,
+                                     plan, pool, lw, tiles)
         for name, mod, fused in _expert_modules(model) if parts else ():
             if name in rebuilt:
                 fused.process_weights_after_loading(mod)
@@ -454,27 +464,38 @@ def _components(plan: dict) -> list:
     return sorted({tuple(sorted(g)) for g in group.values()})
 
 
-def _rebuild(model: Any, modules: dict, mirror: dict, plan: dict, pool: dict, lw: Any) -> None:
-    """One group of `fast_apply`: checkpoint format in buffers from `pool` (kept between
-    modules and applies: fresh pages cost more than the copies), the loaders' copies replayed
-    (`_replay`), processed, copied into the kernel tensors; the buffers go back to the pool
-    when nothing else holds them."""
+def _rebuild(model: Any, modules: dict, mirror: dict, plan: dict, pool: dict, lw: Any,
+             tiles: dict) -> int:
+    """One group of `fast_apply`: checkpoint format in the mirror's tiles (`tile_mirror`: the
+    deltas already wrote there) or in buffers from `pool` (kept between modules and applies:
+    fresh pages cost more than the copies) the loaders' copies are replayed into (`_replay`),
+    processed, copied into the kernel tensors; the buffers go back to the pool when nothing
+    else holds them. Returns the number of tiles handed over."""
     import torch
 
     saved = _unload(modules, lw)
-    staged, loaded = [], {}
+    staged, loaded, handed = [], {}, 0
     try:
         for name, m in modules.items():
             for attr, t in lw.tensors(m).items():
                 if t.is_meta and attr not in lw.skip:
                     key = (tuple(t.shape), tuple(t.stride()), t.dtype)
+                    tile = tiles.get((name, attr))
+                    if tile is not None:
+                        x = torch.from_numpy(tile[0]).view(t.dtype)
+                        y = torch.empty(0, dtype=t.dtype).set_(x.untyped_storage(), 0, *key[:2])
+                        y.__class__, y.__dict__ = t.__class__, t.__dict__.copy()
+                        setattr(m, attr, y)
+                        handed += 1
+                        continue
                     free = pool.get(key)
                     x = free.pop() if free else torch.empty_strided(*key[:2], dtype=t.dtype)
                     staged.append((key, x))
                     y = torch.empty(0, dtype=t.dtype).set_(x.untyped_storage(), 0, *key[:2])
                     y.__class__, y.__dict__ = t.__class__, t.__dict__.copy()
                     setattr(m, attr, y)
-            loaded[name] = _replay(m, plan["program"][name], mirror)
+            loaded[name] = _replay(m, plan["program"][name], mirror,
+                                   {a for mod, a in tiles if mod == name})
         for name, m in modules.items():
             qm = getattr(m, "quant_method", None)
             if isinstance(qm, lw.quant_base):
@@ -491,20 +512,25 @@ def _rebuild(model: Any, modules: dict, mirror: dict, plan: dict, pool: dict, lw
     for key, x in staged:
         if torch._C._storage_Use_Count(x.untyped_storage()._cdata) == alone:
             pool.setdefault(key, []).append(x)
+    return handed
 
 
-def _replay(m: Any, program: list, mirror: dict) -> set:
+def _replay(m: Any, program: list, mirror: dict, tiled: set = frozenset()) -> set:
     """Makes the copies the plan traced for module `m`, from the mirror's tensors, in order;
     the copies into one tensor that tile it in order, contiguous and of its dtype (a fused
-    qkv, an experts' w13 or w2: one per expert and shard) as one `torch.cat`. Returns the
-    names of `m`'s tensors written."""
+    qkv, an experts' w13 or w2: one per expert and shard) as one `torch.cat`; none into the
+    tensors in `tiled` (the mirror's tiles: the copies are made). Returns the names of `m`'s
+    tensors written."""
     import torch
 
-    src = {n: torch_tensor(mirror[n]) for n in {op[2] for op in program} if n is not None}
     by_attr = {}
     for op in program:
         by_attr.setdefault(op[0], []).append(op)
+    src = {n: torch_tensor(mirror[n]) for attr, ops in by_attr.items() if attr not in tiled
+           for n in {op[2] for op in ops} if n is not None}
     for attr, ops in by_attr.items():
+        if attr in tiled:
+            continue
         dst = getattr(m, attr)
         parts = [src[n].as_strided(v[1], v[2], v[0] + src[n].storage_offset())
                  if n is not None else v for _, _, n, v in ops]
@@ -521,6 +547,77 @@ def _replay(m: Any, program: list, mirror: dict) -> set:
             view = dst.as_strided(ds, dt, do + dst.storage_offset())
             view.copy_(p) if n is not None else view.fill_(p)
     return set(by_attr)
+
+
+def tile_mirror(mirror: dict, plan: dict) -> dict:
+    """Moves the mirror's tensors into the loader layout: for each kernel tensor of a fast
+    module that the plan's copies tile in order (a fused qkv or gate/up, an experts' w13 or w2,
+    an embedding with its padding filled), one flat array of that layout holds them, and the
+    mirror's tensors become views into it, so a delta's bit copies land in the layout the
+    module loads and `fast_apply` hands the tile over as it is. A tensor is tiled only when it
+    is copied whole, once in the plan, in its own dtype; the others stay as they are (copied
+    out of the file buffers). Returns {(module, attr): (flat array, {name: (offset, size)})}."""
+    import math
+    from collections import Counter
+
+    import numpy as np
+    import torch
+
+    uses = Counter(op[2] for ops in plan["program"].values() for op in ops if op[2] is not None)
+    slow, tiles = set(plan["slow"]), {}
+    for module, program in plan["program"].items():
+        by_attr = {}
+        for op in program:
+            by_attr.setdefault(op[0], []).append(op)
+        for attr, ops in by_attr.items():
+            shape, stride, dtype = plan["layout"][module][attr]
+            srcs = [mirror.get(op[2]) for op in ops if op[2] is not None]
+            if module in slow or stride != _contiguous(shape) or not srcs or None in srcs:
+                continue
+            end, dt = 0, srcs[0].array.dtype
+            for _, (do, ds, st), n, v in sorted(ops, key=lambda op: op[1][0]):
+                t = mirror[n] if n is not None else None
+                ok = do == end and st == _contiguous(ds)
+                if t is not None:
+                    ok = ok and uses[n] == 1 and t.array.dtype == dt and v[0] == 0 and (
+                        t.array.flags.c_contiguous and math.prod(v[1]) == t.array.size and
+                        v[2] == _contiguous(v[1]) and torch_tensor(t).dtype == dtype)
+                end = do + math.prod(ds) if ok and end >= 0 else -1
+            if end != math.prod(shape):
+                continue
+            flat, offsets = np.empty(end, dt), {}
+            for _, (do, ds, _), n, v in ops:
+                n_el = math.prod(ds)
+                if n is None:
+                    torch.from_numpy(flat).view(dtype)[do:do + n_el].fill_(v)
+                    continue
+                t = mirror[n]
+                flat[do:do + n_el] = t.array.reshape(-1)
+                t.array = flat[do:do + n_el].reshape(t.array.shape)
+                offsets[n] = do, n_el
+            tiles[(module, attr)] = (flat, offsets)
+    tiled = {n for _, offsets in tiles.values() for n in offsets}
+    for name, t in mirror.items():
+        if name not in tiled and not t.array.flags.owndata:
+            t.array = t.array.copy()
+    return tiles
+
+
+def _retile(mirror: dict, tiles: dict, changed: set) -> None:
+    """Puts back into their tiles the changed tensors a delta replaced instead of writing into
+    (`delta.apply_delta` writes in place when it can); a tile one no longer fits (another size
+    or dtype) is dropped, and its module's copies are replayed as without tiles."""
+    for key, (flat, offsets) in list(tiles.items()):
+        for n, (do, size) in offsets.items():
+            a = mirror[n].array
+            if n not in changed or a.__array_interface__["data"][0] == \
+                    flat.__array_interface__["data"][0] + do * flat.itemsize:
+                continue
+            if a.size != size or a.dtype != flat.dtype:
+                del tiles[key]
+                break
+            flat[do:do + size] = a.reshape(-1)
+            mirror[n].array = flat[do:do + size].reshape(a.shape)
 
 
 def _contiguous(shape: tuple) -> tuple:
