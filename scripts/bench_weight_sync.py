@@ -166,6 +166,7 @@ def engine(spec_file: str) -> None:
                    "apply_read_s": info["read_s"], "apply_reload_s": info["reload_s"],
                    "old_apply_s": old_s, "old_reloaded": old["reloaded"],
                    "rebuilt": len(info["rebuilt"]), "fed": info["reloaded"],
+                   "tiled": info.get("tiled"),
                    "slow_groups": len(info["slow_groups"]), "deltas": info["deltas"],
                    "equal": got == ref, "tensors_equal": got_w == ref_w, "tensors": len(ref_w)}
             rows.append(row)

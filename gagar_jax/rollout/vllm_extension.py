@@ -25,10 +25,13 @@ A delta apply (`gagar_apply_version` on a version after the held one) rebuilds o
 whose checkpoint tensors changed (`fast_apply`), not whole layers through vLLM's reload: once
 per engine, `plan_fast_apply` runs the model's own `load_weights` on the meta device and traces
 the copies the loaders make (name -> module, tensor, view: the q/k/v and gate/up fusions, the
-per-expert w13/w2 slots, the vocabulary padding); an apply replays those copies from the host
-copy into checkpoint-format buffers (pooled), runs each module's `process_weights_after_loading`
-(oneDNN / sgl packing), copies into the kernel tensors and re-packs the fused experts, as vLLM's
-reload does per layer. What the trace cannot follow goes to vLLM's reload (`reload_tensors`).
+per-expert w13/w2 slots, the vocabulary padding), and the host copy moves into that layout
+(`tile_mirror`: its tensors become views into one flat array per fused kernel tensor, so the
+deltas' bit copies land there); an apply hands those tiles to the modules (the copies the tiles
+do not cover are replayed into pooled checkpoint-format buffers), runs each module's
+`process_weights_after_loading` (oneDNN / sgl packing), copies into the kernel tensors and
+re-packs the fused experts, as vLLM's reload does per layer. What the trace cannot follow goes
+to vLLM's reload (`reload_tensors`).
 `gagar_weights_digest` hashes every tensor and packed linear's output: the fast apply equals a
 full reload in it (tests/test_vllm.py).
 """
