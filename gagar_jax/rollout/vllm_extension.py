@@ -21,41 +21,20 @@ What the reload fixes beside vLLM's own `reload_weights` (both found on vLLM 0.3
 The caller must then reset the prefix cache (`reset_prefix_cache`; `reload_latest` does): KV
 cached under the old weights would otherwise be reused.
 
-A delta apply (`gagar_apply_version` on a version after the held one) rebuilds only the modules
-whose checkpoint tensors changed (`fast_apply`), not whole layers through vLLM's reload: once
-per engine, `plan_fast_apply` runs the model's own `load_weights` on the meta device and traces
-the copies the loaders make (name -> module, tensor, view: the q/k/v and gate/up fusions, the
-per-expert w13/w2 slots, the vocabulary padding), and the host copy moves into that layout
-(`tile_mirror`: its tensors become views into one flat array per fused kernel tensor, so the
-deltas' bit copies land there); an apply hands those tiles to the modules (the copies the tiles
-do not cover are replayed into pooled checkpoint-format buffers), runs each module's
-`process_weights_after_loading` (oneDNN / sgl packing), copies into the kernel tensors and
-re-packs the fused experts, as vLLM's reload does per layer. What the trace cannot follow goes
-to vLLM's reload (`reload_tensors`).
-`gagar_weights_digest` hashes every tensor and packed linear's output: the fast apply equals a
-full reload in it (tests/test_vllm.py).
+A delta apply rebuilds only the modules whose tensors changed: `vllm_fast_apply`.
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
+from gagar_jax.rollout.delta import weight_files
 from gagar_jax.rollout.pointer import read_latest
 
-INDEX_FILE = "model.safetensors.index.json"
+# The safetensors files of a published directory (sharded with an index, or one file).
+checkpoint_files = weight_files
 
 
-def checkpoint_files(path: str) -> list:
-    """The safetensors files of a published directory (sharded with an index, or one file)."""
-    index = os.path.join(path, INDEX_FILE)
-    if os.path.exists(index):
-        with open(index) as f:
-            return [os.path.join(path, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
-    return [os.path.join(path, "model.safetensors")]
-
-
-def _expert_modules(model: Any) -> list:
+def expert_modules(model: Any) -> list:
     """Modules holding packed fused experts (vLLM's RoutedExperts: w13_weight + a kernel)."""
     out = []
     for name, mod in model.named_modules():
@@ -110,6 +89,7 @@ class GagarWorkerExtension:
         import time
 
         from gagar_jax.rollout import delta
+        from gagar_jax.rollout.vllm_fast_apply import fast_apply, tile_mirror
 
         t0 = time.perf_counter()
         held = getattr(self, "_gagar_mirror", None)
@@ -146,6 +126,8 @@ class GagarWorkerExtension:
     def _gagar_plan_for(self, mirror: dict) -> dict:
         """The fast apply's plan (`plan_fast_apply`), traced once per engine; a model the
         trace fails on gets an empty plan (every change then goes to vLLM's reload)."""
+        from gagar_jax.rollout.vllm_fast_apply import plan_fast_apply
+
         plan = getattr(self, "_gagar_plan", None)
         if plan is None or set(plan["names"]) != set(mirror):
             try:
@@ -160,6 +142,8 @@ class GagarWorkerExtension:
         """name -> sha1 of every parameter and buffer of the model, and of every packed linear's
         output (`cpu_linear`, oneDNN handles included) on a fixed input: two engines with equal
         digests hold the same weights bit for bit."""
+        from gagar_jax.rollout.vllm_fast_apply import weights_digest
+
         return weights_digest(self.model_runner.model)
 
     def gagar_loaded(self) -> str:
@@ -241,7 +225,7 @@ def reload_tensors(model_runner: Any, tensors: dict, groups: set | None) -> dict
     model = model_runner.model
     model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
     repacked = []
-    for name, mod, fused in _expert_modules(model):
+    for name, mod, fused in expert_modules(model):
         if groups is None or ".".join(name.split(".")[:4]) in groups:   # model.layers.<i>.mlp
             fused.process_weights_after_loading(mod)
             repacked.append(name)
@@ -257,405 +241,3 @@ def reload_tensors(model_runner: Any, tensors: dict, groups: set | None) -> dict
                 p.data.copy_(w)
                 copied.append(name)
     return {"tensors": len(tensors), "repacked": len(repacked), "copied": copied}
-
-
-# -- the fast apply: rebuild only the modules whose checkpoint tensors changed ---------------------
-
-def _layerwise() -> Any:
-    """vLLM's layerwise-reload helpers the fast apply shares with vLLM's own reload (0.32)."""
-    from types import SimpleNamespace
-
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-    from vllm.model_executor.model_loader.reload import meta, utils
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-    return SimpleNamespace(info=get_layerwise_info, to_meta=meta.restore_layer_on_meta,
-                           skip=meta.SKIP_TENSORS,
-                           tensors=utils.get_layer_tensors, kernel=utils.get_layer_params_buffers,
-                           quant_base=QuantizeMethodBase, deferred=is_deferred_attention_layer)
-
-
-def _storage(t: Any) -> int:
-    return t.untyped_storage()._cdata
-
-
-def _unload(modules: dict, lw: Any) -> dict:
-    """Puts `modules` (name -> module) back in checkpoint format on the meta device, as vLLM's
-    reload does; returns name -> (their kernel tensors, non-persistent buffer names)."""
-    saved = {}
-    for name, m in modules.items():
-        saved[name] = (lw.kernel(m), set(m._non_persistent_buffers_set))
-        lw.to_meta(m, lw.info(m))
-        for t in lw.tensors(m).values():     # a reload by vLLM leaves its loader wrappers on
-            loader = getattr(t, "weight_loader", None)
-            while getattr(loader, "__name__", "") == "online_process_loader":
-                loader = t.weight_loader = loader.__wrapped__
-    return saved
-
-
-def _place(m: Any, kernel: tuple, lw: Any, copy_back: set | None) -> None:
-    """Registers a module's kernel tensors again; with `copy_back` (the names loaded), first
-    copies the module's current (processed) tensors into them: every parameter, and the buffers
-    but the non-persistent ones not loaded (vLLM's `_copy_and_restore_kernel_tensors`)."""
-    (params, buffers), non_persistent = kernel
-    if copy_back is not None:
-        for name, p in params.items():
-            p.data.copy_(getattr(m, name))
-        for name, b in buffers.items():
-            if name in m._buffers and (name not in non_persistent or name in copy_back):
-                b.data.copy_(getattr(m, name))
-    for name in lw.tensors(m):
-        delattr(m, name)
-    for name, p in params.items():
-        m.register_parameter(name, p)
-    for name, b in buffers.items():
-        m.register_buffer(name, b, persistent=name not in non_persistent)
-
-
-def _view(t: Any, base: Any) -> tuple:
-    """(storage offset from `base`'s, size, stride) of `t`, a view of `base`'s storage."""
-    return t.storage_offset() - base.storage_offset(), tuple(t.shape), tuple(t.stride())
-
-
-def plan_fast_apply(model: Any, tensors: dict) -> dict:
-    """The copies vLLM's loaders make for each checkpoint tensor, found once per engine by
-    running the model's own `load_weights` over every tensor with every module in checkpoint
-    format on the meta device (as vLLM's reload counts elements) and tracing every op on a
-    module's tensors.
-
-    Returns {"dest": {name: [modules]}, "feeds": {module: [names]}, "program": {module:
-    [(attr, dst view, name, src view or fill value)]}, "slow": [modules]}. `slow` modules are
-    left to vLLM's reload: one written by anything but a copy of a view of the tensor being
-    loaded or a fill (a loader that buffers or converts), or written in a kernel tensor vLLM
-    does not restore
-    (`bias`, `e_score_correction_bias`), or with checkpoint-format tensors not all loaded, an
-    attention layer (processed after the others), a kernel tensor two modules share (tied
-    weights), and every module fed by a name that also feeds one of those.
-    """
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    lw = _layerwise()
-    modules = dict(model.named_modules())
-    shared, seen, real = set(), {}, {}
-    for name, m in modules.items():
-        for t in lw.tensors(m).values():
-            if id(t) in seen:
-                shared.update((name, seen[id(t)]))
-            seen.setdefault(id(t), name)
-            real[_storage(t)] = name
-    saved = _unload(modules, lw)
-    owner = {_storage(t): (name, attr, t) for name, m in modules.items()
-             for attr, t in lw.tensors(m).items() if t.is_meta}
-    real.update({_storage(t): name for name, m in modules.items()
-                 for t in lw.tensors(m).values() if not t.is_meta})
-    dest, program, slow, impure, cur, layout = {}, {}, set(shared), set(), [None, None], {}
-
-    class Trace(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                               kwargs: dict | None = None) -> Any:
-            out = (kwargs or {}).get("out")
-            first = out if isinstance(out, torch.Tensor) else (
-                args[0] if args and isinstance(args[0], torch.Tensor) else None)
-            key = _storage(first) if first is not None else None
-            hit = owner.get(key)
-            if hit is not None:
-                layout.setdefault(hit[0], {})[hit[1]] = (
-                    tuple(hit[2].shape), tuple(hit[2].stride()), hit[2].dtype)
-            if hit is not None and func is torch.ops.aten.copy_.default and cur[0] is not None \
-                    and _storage(args[1]) == _storage(cur[1]):
-                dest.setdefault(cur[0], set()).add(hit[0])
-                program.setdefault(hit[0], []).append(
-                    (hit[1], _view(first, hit[2]), cur[0], _view(args[1], cur[1])))
-            elif hit is not None and func is torch.ops.aten.fill_.Scalar and cur[0] is not None:
-                dest.setdefault(cur[0], set()).add(hit[0])     # padding rows (the vocab's)
-                program.setdefault(hit[0], []).append(
-                    (hit[1], _view(first, hit[2]), None, float(args[1])))
-            elif (hit is not None or key in real) and (func._schema.is_mutable or out is not None):
-                slow.add(hit[0] if hit is not None else real[key])
-                impure.add(cur[0])
-            return func(*args, **(kwargs or {}))
-
-    def weights() -> Any:
-        for name, t in tensors.items():
-            cur[:] = name, torch_tensor(t)
-            yield name, cur[1]
-        cur[:] = None, None
-
-    try:
-        with Trace(), torch.no_grad():
-            model.load_weights(weights())
-    finally:
-        for name, m in modules.items():
-            _place(m, saved[name], lw, None)
-    for name in impure:
-        slow.update(dest.get(name, ()))
-    for name, ops in program.items():
-        m = modules[name]
-        params, buffers = lw.info(m).restore_metadata
-        need = {a for a in params if a not in lw.skip} | {
-            a for a in buffers if a not in lw.skip and a not in m._non_persistent_buffers_set}
-        if lw.deferred(m) or not need <= {op[0] for op in ops}:
-            slow.add(name)
-    feeds = {}
-    for name, mods in dest.items():
-        for m in mods:
-            feeds.setdefault(m, set()).add(name)
-    while True:      # a module fed by a name that also feeds a slow module is slow too
-        more = {m for m, names in feeds.items() if m not in slow
-                and any(dest[n] & slow for n in names)}
-        if not more:
-            break
-        slow |= more
-    return {"dest": {n: sorted(d) for n, d in dest.items()},
-            "feeds": {m: sorted(n) for m, n in feeds.items()}, "program": program,
-            "layout": layout, "slow": sorted(slow)}
-
-
-def fast_apply(model_runner: Any, mirror: dict, changed: set, plan: dict,
-               pool: dict | None = None, tiles: dict | None = None) -> dict:
-    """Rebuilds the modules whose checkpoint tensors `changed` (the plan's `dest`) from `mirror`
-    (name -> Tensor, the new version): each is put back in checkpoint format (vLLM's restore
-    metadata), loaded by the model's own `load_weights` with every tensor that feeds it,
-    processed by its own `process_weights_after_loading` (oneDNN or sgl packing, the fused
-    experts' layout), copied into its kernel tensors, its fused experts re-packed: what vLLM's
-    reload does for a layer, without its element counting and without visiting the rest of
-    the model. Changed names the plan cannot place (or slow modules) go to `reload_tensors`
-    by `reload_group`. `tiles` (`tile_mirror`): checkpoint-format tensors the mirror's tensors
-    are views of, handed to their modules as they are (no copy). Returns the module names
-    rebuilt, the tensors fed, the slow groups.
-    """
-    import torch
-
-    lw, pool, tiles = _layerwise(), {} if pool is None else pool, tiles or {}
-    _retile(mirror, tiles, changed)
-    model = model_runner.model
-    dest, slow = plan["dest"], set(plan["slow"])
-    is_fast = {n: bool(dest.get(n)) and not set(dest[n]) & slow for n in changed}
-    groups = {reload_group(n) for n, ok in is_fast.items() if not ok}
-    out = {"slow_groups": sorted(groups), "tensors": 0, "repacked": 0, "copied": [], "tiled": 0}
-    if groups:
-        tensors = {n: torch_tensor(t) for n, t in mirror.items() if reload_group(n) in groups}
-        out.update(reload_tensors(model_runner, tensors, groups))
-    rebuilt = {m for n, ok in is_fast.items() if ok for m in dest[n]}
-    parts = [p for p in _components(plan) if rebuilt & set(p)]     # loaded together
-    rebuilt = sorted(n for part in parts for n in part)
-    with torch.no_grad():
-        for part in parts:
-            out["tiled"] += _rebuild(model, {n: model.get_submodule(n) for n in part}, mirror,
-                                     plan, pool, lw, tiles)
-        for name, mod, fused in _expert_modules(model) if parts else ():
-            if name in rebuilt:
-                fused.process_weights_after_loading(mod)
-                out["repacked"] += 1
-    if parts:
-        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
-            if callable(getattr(model_runner, reset, None)):
-                getattr(model_runner, reset)()
-    fed = {n for m in rebuilt for n in plan["feeds"][m]}
-    return {**out, "rebuilt": rebuilt, "reloaded": out["tensors"] + len(fed)}
-
-
-def _components(plan: dict) -> list:
-    """The fast modules in groups that must be loaded together (a tensor feeding several)."""
-    slow, group = set(plan["slow"]), {}
-    for mods in plan["dest"].values():
-        mods = [m for m in mods if m not in slow]
-        merged = set(mods).union(*(group.get(m, ()) for m in mods))
-        for m in merged:
-            group[m] = merged
-    return sorted({tuple(sorted(g)) for g in group.values()})
-
-
-def _rebuild(model: Any, modules: dict, mirror: dict, plan: dict, pool: dict, lw: Any,
-             tiles: dict) -> int:
-    """One group of `fast_apply`: checkpoint format in the mirror's tiles (`tile_mirror`: the
-    deltas already wrote there) or in buffers from `pool` (kept between modules and applies:
-    fresh pages cost more than the copies) the loaders' copies are replayed into (`_replay`),
-    processed, copied into the kernel tensors; the buffers go back to the pool when nothing
-    else holds them. Returns the number of tiles handed over."""
-    import torch
-
-    saved = _unload(modules, lw)
-    staged, loaded, handed = [], {}, 0
-    try:
-        for name, m in modules.items():
-            for attr, t in lw.tensors(m).items():
-                if t.is_meta and attr not in lw.skip:
-                    key = (tuple(t.shape), tuple(t.stride()), t.dtype)
-                    tile = tiles.get((name, attr))
-                    if tile is not None:
-                        x = torch.from_numpy(tile[0]).view(t.dtype)
-                        y = torch.empty(0, dtype=t.dtype).set_(x.untyped_storage(), 0, *key[:2])
-                        y.__class__, y.__dict__ = t.__class__, t.__dict__.copy()
-                        setattr(m, attr, y)
-                        handed += 1
-                        continue
-                    free = pool.get(key)
-                    x = free.pop() if free else torch.empty_strided(*key[:2], dtype=t.dtype)
-                    staged.append((key, x))
-                    y = torch.empty(0, dtype=t.dtype).set_(x.untyped_storage(), 0, *key[:2])
-                    y.__class__, y.__dict__ = t.__class__, t.__dict__.copy()
-                    setattr(m, attr, y)
-            loaded[name] = _replay(m, plan["program"][name], mirror,
-                                   {a for mod, a in tiles if mod == name})
-        for name, m in modules.items():
-            qm = getattr(m, "quant_method", None)
-            if isinstance(qm, lw.quant_base):
-                if hasattr(m, "_already_called_process_weights_after_loading"):
-                    delattr(m, "_already_called_process_weights_after_loading")
-                qm.process_weights_after_loading(m)
-                if hasattr(m, "update_param_tp_status"):
-                    m.update_param_tp_status()
-            _place(m, saved.pop(name), lw, loaded[name])
-    finally:
-        for name, kernel in saved.items():    # only after a failure: the old weights back
-            _place(modules[name], kernel, lw, None)
-    alone = torch._C._storage_Use_Count(torch.empty(1).untyped_storage()._cdata)
-    for key, x in staged:
-        if torch._C._storage_Use_Count(x.untyped_storage()._cdata) == alone:
-            pool.setdefault(key, []).append(x)
-    return handed
-
-
-def _replay(m: Any, program: list, mirror: dict, tiled: set = frozenset()) -> set:
-    """Makes the copies the plan traced for module `m`, from the mirror's tensors, in order;
-    the copies into one tensor that tile it in order, contiguous and of its dtype (a fused
-    qkv, an experts' w13 or w2: one per expert and shard) as one `torch.cat`; none into the
-    tensors in `tiled` (the mirror's tiles: the copies are made). Returns the names of `m`'s
-    tensors written."""
-    import torch
-
-    by_attr = {}
-    for op in program:
-        by_attr.setdefault(op[0], []).append(op)
-    src = {n: torch_tensor(mirror[n]) for attr, ops in by_attr.items() if attr not in tiled
-           for n in {op[2] for op in ops} if n is not None}
-    for attr, ops in by_attr.items():
-        if attr in tiled:
-            continue
-        dst = getattr(m, attr)
-        parts = [src[n].as_strided(v[1], v[2], v[0] + src[n].storage_offset())
-                 if n is not None else v for _, _, n, v in ops]
-        tiles, end = sorted(range(len(ops)), key=lambda i: ops[i][1][0]), 0
-        for i in tiles:     # disjoint and covering: the copies' order does not matter
-            (do, ds, dt), p = ops[i][1], parts[i]
-            ok = ops[i][2] is not None and do == end and dt == _contiguous(ds) and \
-                p.is_contiguous() and p.dtype == dst.dtype
-            end = do + p.numel() if ok and end >= 0 else -1
-        if dst.is_contiguous() and end == dst.numel() and len(ops) > 1:
-            torch.cat([parts[i].reshape(-1) for i in tiles], out=dst.view(-1))
-            continue
-        for (_, (do, ds, dt), n, _), p in zip(ops, parts, strict=True):
-            view = dst.as_strided(ds, dt, do + dst.storage_offset())
-            view.copy_(p) if n is not None else view.fill_(p)
-    return set(by_attr)
-
-
-def tile_mirror(mirror: dict, plan: dict) -> dict:
-    """Moves the mirror's tensors into the loader layout: for each kernel tensor of a fast
-    module that the plan's copies tile in order (a fused qkv or gate/up, an experts' w13 or w2,
-    an embedding with its padding filled), one flat array of that layout holds them, and the
-    mirror's tensors become views into it, so a delta's bit copies land in the layout the
-    module loads and `fast_apply` hands the tile over as it is. A tensor is tiled only when it
-    is copied whole, once in the plan, in its own dtype; the others stay as they are (copied
-    out of the file buffers). Returns {(module, attr): (flat array, {name: (offset, size)})}."""
-    import math
-    from collections import Counter
-
-    import numpy as np
-    import torch
-
-    uses = Counter(op[2] for ops in plan["program"].values() for op in ops if op[2] is not None)
-    slow, tiles = set(plan["slow"]), {}
-    for module, program in plan["program"].items():
-        by_attr = {}
-        for op in program:
-            by_attr.setdefault(op[0], []).append(op)
-        for attr, ops in by_attr.items():
-            shape, stride, dtype = plan["layout"][module][attr]
-            srcs = [mirror.get(op[2]) for op in ops if op[2] is not None]
-            if module in slow or stride != _contiguous(shape) or not srcs or None in srcs:
-                continue
-            end, dt = 0, srcs[0].array.dtype
-            for _, (do, ds, st), n, v in sorted(ops, key=lambda op: op[1][0]):
-                t = mirror[n] if n is not None else None
-                ok = do == end and st == _contiguous(ds)
-                if t is not None:
-                    ok = ok and uses[n] == 1 and t.array.dtype == dt and v[0] == 0 and (
-                        t.array.flags.c_contiguous and math.prod(v[1]) == t.array.size and
-                        v[2] == _contiguous(v[1]) and torch_tensor(t).dtype == dtype)
-                end = do + math.prod(ds) if ok and end >= 0 else -1
-            if end != math.prod(shape):
-                continue
-            flat, offsets = np.empty(end, dt), {}
-            for _, (do, ds, _), n, v in ops:
-                n_el = math.prod(ds)
-                if n is None:
-                    torch.from_numpy(flat).view(dtype)[do:do + n_el].fill_(v)
-                    continue
-                t = mirror[n]
-                flat[do:do + n_el] = t.array.reshape(-1)
-                t.array = flat[do:do + n_el].reshape(t.array.shape)
-                offsets[n] = do, n_el
-            tiles[(module, attr)] = (flat, offsets)
-    tiled = {n for _, offsets in tiles.values() for n in offsets}
-    for name, t in mirror.items():
-        if name not in tiled and not t.array.flags.owndata:
-            t.array = t.array.copy()
-    return tiles
-
-
-def _retile(mirror: dict, tiles: dict, changed: set) -> None:
-    """Puts back into their tiles the changed tensors a delta replaced instead of writing into
-    (`delta.apply_delta` writes in place when it can); a tile one no longer fits (another size
-    or dtype) is dropped, and its module's copies are replayed as without tiles."""
-    for key, (flat, offsets) in list(tiles.items()):
-        for n, (do, size) in offsets.items():
-            a = mirror[n].array
-            if n not in changed or a.__array_interface__["data"][0] == \
-                    flat.__array_interface__["data"][0] + do * flat.itemsize:
-                continue
-            if a.size != size or a.dtype != flat.dtype:
-                del tiles[key]
-                break
-            flat[do:do + size] = a.reshape(-1)
-            mirror[n].array = flat[do:do + size].reshape(a.shape)
-
-
-def _contiguous(shape: tuple) -> tuple:
-    out, n = [], 1
-    for d in reversed(shape):
-        out.append(n)
-        n *= d
-    return tuple(reversed(out))
-
-
-def weights_digest(model: Any) -> dict:
-    """name -> sha1 of every parameter and buffer (bytes, shape, dtype), and `<module>:out` of
-    every module with a `cpu_linear` (its packed weight, opaque: oneDNN handles) applied to a
-    fixed input."""
-    import hashlib
-
-    import torch
-
-    def sha(t: Any) -> str:
-        t = t.detach().contiguous().cpu()
-        h = hashlib.sha1(f"{tuple(t.shape)} {t.dtype}".encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        return h.hexdigest()
-
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-    out = {n: sha(p) for n, p in model.named_parameters()}
-    out.update({n: sha(b) for n, b in model.named_buffers()})
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, m in model.named_modules():
-            fn, w = getattr(m, "cpu_linear", None), getattr(m, "weight", None)
-            shape = get_layerwise_info(m).restore_metadata[0].get("weight", w)
-            if fn is None or w is None or shape is None:
-                continue
-            x = torch.randn(5, shape.shape[-1], generator=gen).to(w.dtype)
-            out[f"{name}:out"] = sha(fn(x, w, getattr(m, "bias", None)))
-    return out
