@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gagar_jax.rollout.vllm_extension import (
+from gagar_jax.rollout.vllm_reload import (
     expert_modules,
     reload_group,
     reload_tensors,
