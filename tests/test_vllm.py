@@ -70,15 +70,20 @@ def learner_answers(model):
 
 
 # A few elements of a few tensors change between the delta chain's base (the step-1 draw) and
-# its delta, step 3: (learner leaf, index, the modules vLLM must rebuild, or None: left to vLLM's
-# reload: MiMo's router bias is a kernel tensor vLLM does not restore on a reload).
+# its delta, step 3: (learner leaf, index, (the module vLLM must bring up to date, how), or None:
+# left to vLLM's reload: MiMo's router bias is a kernel tensor vLLM does not restore on a
+# reload). "patched": the changed elements are written into the kernel tensors in place (the
+# experts' prepacked layout, the LM head's weight kept beside its oneDNN handle, the sinks);
+# "rebuilt": the module is loaded and processed again (a oneDNN handle without the weight).
 EDITS = {
-    "qwen3_moe": [("moe_layers/attn/wq", (0, 3, 1, 5), "model.layers.0.self_attn.qkv_proj"),
+    "qwen3_moe": [("moe_layers/attn/wq", (0, 3, 1, 5),
+                   ("model.layers.0.self_attn.qkv_proj", "rebuilt")),
                   ("moe_layers/mlp/expert_gate", (1, 2, 7, 4),
-                   "model.layers.1.mlp.experts.routed_experts"),
-                  ("lm_head", (9, 30), "lm_head")],
-    "mimo_v2_flash": [("dense_layers/mlp/mlp_gate", (0, 5, 6), "model.layers.0.mlp.gate_up_proj"),
-                      ("moe_layers_1/attn/sinks", (0, 1), "model.layers.2.self_attn"),
+                   ("model.layers.1.mlp.experts.routed_experts", "patched")),
+                  ("lm_head", (9, 30), ("lm_head", "patched"))],
+    "mimo_v2_flash": [("dense_layers/mlp/mlp_gate", (0, 5, 6),
+                       ("model.layers.0.mlp.gate_up_proj", "rebuilt")),
+                      ("moe_layers_1/attn/sinks", (0, 1), ("model.layers.2.self_attn", "patched")),
                       ("moe_layers/mlp/router_bias", (0, 2), None)],
 }
 
@@ -185,9 +190,12 @@ def test_captured_routing_equals_learner_routing(served, run, step):
 def test_delta_apply_rebuilds_only_changed_modules_bit_for_bit(served):
     """The fast apply of a delta (`gagar_apply_version`) leaves the engine equal to a full
     reload of the same step: every parameter and buffer, every packed linear's output on a
-    fixed input (`gagar_weights_digest`), greedy tokens and log-probs; it rebuilds only the
-    modules whose tensors changed, handing them the host copy's loader-layout tiles the
-    deltas wrote into, and leaves what it cannot trace to vLLM's reload."""
+    fixed input (`gagar_weights_digest`), greedy tokens and log-probs. It writes the changed
+    elements straight into the kernel tensors of the modules the patch probes mapped (one
+    element each here), re-processes in place the one that keeps a oneDNN handle beside its
+    weight, rebuilds only the other modules whose tensors changed (handing them the host copy's
+    loader-layout tiles the deltas wrote into), and leaves what it cannot trace to vLLM's
+    reload."""
     family, cfg, refs, dirs, got = served
     d = got["delta"]
     assert d["info"]["deltas"] == 1 and d["info"]["changed"] == len(EDITS[family])
@@ -196,10 +204,14 @@ def test_delta_apply_rebuilds_only_changed_modules_bit_for_bit(served):
     assert d["applied"] == d["reloaded"]
     assert d["applied"]["greedy"] != got["fresh"]["greedy"] or \
         d["applied"]["gen_logprobs"] != got["fresh"]["gen_logprobs"]
-    want = sorted(m for _, _, m in EDITS[family] if m)
-    assert d["info"]["rebuilt"] == want
+    for how in ("rebuilt", "patched"):
+        assert d["info"][how] == sorted(e[2][0] for e in EDITS[family] if e[2] and e[2][1] == how)
+    patched = [e for e in EDITS[family] if e[2] and e[2][1] == "patched"]
+    assert d["info"]["patched_tensors"] == len(patched)
+    assert len(patched) <= d["info"]["patched_elements"] < 10     # the elements, not the tensors
+    assert d["info"]["reprocessed"] == (["lm_head"] if family == "qwen3_moe" else [])
     slow = [".".join(["model", "layers", "1", "mlp"])] if family == "mimo_v2_flash" else []
     assert d["info"]["slow_groups"] == slow
-    # the kernel tensors handed over from the host copy's loader-layout tiles (no copy):
-    # qkv_proj, w13, w2, lm_head / gate_up_proj, the sinks' attention
-    assert d["info"]["tiled"] == {"qwen3_moe": 4, "mimo_v2_flash": 2}[family]
+    # the kernel tensor handed over from the host copy's loader-layout tiles (no copy):
+    # qkv_proj / gate_up_proj
+    assert d["info"]["tiled"] == 1

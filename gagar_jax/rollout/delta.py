@@ -112,11 +112,13 @@ def load_full(path: str) -> dict:
     return out
 
 
-def apply_delta(weights: dict, path: str) -> list:
+def apply_delta(weights: dict, path: str, touched: dict | None = None) -> list:
     """Applies the delta version `path` to `weights` (name -> Tensor, the version it is on) in
     place; returns the names changed. Every entry is a bit copy into the existing array (which
     may be a view into a larger one: an engine's loader layout) when that array is writable and
-    of the entry's dtype and shape; a dense entry replaces the tensor otherwise."""
+    of the entry's dtype and shape; a dense entry replaces the tensor otherwise. `touched`
+    (name -> [(flat indices, values)] in the order written, or None for a whole tensor)
+    gathers what was written, for an engine that patches its own copy element by element."""
     changed = []
     for f in delta_files(path, read_manifest(path) or {}):
         entries = read_safetensors(f)
@@ -130,6 +132,8 @@ def apply_delta(weights: dict, path: str) -> list:
             else:
                 weights[name] = t
             changed.append(name)
+            if touched is not None:
+                touched[name] = None
         for key in [k for k in entries if k.endswith(IDX)]:
             name = key[: -len(IDX)]
             if name not in weights:
@@ -141,6 +145,8 @@ def apply_delta(weights: dict, path: str) -> list:
                 dst.array = dst.array.copy()
             dst.array.reshape(-1)[entries[key].array] = val.array
             changed.append(name)
+            if touched is not None and touched.setdefault(name, []) is not None:
+                touched[name].append((entries[key].array, val))
     return changed
 
 

@@ -79,11 +79,11 @@ class GagarWorkerExtension:
         import time
 
         from gagar_jax.rollout import delta
-        from gagar_jax.rollout.vllm_fast_apply import fast_apply, tile_mirror
+        from gagar_jax.rollout.vllm_fast_apply import fast_apply, patch_maps, tile_mirror
 
         t0 = time.perf_counter()
         held = getattr(self, "_gagar_mirror", None)
-        todo = None
+        todo, touched = None, {}
         if held is not None and self.gagar_loaded() == getattr(self, "_gagar_mirror_path", ""):
             todo = delta.pending(self._gagar_mirror_path, path)
         if todo is None:
@@ -92,21 +92,27 @@ class GagarWorkerExtension:
         else:
             changed = set()
             for d in todo:
-                changed.update(delta.apply_delta(self._gagar_mirror, d))
+                changed.update(delta.apply_delta(self._gagar_mirror, d, touched))
         t1 = time.perf_counter()
         mirror = self._gagar_mirror
+        if not hasattr(self, "_gagar_pool"):
+            self._gagar_pool = {}
         if todo is not None and fast and changed:
-            if not hasattr(self, "_gagar_pool"):
-                self._gagar_pool = {}
             out = fast_apply(self.model_runner, mirror, changed, self._gagar_plan_for(mirror),
-                             self._gagar_pool, getattr(self, "_gagar_tiles", {}))
+                             self._gagar_pool, getattr(self, "_gagar_tiles", {}),
+                             getattr(self, "_gagar_patches", None), touched)
         else:
             groups = {reload_group(n) for n in changed}
             tensors = {n: torch_tensor(t) for n, t in mirror.items() if reload_group(n) in groups}
             out = reload_tensors(self.model_runner, tensors, groups) if tensors else {}
             out["reloaded"] = len(tensors)
             if todo is None and fast:        # traced now, with the full load, once
-                self._gagar_tiles = tile_mirror(mirror, self._gagar_plan_for(mirror))
+                plan = self._gagar_plan_for(mirror)
+                self._gagar_tiles = tile_mirror(mirror, plan)
+                if getattr(self, "_gagar_patches_plan", None) is not plan:
+                    self._gagar_patches = patch_maps(self.model_runner, mirror, plan,
+                                                     self._gagar_pool, self._gagar_tiles)
+                    self._gagar_patches_plan = plan
             elif todo is None:
                 self._gagar_tiles = {}
         self._gagar_loaded = self._gagar_mirror_path = path

@@ -180,47 +180,109 @@ def plan_fast_apply(model: Any, tensors: dict) -> dict:
 
 
 def fast_apply(model_runner: Any, mirror: dict, changed: set, plan: dict,
-               pool: dict | None = None, tiles: dict | None = None) -> dict:
-    """Rebuilds the modules whose checkpoint tensors `changed` (the plan's `dest`) from `mirror`
-    (name -> Tensor, the new version): each is put back in checkpoint format (vLLM's restore
-    metadata), loaded by the model's own `load_weights` with every tensor that feeds it,
-    processed by its own `process_weights_after_loading` (oneDNN or sgl packing, the fused
-    experts' layout), copied into its kernel tensors, its fused experts re-packed: what vLLM's
-    reload does for a layer, without its element counting and without visiting the rest of
-    the model. Changed names the plan cannot place (or slow modules) go to `reload_tensors`
-    by `reload_group`. `tiles` (`tile_mirror`): checkpoint-format tensors the mirror's tensors
-    are views of, handed to their modules as they are (no copy). Returns the module names
-    rebuilt, the tensors fed, the slow groups.
+               pool: dict | None = None, tiles: dict | None = None,
+               patches: dict | None = None, touched: dict | None = None) -> dict:
+    """Brings the engine to the mirror (name -> Tensor, the new version) for the checkpoint
+    tensors that `changed`. Those `patches` maps (`patch_maps`) are written element by element
+    into the kernel tensors (`touched`: name -> the flat indices each delta wrote, or None for
+    the whole tensor; `vllm_patch.patch`), and the modules that keep a oneDNN handle beside
+    their weight re-processed in place. Every other module a changed tensor feeds (the plan's
+    `dest`) is rebuilt: put back in checkpoint format (vLLM's restore metadata), loaded by the
+    model's own `load_weights` copies with every tensor that feeds it, processed by its own
+    `process_weights_after_loading` (oneDNN or sgl packing, the fused experts' layout), copied
+    into its kernel tensors, its fused experts re-packed: what vLLM's reload does for a layer,
+    without its element counting and without visiting the rest of the model. Changed names
+    the plan cannot place (or slow modules) go to `reload_tensors` by `reload_group`. `tiles`
+    (`tile_mirror`): checkpoint-format tensors the mirror's tensors are views of, handed to
+    their modules as they are (no copy). Returns the modules rebuilt and patched, the tensors
+    fed, the slow groups.
     """
     import torch
 
+    from gagar_jax.rollout.vllm_patch import patch, reprocess_in_place
+
     lw, pool, tiles = _layerwise(), {} if pool is None else pool, tiles or {}
+    maps = (patches or {}).get("maps", {})
     _retile(mirror, tiles, changed)
     model = model_runner.model
     dest, slow = plan["dest"], set(plan["slow"])
     is_fast = {n: bool(dest.get(n)) and not set(dest[n]) & slow for n in changed}
+    patched = {n for n, ok in is_fast.items() if ok and n in maps}
     groups = {reload_group(n) for n, ok in is_fast.items() if not ok}
     out = {"slow_groups": sorted(groups), "tensors": 0, "repacked": 0, "copied": [], "tiled": 0}
     if groups:
         tensors = {n: torch_tensor(t) for n, t in mirror.items() if reload_group(n) in groups}
         out.update(reload_tensors(model_runner, tensors, groups))
-    rebuilt = {m for n, ok in is_fast.items() if ok for m in dest[n]}
+    rebuilt = {m for n, ok in is_fast.items() if ok and n not in patched for m in dest[n]}
     parts = [p for p in _components(plan) if rebuilt & set(p)]     # loaded together
     rebuilt = sorted(n for part in parts for n in part)
+    experts = _experts(model) if parts else {}
     with torch.no_grad():
         for part in parts:
-            out["tiled"] += _rebuild(model, {n: model.get_submodule(n) for n in part}, mirror,
-                                     plan, pool, lw, tiles)
-        for name, mod, fused in expert_modules(model) if parts else ():
-            if name in rebuilt:
-                fused.process_weights_after_loading(mod)
-                out["repacked"] += 1
-    if parts:
+            out["tiled"] += _rebuild_part(model, part, mirror, plan, pool, lw, tiles, experts)
+        out["repacked"] += sum(n in experts for n in rebuilt)
+        out["patched_elements"] = patch(model, maps, mirror, patched, touched or {})
+        reprocess = sorted({m for n in patched for m in patches["reprocess"].get(n, ())})
+        for name in reprocess:
+            reprocess_in_place(model.get_submodule(name), lw)
+    if parts or patched:
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if callable(getattr(model_runner, reset, None)):
                 getattr(model_runner, reset)()
     fed = {n for m in rebuilt for n in plan["feeds"][m]}
-    return {**out, "rebuilt": rebuilt, "reloaded": out["tensors"] + len(fed)}
+    return {**out, "rebuilt": rebuilt, "reloaded": out["tensors"] + len(fed),
+            "patched": sorted({maps[n][0] for n in patched}), "patched_tensors": len(patched),
+            "reprocessed": reprocess}
+
+
+def patch_maps(model_runner: Any, mirror: dict, plan: dict, pool: dict, tiles: dict) -> dict:
+    """The patch maps of every group of fast modules that qualifies (`vllm_patch.probe_part`),
+    found once per engine after a full load; each probed group is rebuilt with the mirror's
+    weights afterwards (the engine is left as it was). Returns {"maps": {name: (module, attr,
+    base, pattern)}, "reprocess": {name: [modules]}, "parts": [groups patched]}; equal
+    patterns are held once (the experts of every layer share theirs)."""
+    import torch
+
+    from gagar_jax.rollout.vllm_patch import probe_part
+
+    lw, model = _layerwise(), model_runner.model
+    experts = _experts(model)
+    sizes = {n: t.array.size for n, t in mirror.items()}
+    out, patterns = {"maps": {}, "reprocess": {}, "parts": []}, {}
+    with torch.no_grad():
+        for part in _components(plan):
+            modules = {n: model.get_submodule(n) for n in part}
+            held = sum(t.numel() for m in modules.values() for t in lw.tensors(m).values())
+            if held < sum(sizes[n] for m in part for n in plan["feeds"].get(m, ())):
+                continue       # a weight moved into a handle (oneDNN): no element to patch
+            try:
+                got = probe_part(model, part, plan, sizes, lambda fill, part=part: _rebuild_part(
+                    model, part, mirror, plan, pool, lw, {}, experts, fill), lw, patterns)
+            finally:
+                _rebuild_part(model, part, mirror, plan, pool, lw, tiles, experts)
+            if got is not None:
+                out["maps"].update(got["maps"])
+                out["reprocess"].update({n: got["reprocess"] for n in got["maps"]})
+                out["parts"].append(list(part))
+    return out
+
+
+def _experts(model: Any) -> dict:
+    """name -> (module, its fused-experts kernel) of every module with packed fused experts."""
+    return {name: (mod, fused) for name, mod, fused in expert_modules(model)}
+
+
+def _rebuild_part(model: Any, part: tuple, mirror: dict, plan: dict, pool: dict, lw: Any,
+                  tiles: dict, experts: dict, fill: Any = None) -> int:
+    """`_rebuild` of one group, then the re-pack of its fused experts (vLLM's reload skips it on
+    CPU). Returns the number of tiles handed over."""
+    handed = _rebuild(model, {n: model.get_submodule(n) for n in part}, mirror, plan, pool, lw,
+                      tiles, fill)
+    for name in part:
+        if name in experts:
+            mod, fused = experts[name]
+            fused.process_weights_after_loading(mod)
+    return handed
 
 
 def _components(plan: dict) -> list:
@@ -235,12 +297,14 @@ def _components(plan: dict) -> list:
 
 
 def _rebuild(model: Any, modules: dict, mirror: dict, plan: dict, pool: dict, lw: Any,
-             tiles: dict) -> int:
+             tiles: dict, fill: Any = None) -> int:
     """One group of `fast_apply`: checkpoint format in the mirror's tiles (`tile_mirror`: the
     deltas already wrote there) or in buffers from `pool` (kept between modules and applies:
     fresh pages cost more than the copies) the loaders' copies are replayed into (`_replay`),
     processed, copied into the kernel tensors; the buffers go back to the pool when nothing
-    else holds them. Returns the number of tiles handed over."""
+    else holds them. `fill(module name, module)` (the patch probes, `vllm_patch`): fills the
+    buffers itself instead (no tiles) and returns the names it wrote. Returns the number of
+    tiles handed over."""
     import torch
 
     saved = _unload(modules, lw)
@@ -250,7 +314,7 @@ def _rebuild(model: Any, modules: dict, mirror: dict, plan: dict, pool: dict, lw
             for attr, t in lw.tensors(m).items():
                 if t.is_meta and attr not in lw.skip:
                     key = (tuple(t.shape), tuple(t.stride()), t.dtype)
-                    tile = tiles.get((name, attr))
+                    tile = tiles.get((name, attr)) if fill is None else None
                     if tile is not None:
                         x = torch.from_numpy(tile[0]).view(t.dtype)
                         y = torch.empty(0, dtype=t.dtype).set_(x.untyped_storage(), 0, *key[:2])
@@ -264,8 +328,8 @@ def _rebuild(model: Any, modules: dict, mirror: dict, plan: dict, pool: dict, lw
                     y = torch.empty(0, dtype=t.dtype).set_(x.untyped_storage(), 0, *key[:2])
                     y.__class__, y.__dict__ = t.__class__, t.__dict__.copy()
                     setattr(m, attr, y)
-            loaded[name] = _replay(m, plan["program"][name], mirror,
-                                   {a for mod, a in tiles if mod == name})
+            loaded[name] = fill(name, m) if fill is not None else _replay(
+                m, plan["program"][name], mirror, {a for mod, a in tiles if mod == name})
         for name, m in modules.items():
             qm = getattr(m, "quant_method", None)
             if isinstance(qm, lw.quant_base):

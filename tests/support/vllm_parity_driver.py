@@ -59,7 +59,8 @@ def delta(llm, spec):
         info = llm.collective_rpc("gagar_apply_version", args=(path,))[0]
         assert llm.reset_prefix_cache()
     out = {"info": {k: info[k] for k in ("deltas", "changed", "rebuilt", "slow_groups",
-                                                     "tiled")},
+                                         "tiled", "patched", "patched_tensors",
+                                         "patched_elements", "reprocessed")},
            "applied": greedy(llm, spec["prompt"], spec["gen"])}
     applied = llm.collective_rpc("gagar_weights_digest")[0]
     llm.collective_rpc("gagar_reload_from", args=(d["full"],))
