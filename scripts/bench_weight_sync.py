@@ -150,7 +150,9 @@ def engine(spec_file: str) -> None:
     rpc = lambda name, *a, **k: llm.collective_rpc(name, args=a, kwargs=k)[0]   # noqa: E731
     for run in spec["runs"]:
         rows, deltas = [], run["delta"]
-        rpc("gagar_apply_version", deltas[0])      # the chain's base: a full load
+        t0 = time.perf_counter()
+        base = rpc("gagar_apply_version", deltas[0])      # the chain's base: a full load
+        base_s = time.perf_counter() - t0
         for prev, path, full in zip(deltas[:-1], deltas[1:], run["full"][1:], strict=True):
             assert read_manifest(path)["step"] == read_manifest(full)["step"]
             # paired under the same load: vLLM's reload of the touched layers (the old apply),
@@ -166,12 +168,15 @@ def engine(spec_file: str) -> None:
                    "apply_read_s": info["read_s"], "apply_reload_s": info["reload_s"],
                    "old_apply_s": old_s, "old_reloaded": old["reloaded"],
                    "rebuilt": len(info["rebuilt"]), "fed": info["reloaded"],
-                   "tiled": info.get("tiled"),
+                   "tiled": info.get("tiled"), "patched": len(info.get("patched", [])),
+                   "patched_elements": info.get("patched_elements", 0),
+                   "reprocessed": len(info.get("reprocessed", [])),
                    "slow_groups": len(info["slow_groups"]), "deltas": info["deltas"],
                    "equal": got == ref, "tensors_equal": got_w == ref_w, "tensors": len(ref_w)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-        result["runs"].append({"lr": run["lr"], "rows": rows})
+        result["runs"].append({"lr": run["lr"], "rows": rows, "base_s": base_s,
+                               "probe_s": base.get("probe_s")})
     json.dump(result, open(spec_file + ".out", "w"))
 
 
@@ -208,10 +213,11 @@ def render(summaries: list, eng: dict | None, args: argparse.Namespace) -> str:
                 "layers (the old apply), the fast apply and a full reload of the same step, "
                 "each the `collective_rpc` and prefix-cache reset; means over the steps, and "
                 "the median of the per-step ratios:", "",
-                "| lr | full reload s | fast apply s (read + bit copies / rebuild) | "
+                "| lr | full reload s | fast apply s (read + bit copies / patch + rebuild) | "
                 "fast / full: mean (median) | old apply s | old / full: mean (median) | "
-                "modules rebuilt (tensors fed) | engine equal to the full reload's: tokens and "
-                "log-probs / every tensor and packed linear |", "|---|---|---|---|---|---|---|---|"]
+                "modules patched (elements written; re-processed) | modules rebuilt (tensors "
+                "fed) | engine equal to the full reload's: tokens and log-probs / every tensor "
+                "and packed linear |", "|---|---|---|---|---|---|---|---|---|"]
         for r in eng["runs"]:
             rows = r["rows"]
             full = np.mean([x["reload_s"] for x in rows])
@@ -224,7 +230,11 @@ def render(summaries: list, eng: dict | None, args: argparse.Namespace) -> str:
                 f"({np.mean([x['apply_read_s'] for x in rows]):.3f} / "
                 f"{np.mean([x['apply_reload_s'] for x in rows]):.3f}) | {100 * app / full:.0f}% "
                 f"({100 * med['apply_s']:.0f}%) | {old:.2f} | {100 * old / full:.0f}% "
-                f"({100 * med['old_apply_s']:.0f}%) | {np.mean([x['rebuilt'] for x in rows]):.0f}"
+                f"({100 * med['old_apply_s']:.0f}%) | "
+                f"{np.mean([x.get('patched', 0) for x in rows]):.0f} "
+                f"({np.mean([x.get('patched_elements', 0) for x in rows]):.0f}; "
+                f"{np.mean([x.get('reprocessed', 0) for x in rows]):.0f}) | "
+                f"{np.mean([x['rebuilt'] for x in rows]):.0f}"
                 f" ({np.mean([x['fed'] for x in rows]):.0f}) | "
                 f"{sum(x['equal'] for x in rows)}/{len(rows)} / "
                 f"{sum(x['tensors_equal'] for x in rows)}/{len(rows)} |")

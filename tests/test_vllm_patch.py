@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gagar_jax.rollout.delta import Tensor
-from gagar_jax.rollout.vllm_patch import _positions, probe_part
+from gagar_jax.rollout.vllm_patch import _positions, probe_part, refresh
 from gagar_jax.rollout.vllm_patch import patch as patch_kernel
 
 E, F, D, PAD = 3, 20, 8, 32        # experts, intermediate (padded to 32), hidden
@@ -101,6 +101,11 @@ def test_patch_equals_processing_the_new_weights(dtype):
     mirror["e1.up"] = tensor(new["e1.up"])
     assert patch_kernel(model, got["maps"], mirror, {"e1.up"}, {"e1.up": None}) == F * D
     assert torch.equal(model.experts.w13.data, pack(loader_of(new, dtype)))
+    # a host copy that lags (entries that went to the engine only) is read back from it
+    lagging = {n: tensor(t) for n, t in old.items()}
+    refresh(model, got["maps"], lagging, set(names()))
+    for n in names():
+        np.testing.assert_array_equal(lagging[n].array, mirror[n].array)
 
 
 @pytest.mark.parametrize("process", [lambda w: pack(w, scale=2.0),          # arithmetic

@@ -113,6 +113,14 @@ def test_shares_of_several_processes_and_applying_only_what_an_engine_lacks(tmp_
         held[n].array = flat[i * 128:(i + 1) * 128].reshape(8, 16)
     assert sorted(delta.apply_delta(held, v1_path)) == ["t0", "t4"]    # sparse, dense
     np.testing.assert_array_equal(flat, np.concatenate([v1[n].reshape(-1) for n in sorted(v1)]))
+    # what an engine that patches its own tensors gets: every entry, in order; the sparse
+    # entries of `defer` names are not written into the host copy
+    held, touched = delta.load_full(v0_path), {}
+    assert sorted(delta.apply_delta(held, v1_path, touched, defer={"t0"})) == ["t0", "t4"]
+    assert touched["t4"] is None and [i.tolist() for i, _ in touched["t0"]] == [[2 * 16 + 3]]
+    assert touched["t0"][0][1].array.tolist() == [7.0]
+    np.testing.assert_array_equal(held["t0"].array, v0["t0"])         # left to the engine
+    np.testing.assert_array_equal(held["t4"].array, v1["t4"])
     with pytest.raises(ValueError, match="base 'step_00000009' is not a committed version"):
         published.commit(root, name, 3, keep=5, kind="delta", base="step_00000009")
     (root / "step_00000001" / publish.MANIFEST).unlink()

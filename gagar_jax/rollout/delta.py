@@ -112,13 +112,16 @@ def load_full(path: str) -> dict:
     return out
 
 
-def apply_delta(weights: dict, path: str, touched: dict | None = None) -> list:
+def apply_delta(weights: dict, path: str, touched: dict | None = None,
+                defer: set | frozenset = frozenset()) -> list:
     """Applies the delta version `path` to `weights` (name -> Tensor, the version it is on) in
     place; returns the names changed. Every entry is a bit copy into the existing array (which
     may be a view into a larger one: an engine's loader layout) when that array is writable and
     of the entry's dtype and shape; a dense entry replaces the tensor otherwise. `touched`
     (name -> [(flat indices, values)] in the order written, or None for a whole tensor)
-    gathers what was written, for an engine that patches its own copy element by element."""
+    gathers what was written, for an engine that patches its own copy element by element;
+    the sparse entries of the names in `defer` go to `touched` only (that engine keeps those
+    elements elsewhere and brings `weights` up to date itself)."""
     changed = []
     for f in delta_files(path, read_manifest(path) or {}):
         entries = read_safetensors(f)
@@ -141,10 +144,13 @@ def apply_delta(weights: dict, path: str, touched: dict | None = None) -> list:
             dst, val = weights[name], entries[name + VAL]
             if val.dtype != dst.dtype:
                 raise ChainError(f"{path}: {name} is {val.dtype} in the delta, {dst.dtype} before")
+            changed.append(name)
+            if touched is not None and name in defer and touched.get(name, []) is not None:
+                touched.setdefault(name, []).append((entries[key].array, val))
+                continue
             if not dst.array.flags.writeable:
                 dst.array = dst.array.copy()
             dst.array.reshape(-1)[entries[key].array] = val.array
-            changed.append(name)
             if touched is not None and touched.setdefault(name, []) is not None:
                 touched[name].append((entries[key].array, val))
     return changed

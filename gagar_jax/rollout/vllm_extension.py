@@ -74,7 +74,8 @@ class GagarWorkerExtension:
         rebuilt (`fast_apply`; `fast` False: vLLM's reload of the layers they touch instead);
         otherwise the chain is materialized and every layer reloaded. Afterwards the engine
         holds exactly the weights a full publish of that step would give it. Returns counts and
-        seconds (read: files and the bit copies; reload: the rebuild or vLLM's reload).
+        seconds (read: files and the bit copies; reload: the patch and rebuild, or vLLM's
+        reload; probe: the patch maps, found once per engine with the first full load).
         """
         import time
 
@@ -89,10 +90,20 @@ class GagarWorkerExtension:
         if todo is None:
             self._gagar_mirror = delta.materialize(path)
             changed = set(self._gagar_mirror)
+            self._gagar_stale = set()
         else:
+            # the patched tensors' sparse entries go to the engine only: their host copy is
+            # brought up to date from the engine when something else needs it (`stale`)
+            patches = getattr(self, "_gagar_patches", None) if fast else None
+            defer = patches["bits"] if patches else frozenset()
+            self._gagar_refresh(getattr(self, "_gagar_stale", set()) - defer)
             changed = set()
             for d in todo:
-                changed.update(delta.apply_delta(self._gagar_mirror, d, touched))
+                changed.update(delta.apply_delta(self._gagar_mirror, d, touched, defer))
+            stale = getattr(self, "_gagar_stale", set())
+            stale -= {n for n, e in touched.items() if e is None}
+            stale |= {n for n, e in touched.items() if e is not None and n in defer}
+            self._gagar_stale = stale
         t1 = time.perf_counter()
         mirror = self._gagar_mirror
         if not hasattr(self, "_gagar_pool"):
@@ -100,7 +111,7 @@ class GagarWorkerExtension:
         if todo is not None and fast and changed:
             out = fast_apply(self.model_runner, mirror, changed, self._gagar_plan_for(mirror),
                              self._gagar_pool, getattr(self, "_gagar_tiles", {}),
-                             getattr(self, "_gagar_patches", None), touched)
+                             getattr(self, "_gagar_patches", None), touched, self._gagar_stale)
         else:
             groups = {reload_group(n) for n in changed}
             tensors = {n: torch_tensor(t) for n, t in mirror.items() if reload_group(n) in groups}
@@ -110,14 +121,26 @@ class GagarWorkerExtension:
                 plan = self._gagar_plan_for(mirror)
                 self._gagar_tiles = tile_mirror(mirror, plan)
                 if getattr(self, "_gagar_patches_plan", None) is not plan:
+                    t2 = time.perf_counter()
                     self._gagar_patches = patch_maps(self.model_runner, mirror, plan,
                                                      self._gagar_pool, self._gagar_tiles)
                     self._gagar_patches_plan = plan
+                    out["probe_s"] = time.perf_counter() - t2
             elif todo is None:
                 self._gagar_tiles = {}
         self._gagar_loaded = self._gagar_mirror_path = path
         return {**out, "deltas": len(todo) if todo is not None else None, "changed": len(changed),
                 "read_s": t1 - t0, "reload_s": time.perf_counter() - t1}
+
+    def _gagar_refresh(self, names: set) -> None:
+        """Brings the host copy of `names` (patched tensors whose sparse entries went to the
+        engine only) up to date from the engine's kernel tensors."""
+        from gagar_jax.rollout.vllm_patch import refresh
+
+        if names:          # before any delta is written into them
+            refresh(self.model_runner.model, self._gagar_patches["maps"], self._gagar_mirror,
+                    names)
+            self._gagar_stale -= names
 
     def _gagar_plan_for(self, mirror: dict) -> dict:
         """The fast apply's plan (`plan_fast_apply`), traced once per engine; a model the

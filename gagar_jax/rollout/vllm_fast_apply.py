@@ -181,7 +181,8 @@ def plan_fast_apply(model: Any, tensors: dict) -> dict:
 
 def fast_apply(model_runner: Any, mirror: dict, changed: set, plan: dict,
                pool: dict | None = None, tiles: dict | None = None,
-               patches: dict | None = None, touched: dict | None = None) -> dict:
+               patches: dict | None = None, touched: dict | None = None,
+               stale: set | None = None) -> dict:
     """Brings the engine to the mirror (name -> Tensor, the new version) for the checkpoint
     tensors that `changed`. Those `patches` maps (`patch_maps`) are written element by element
     into the kernel tensors (`touched`: name -> the flat indices each delta wrote, or None for
@@ -194,12 +195,14 @@ def fast_apply(model_runner: Any, mirror: dict, changed: set, plan: dict,
     without its element counting and without visiting the rest of the model. Changed names
     the plan cannot place (or slow modules) go to `reload_tensors` by `reload_group`. `tiles`
     (`tile_mirror`): checkpoint-format tensors the mirror's tensors are views of, handed to
-    their modules as they are (no copy). Returns the modules rebuilt and patched, the tensors
-    fed, the slow groups.
+    their modules as they are (no copy). `stale`: patched names whose host copy lags the
+    engine (their sparse entries went to the engine only), brought up to date (and dropped
+    from the set) before a reload reads them. Returns the modules rebuilt and patched, the
+    tensors fed, the slow groups.
     """
     import torch
 
-    from gagar_jax.rollout.vllm_patch import patch, reprocess_in_place
+    from gagar_jax.rollout.vllm_patch import patch, refresh, reprocess_in_place
 
     lw, pool, tiles = _layerwise(), {} if pool is None else pool, tiles or {}
     maps = (patches or {}).get("maps", {})
@@ -210,7 +213,13 @@ def fast_apply(model_runner: Any, mirror: dict, changed: set, plan: dict,
     patched = {n for n, ok in is_fast.items() if ok and n in maps}
     groups = {reload_group(n) for n, ok in is_fast.items() if not ok}
     out = {"slow_groups": sorted(groups), "tensors": 0, "repacked": 0, "copied": [], "tiled": 0}
+    with torch.no_grad():       # first: the engine then holds every patched tensor's new bits
+        out["patched_elements"] = patch(model, maps, mirror, patched, touched or {})
     if groups:
+        lagging = {n for n in stale or () if reload_group(n) in groups}
+        refresh(model, maps, mirror, lagging)
+        if stale is not None:
+            stale -= lagging
         tensors = {n: torch_tensor(t) for n, t in mirror.items() if reload_group(n) in groups}
         out.update(reload_tensors(model_runner, tensors, groups))
     rebuilt = {m for n, ok in is_fast.items() if ok and n not in patched for m in dest[n]}
@@ -221,7 +230,6 @@ def fast_apply(model_runner: Any, mirror: dict, changed: set, plan: dict,
         for part in parts:
             out["tiled"] += _rebuild_part(model, part, mirror, plan, pool, lw, tiles, experts)
         out["repacked"] += sum(n in experts for n in rebuilt)
-        out["patched_elements"] = patch(model, maps, mirror, patched, touched or {})
         reprocess = sorted({m for n in patched for m in patches["reprocess"].get(n, ())})
         for name in reprocess:
             reprocess_in_place(model.get_submodule(name), lw)
@@ -239,16 +247,17 @@ def patch_maps(model_runner: Any, mirror: dict, plan: dict, pool: dict, tiles: d
     """The patch maps of every group of fast modules that qualifies (`vllm_patch.probe_part`),
     found once per engine after a full load; each probed group is rebuilt with the mirror's
     weights afterwards (the engine is left as it was). Returns {"maps": {name: (module, attr,
-    base, pattern)}, "reprocess": {name: [modules]}, "parts": [groups patched]}; equal
-    patterns are held once (the experts of every layer share theirs)."""
+    base, pattern)}, "reprocess": {name: [modules]}, "parts": [groups patched], "bits":
+    {names whose kernel tensor holds their bits as they are}}; equal patterns are held once
+    (the experts of every layer share theirs)."""
     import torch
 
-    from gagar_jax.rollout.vllm_patch import probe_part
+    from gagar_jax.rollout.vllm_patch import bit_copy, probe_part
 
     lw, model = _layerwise(), model_runner.model
     experts = _experts(model)
     sizes = {n: t.array.size for n, t in mirror.items()}
-    out, patterns = {"maps": {}, "reprocess": {}, "parts": []}, {}
+    out, patterns = {"maps": {}, "reprocess": {}, "parts": [], "bits": set()}, {}
     with torch.no_grad():
         for part in _components(plan):
             modules = {n: model.get_submodule(n) for n in part}
@@ -262,6 +271,8 @@ def patch_maps(model_runner: Any, mirror: dict, plan: dict, pool: dict, tiles: d
                 _rebuild_part(model, part, mirror, plan, pool, lw, tiles, experts)
             if got is not None:
                 out["maps"].update(got["maps"])
+                out["bits"] |= {n for n, (mod, attr, _, _) in got["maps"].items()
+                                if bit_copy(mirror[n], getattr(modules[mod], attr))}
                 out["reprocess"].update({n: got["reprocess"] for n in got["maps"]})
                 out["parts"].append(list(part))
     return out

@@ -243,13 +243,35 @@ def patch(model: Any, maps: dict, mirror: dict, names: set, touched: dict) -> in
             dst, dst_bits = kernel[(mod, attr)]
             src = val.array.reshape(-1)
             pos = _positions(rel, idx, base, len(src))
-            if _TORCH.get(val.dtype) == str(dst.dtype):   # a bit copy, in numpy
+            if bit_copy(val, dst):            # in numpy
                 dst_bits[pos] = src.view(dst_bits.dtype)
             else:
                 dst[torch.from_numpy(pos) if isinstance(pos, np.ndarray) else pos] = \
                     torch_tensor(val).reshape(-1).to(dst.dtype)
             written += len(src)
     return written
+
+
+def bit_copy(t: Any, kernel: Any) -> bool:
+    """Whether the kernel tensor holds a checkpoint `Tensor`'s elements with the same bits
+    (same dtype: no conversion on load)."""
+    return _TORCH.get(t.dtype) == str(kernel.dtype)
+
+
+def refresh(model: Any, maps: dict, mirror: dict, names: set) -> None:
+    """Copies the elements of `names` back from the kernel tensors into the host copy `mirror`
+    (bit copies: `bit_copy` names only)."""
+    import torch
+
+    for name in sorted(names):
+        mod, attr, base, rel = maps[name]
+        t = getattr(model.get_submodule(mod), attr).data.view(-1)
+        bits = t.view({torch.bfloat16: torch.int16}.get(t.dtype, t.dtype)).numpy()
+        dst = mirror[name].array.reshape(-1)
+        if not mirror[name].array.flags.writeable:
+            mirror[name].array = mirror[name].array.copy()
+            dst = mirror[name].array.reshape(-1)
+        dst[...] = bits[_positions(rel, None, base, dst.size)].view(dst.dtype)
 
 
 def _positions(rel: Any, idx: Any, base: int, n: int) -> Any:
