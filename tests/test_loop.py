@@ -1,6 +1,7 @@
 """The closed loop, short: the learner and the vLLM rollout worker as two processes (make loop).
 
-Six learner steps on the example task (configs/tiny_vllm.py; gagar_jax/run/loop.py). The full
+Six learner steps on the example task (configs/tiny_vllm.py; gagar_jax/run/loop.py), publishing
+deltas between full versions (the worker applies them in place). The full
 loop (3 seeds, 40 steps, a frozen control) is `make loop`; docs/rollout.md has its numbers.
 """
 import glob
@@ -20,7 +21,9 @@ STEPS = 6
 def loop(tmp_path_factory):
     vllm_python()                   # fails (never skips) without .venv-vllm
     wd = str(tmp_path_factory.mktemp("loop") / "run")
-    return wd, run_loop(wd, seed=0, steps=STEPS, timeout_s=400)
+    # delta publishing (a full version every 3 publishes): the worker applies the chains
+    return wd, run_loop(wd, seed=0, steps=STEPS, timeout_s=400,
+                        learner_args=("--config.train.publish_full_every=3",))
 
 
 def test_ledger_balances_and_every_step_reports_staleness_and_mismatch(loop):
@@ -59,3 +62,5 @@ def test_records_carry_version_sampling_and_routing(loop):
         assert all(lp <= 0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m)
     log = [json.loads(x) for x in open(os.path.join(wd, "rollout", "worker0.jsonl"))]
     assert sum("reload" in r for r in log) >= 2
+    # deltas applied to the version held (the fast apply), not reloads from a base
+    assert any((r.get("deltas") or 0) >= 1 for r in log if "reload" in r), log

@@ -10,7 +10,10 @@ rows belong to one completion), each with its behaviour log-probs (`--logprobs-m
 experts every generated token was routed to; the grader's verdicts; one record with
 `policy_version` = the version the engine serves and `sampling` = the sampling parameters,
 written as an atomic shard. Between groups the worker re-reads `latest` and reloads in place
-when it moved (`vllm_extension.reload_latest`), so every group comes from one policy version.
+when it moved (`vllm_extension.reload_latest`), so every group comes from one policy version;
+once the learner publishes deltas (`train.publish_full_every` > 1) it applies the chain instead
+(`vllm_extension.apply_latest`: only the deltas after the version it holds), and an engine
+started while `latest` is a delta loads the chain's full base first.
 With `--mixed-per-version M` / `--groups-per-version G` it waits for a new version after M
 mixed / G groups at the current one (bounded staleness, and no flood of uniform groups once
 the policy solves the task: the learner trains `feed.groups_per_batch` mixed groups per step);
@@ -29,12 +32,18 @@ import sys
 import time
 from collections.abc import Callable
 
+from gagar_jax.rollout import delta
 from gagar_jax.rollout import engine as engine_lib
 from gagar_jax.rollout.feed_writer import SpoolWriter, group_record
-from gagar_jax.rollout.pointer import read_latest
-from gagar_jax.rollout.vllm_extension import reload_latest
+from gagar_jax.rollout.pointer import read_latest, read_manifest
+from gagar_jax.rollout.vllm_extension import apply_latest, reload_latest
 
 log = logging.getLogger("gagar_jax.rollout.worker")
+
+
+def is_delta(path: str) -> bool:
+    """Whether the published version `path` is a delta (its manifest's `kind`)."""
+    return (read_manifest(path) or {}).get("kind") == "delta"
 
 
 class UsageError(ValueError):
@@ -103,8 +112,12 @@ def run(args: argparse.Namespace) -> dict:
     ptr = wait_latest(args.workdir, stop, args.wait_s)
     if ptr is None:
         raise SystemExit(f"nothing published under {args.workdir} after {args.wait_s} s")
-    llm = engine_lib.make_llm(ptr["path"], seed=args.seed, max_model_len=args.max_model_len,
+    chained = is_delta(ptr["path"])       # a delta directory is no checkpoint: start on its base
+    llm = engine_lib.make_llm(delta.chain(ptr["path"])[0] if chained else ptr["path"],
+                              seed=args.seed, max_model_len=args.max_model_len,
                               logprobs_mode=args.logprobs_mode)
+    if chained:
+        ptr = apply_latest(llm, args.workdir)
     version, mixed_here, groups_here, capped_since = int(ptr["policy_version"]), 0, 0, None
     writer = SpoolWriter(args.spool or os.path.join(args.workdir, "spool"), args.writer_id)
     log_path = args.log or os.path.join(args.workdir, "rollout", f"{args.writer_id}.jsonl")
@@ -116,14 +129,15 @@ def run(args: argparse.Namespace) -> dict:
             if ptr is not None and int(ptr["policy_version"]) != version:
                 t0 = time.perf_counter()
                 try:
-                    info = reload_latest(llm, args.workdir)
-                except FileNotFoundError as e:   # pruned under us: read `latest` again
+                    chained = chained or is_delta(ptr["path"])
+                    info = (apply_latest if chained else reload_latest)(llm, args.workdir)
+                except (FileNotFoundError, delta.ChainError) as e:   # pruned under us: again
                     log.warning("reload failed (%s); retrying", e)
                     continue
                 version = int(info["policy_version"])
                 mixed_here, groups_here, capped_since = 0, 0, None
                 counts["reloads"] += 1
-                logf.write(json.dumps({"reload": version,
+                logf.write(json.dumps({"reload": version, "deltas": info.get("deltas"),
                                        "s": round(time.perf_counter() - t0, 4)}) + "\n")
             elif ((args.mixed_per_version and mixed_here >= args.mixed_per_version)
                   or (args.groups_per_version and groups_here >= args.groups_per_version)):
