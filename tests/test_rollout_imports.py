@@ -16,13 +16,14 @@ def test_rollout_package_imports_without_jax(tmp_path):
     # example task and the delta reader: everything the vLLM environment runs.
     code = ("import sys, gagar_jax.rollout, gagar_jax.rollout.vllm_extension as v, "
             "gagar_jax.rollout.delta as d, gagar_jax.rollout.vllm_fast_apply as f, "
-            "gagar_jax.rollout.vllm_reload; "
+            "gagar_jax.rollout.vllm_reload, gagar_jax.rollout.vllm_patch as p; "
             "import gagar_jax.rollout.worker, gagar_jax.rollout.engine, "
             "gagar_jax.rollout.feed_writer, gagar_jax.rollout.example_task, gagar_jax.feed.schema; "
             "assert not {'jax', 'vllm'} & set(sys.modules), sorted(sys.modules); "
             "assert callable(v.GagarWorkerExtension.gagar_reload_latest); "
             "assert callable(v.GagarWorkerExtension.gagar_apply_version); "
-            "assert callable(d.materialize) and callable(f.fast_apply); print('ok')")
+            "assert callable(d.materialize) and callable(f.fast_apply) and callable(p.patch); "
+            "print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{REPO}"},
                           timeout=120)

@@ -44,13 +44,13 @@ def _flat_storage(y: Any) -> Any:
     return torch.empty(0, dtype=y.dtype).set_(y.untyped_storage(), y.storage_offset(), (n,))
 
 
-def _view_index(n: int, view: tuple) -> np.ndarray:
-    """The flat positions (in a span of `n`) that the view (offset, shape, stride) reads, in
-    the view's C order."""
+def _view_index(view: tuple) -> np.ndarray:
+    """The flat positions that the view (offset, shape, stride) reads, in the view's C order."""
     offset, shape, stride = view
-    base = np.arange(n, dtype=np.int64)
-    return np.lib.stride_tricks.as_strided(
-        base[offset:], shape, tuple(s * 8 for s in stride)).reshape(-1)
+    idx = np.full((), offset, dtype=np.int64)
+    for n, st in zip(shape, stride, strict=True):
+        idx = idx[..., None] + np.arange(n, dtype=np.int64) * st
+    return idx.reshape(-1)
 
 
 def _kernel(modules: dict, lw: Any) -> dict:
@@ -99,15 +99,23 @@ def probe_part(model: Any, part: tuple, plan: dict, sizes: dict, rebuild: Any,
         return lambda first, n: torch.from_numpy(
             ((np.arange(first, first + n, dtype=np.int64) >> (8 * k)) & 255) + 1).to(dtype)
 
-    rand = torch.randn(n_ids, generator=torch.Generator().manual_seed(0)).to(dtype)
+    noise = torch.randn(n_ids + 1, generator=torch.Generator().manual_seed(0)).to(dtype)
+    rand = [noise[:-1], noise[1:]]    # the second run: every element moved by one
     runs = []
-    for k in range(digits + 1):       # the digit runs, then the random run (left in place)
-        rebuild(fill_with(digit(k) if k < digits else lambda first, n: rand[first:first + n]))
+    for r in rand:                    # two runs on random values (the second left in place)
+        rebuild(fill_with(lambda first, n, r=r: r[first:first + n]))
         runs.append({key: t.detach().clone().reshape(-1)
                      for key, t in _kernel(modules, lw).items()})
-    if any(r.keys() != runs[0].keys() for r in runs):
-        return None
-    where = _decode(runs, digits, n_ids, rand)
+    where = _identity(runs, spans, rand)
+    if where is None:                 # not a plain copy: the digit runs find where each goes
+        for k in range(digits):
+            rebuild(fill_with(digit(k)))
+            runs.insert(k, {key: t.detach().clone().reshape(-1)
+                            for key, t in _kernel(modules, lw).items()})
+        rebuild(fill_with(lambda first, n: rand[1][first:first + n]))
+        if any(r.keys() != runs[-1].keys() for r in runs):
+            return None
+        where = _decode(runs, digits, n_ids, rand[1])
     if where is None:
         return None
     maps = _maps(part, plan, sizes, spans, where, n_ids, {} if patterns is None else patterns)
@@ -122,6 +130,48 @@ def probe_part(model: Any, part: tuple, plan: dict, sizes: dict, rebuild: Any,
     return {"maps": maps, "reprocess": reprocess}
 
 
+def _identity(runs: list, spans: dict, rand: list) -> dict | None:
+    """`_decode`'s answer when every loader-layout tensor lands unchanged in the kernel tensor
+    of the same name (an embedding, a norm, a linear that keeps its weight) and every other
+    kernel tensor is the same in both random runs; None otherwise."""
+    import torch
+
+    where = {}
+    for key, r in runs[-1].items():
+        if key in spans:
+            first, n, _ = spans[key]
+            if r.numel() != n or any(not torch.equal(run[key], v[first:first + n])
+                                     for run, v in zip(runs, rand, strict=True)):
+                return None
+            where[key] = None         # every position holds the loader element at it
+        elif not torch.equal(runs[0][key], r):
+            return None
+    return where if where.keys() == spans.keys() else None
+
+
+def _digits(t: Any) -> np.ndarray:
+    """Per element of a probed kernel tensor: the base-256 digit it holds (its value - 1, for
+    the values 1..256) or -1."""
+    import torch
+
+    if t.element_size() == 2:         # bfloat16, float16: a table over the 65536 bit patterns
+        table = _DIGIT_TABLES.get(t.dtype)
+        if table is None:
+            v = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(t.dtype)
+            _DIGIT_TABLES[t.dtype] = table = _digit_of(v.float().numpy())
+        return table[t.view(torch.int16).numpy().astype(np.int32) + 2**15]
+    return _digit_of(t.float().numpy())
+
+
+def _digit_of(v: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore"):         # NaN and infinities: no digit
+        ok = (v >= 1) & (v <= 256) & (v == np.floor(v))
+    return np.where(ok, np.nan_to_num(v) - 1, -1).astype(np.int16)
+
+
+_DIGIT_TABLES: dict = {}
+
+
 def _decode(runs: list, digits: int, n_ids: int, rand: Any) -> dict | None:
     """kernel (module, attr) -> (flat positions, loader ids) of the elements the probe runs
     map; None when a kernel element is neither a copy of one loader element (bit for bit, in
@@ -130,24 +180,26 @@ def _decode(runs: list, digits: int, n_ids: int, rand: Any) -> dict | None:
 
     where, count = {}, np.zeros(n_ids, dtype=np.int64)
     for key in sorted(runs[-1]):
-        vals = [r[key].double() for r in runs[:digits]]
-        ok = torch.ones_like(vals[0], dtype=torch.bool)
-        ids = torch.zeros_like(vals[0], dtype=torch.int64)
-        for k, v in enumerate(vals):
-            ok &= (v >= 1) & (v <= 256) & (v == v.round())
-            ids += (v.clamp(1, 256).long() - 1) << (8 * k)
+        ok = np.ones(runs[-1][key].numel(), dtype=bool)
+        ids = np.zeros(len(ok), dtype=np.int64)
+        for k in range(digits):
+            d = _digits(runs[k][key])
+            ok &= d >= 0
+            ids += d.astype(np.int64) << (8 * k)
         ok &= ids < n_ids
-        const = ~ok
-        if any(not torch.equal(r[key][const], runs[0][key][const]) for r in runs):
+        const = torch.from_numpy(~ok)
+        if const.any() and any(not torch.equal(r[key][const], runs[0][key][const])
+                               for r in runs):
             return None
-        pos = ok.nonzero().reshape(-1)
-        if not pos.numel():
+        pos = np.flatnonzero(ok)
+        if not len(pos):
             continue
         ids = ids[pos]
-        if not torch.equal(runs[-1][key][pos], rand[ids].to(runs[-1][key].dtype)):
+        if not torch.equal(runs[-1][key][torch.from_numpy(pos)],
+                           rand[torch.from_numpy(ids)].to(runs[-1][key].dtype)):
             return None
-        where[key] = (pos.numpy(), ids.numpy())
-        count += np.bincount(where[key][1], minlength=n_ids)
+        where[key] = (pos, ids)
+        count += np.bincount(ids, minlength=n_ids)
     return where if (count <= 1).all() else None
 
 
@@ -156,21 +208,22 @@ def _maps(part: tuple, plan: dict, sizes: dict, spans: dict, where: dict, n_ids:
     """name -> (module, attr, base, pattern) for every checkpoint tensor feeding the part,
     through the plan's copies (checkpoint element -> loader id) and the decoded positions
     (loader id -> kernel element); None when one is not copied whole, once, into one tensor."""
-    kernel_of = np.full(n_ids, -1, dtype=np.int64)     # loader id -> flat kernel position
-    owner = np.full(n_ids, -1, dtype=np.int64)         # loader id -> its kernel tensor
     keys = sorted(where)
-    for i, key in enumerate(keys):
-        pos, ids = where[key]
-        kernel_of[ids], owner[ids] = pos, i
+    if any(where[k] is not None for k in keys):
+        kernel_of = np.full(n_ids, -1, dtype=np.int64)     # loader id -> flat kernel position
+        owner = np.full(n_ids, -1, dtype=np.int64)         # loader id -> its kernel tensor
+        for i, key in enumerate(keys):
+            pos, ids = where[key]
+            kernel_of[ids], owner[ids] = pos, i
     maps = {}
     for name in sorted({n for m in part for n in plan["feeds"].get(m, ())}):
-        src, ids = [], []
+        src, ids, into = [], [], set()
         for mod in part:
             for attr, dst, n, view in plan["program"].get(mod, ()):
                 if n == name:
-                    first, span, _ = spans[(mod, attr)]
-                    src.append(_view_index(sizes[name], view))
-                    ids.append(first + _view_index(span, dst))
+                    into.add((mod, attr))
+                    src.append(_view_index(view))
+                    ids.append(spans[(mod, attr)][0] + _view_index(dst))
         if not src:
             return None
         src, ids = np.concatenate(src), np.concatenate(ids)
@@ -178,7 +231,13 @@ def _maps(part: tuple, plan: dict, sizes: dict, spans: dict, where: dict, n_ids:
             return None
         order = np.empty(sizes[name], dtype=np.int64)
         order[src] = ids
-        at, who = kernel_of[order], owner[order]
+        key = next(iter(into))
+        if len(into) == 1 and where[key] is None:      # a plain copy: ids are positions
+            at, who = order - spans[key][0], np.full(1, keys.index(key))
+        else:
+            if any(where[k] is None for k in into):
+                return None
+            at, who = kernel_of[order], owner[order]
         if (at < 0).any() or (who != who[0]).any():
             return None
         base = int(at.min())
