@@ -72,6 +72,8 @@ def probe_part(model: Any, part: tuple, plan: dict, sizes: dict, rebuild: Any,
     import torch
 
     modules = {n: model.get_submodule(n) for n in part}
+    if any(t.device.type != "cpu" for m in modules.values() for t in lw.tensors(m).values()):
+        return None               # `patch` writes through numpy: host memory only
     spans, n_ids = {}, 0          # (module, attr) -> (first id, storage span, dtype)
     for name in part:
         loaded = {op[0] for op in plan["program"].get(name, ())}
