@@ -89,27 +89,32 @@ EDITS = {
 
 
 def delta_chain(cfg, family, root):
-    """Publishes the step-1 draw (float32, full), then it with EDITS as a delta (step 3), and
-    that step in full elsewhere: {"base", "delta", "full"} directories."""
+    """Publishes the step-1 draw (float32, full), then it with EDITS as a delta (step 3), then
+    EDITS again at the next element of each as a delta on that (step 4), and steps 3 and 4 in
+    full elsewhere: {"base", "delta", "full", "delta4", "full4"} directories."""
     model = Transformer(cfg, rngs=nnx.Rngs(1))
     randomize(model, 1)
     chain = publish.Publisher(str(root / "chain"), keep=3, dtype="float32", full_every=8)
     dirs = {"base": chain.publish(model, 1)}
     chain.wait()
 
-    def edit(path, x):
-        name = "/".join(str(getattr(k, "key", k)) for k in path[:-1])
-        for leaf, index, _ in EDITS[family]:
-            if name == leaf:
-                x = x.at[index].add(0.5)
-        return x
-    nnx.update(model, jax.tree_util.tree_map_with_path(edit, nnx.state(model)))
-    dirs["delta"] = chain.publish(model, 3)
-    chain.wait()
-    assert chain.last_delta is not None and chain.last_delta.changed == len(EDITS[family])
-    full = publish.Publisher(str(root / "full"), keep=1, dtype="float32")
-    dirs["full"] = full.publish(model, 3)
-    full.wait()
+    def edit(shift):
+        def one(path, x):
+            name = "/".join(str(getattr(k, "key", k)) for k in path[:-1])
+            for leaf, index, _ in EDITS[family]:
+                if name == leaf:
+                    last = (index[-1] + shift) % x.shape[len(index) - 1]
+                    x = x.at[index[:-1] + (last,)].add(0.5)
+            return x
+        return one
+    full = publish.Publisher(str(root / "full"), keep=2, dtype="float32")
+    for step, shift, key in ((3, 0, ""), (4, 1, "4")):
+        nnx.update(model, jax.tree_util.tree_map_with_path(edit(shift), nnx.state(model)))
+        dirs["delta" + key] = chain.publish(model, step)
+        chain.wait()
+        assert chain.last_delta is not None and chain.last_delta.changed == len(EDITS[family])
+        dirs["full" + key] = full.publish(model, step)
+        full.wait()
     return {k: str(v) for k, v in dirs.items()}
 
 
@@ -215,3 +220,15 @@ def test_delta_apply_rebuilds_only_changed_modules_bit_for_bit(served):
     # the kernel tensor handed over from the host copy's loader-layout tiles (no copy):
     # qkv_proj / gate_up_proj
     assert d["info"]["tiled"] == 1
+
+
+def test_an_apply_after_a_patch_reads_the_engine_back(served):
+    """After the fast apply (the patched tensors' entries went to the engine only), the next
+    delta applied by vLLM's reload of the touched layers (`fast=False`, which reads the host
+    copy) leaves the engine equal to a full reload of that step: the host copy was brought up
+    to date from the engine first (it would miss the first delta's elements otherwise)."""
+    family, cfg, refs, dirs, got = served
+    d = got["delta"]
+    assert d["info4"]["deltas"] == 1 and d["info4"]["reloaded"] > 0 and not d["info4"]["rebuilt"]
+    assert d["digest_diff4"] == [], family
+    assert d["applied4"] == d["reloaded4"] and d["applied4"] != d["reloaded"]
