@@ -16,7 +16,8 @@ def test_rollout_package_imports_without_jax(tmp_path):
     # example task and the delta reader: everything the vLLM environment runs.
     code = ("import sys, gagar_jax.rollout, gagar_jax.rollout.vllm_extension as v, "
             "gagar_jax.rollout.delta as d, gagar_jax.rollout.vllm_fast_apply as f, "
-            "gagar_jax.rollout.vllm_reload, gagar_jax.rollout.vllm_patch as p; "
+            "gagar_jax.rollout.vllm_reload, gagar_jax.rollout.vllm_patch as p, "
+            "gagar_jax.rollout.vllm_tiles; "
             "import gagar_jax.rollout.worker, gagar_jax.rollout.engine, "
             "gagar_jax.rollout.feed_writer, gagar_jax.rollout.example_task, gagar_jax.feed.schema; "
             "assert not {'jax', 'vllm'} & set(sys.modules), sorted(sys.modules); "

@@ -145,14 +145,14 @@ def apply_delta(weights: dict, path: str, touched: dict | None = None,
             if val.dtype != dst.dtype:
                 raise ChainError(f"{path}: {name} is {val.dtype} in the delta, {dst.dtype} before")
             changed.append(name)
-            if touched is not None and name in defer and touched.get(name, []) is not None:
-                touched.setdefault(name, []).append((entries[key].array, val))
-                continue
+            log = None if touched is None else touched.setdefault(name, [])
+            if log is not None:       # None: a dense entry came first (the whole tensor)
+                log.append((entries[key].array, val))
+                if name in defer:
+                    continue
             if not dst.array.flags.writeable:
                 dst.array = dst.array.copy()
             dst.array.reshape(-1)[entries[key].array] = val.array
-            if touched is not None and touched.setdefault(name, []) is not None:
-                touched[name].append((entries[key].array, val))
     return changed
 
 

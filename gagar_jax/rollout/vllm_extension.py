@@ -80,7 +80,8 @@ class GagarWorkerExtension:
         import time
 
         from gagar_jax.rollout import delta
-        from gagar_jax.rollout.vllm_fast_apply import fast_apply, patch_maps, tile_mirror
+        from gagar_jax.rollout.vllm_fast_apply import fast_apply, patch_maps
+        from gagar_jax.rollout.vllm_tiles import tile_mirror
 
         t0 = time.perf_counter()
         held = getattr(self, "_gagar_mirror", None)

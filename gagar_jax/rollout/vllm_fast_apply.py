@@ -1,16 +1,17 @@
 """The fast delta apply of the vLLM worker extension (`GagarWorkerExtension.gagar_apply_version`).
 
-A delta apply (`gagar_apply_version` on a version after the held one) rebuilds only the modules
-whose checkpoint tensors changed (`fast_apply`), not whole layers through vLLM's reload: once
-per engine, `plan_fast_apply` runs the model's own `load_weights` on the meta device and traces
-the copies the loaders make (name -> module, tensor, view: the q/k/v and gate/up fusions, the
-per-expert w13/w2 slots, the vocabulary padding), and the host copy moves into that layout
-(`tile_mirror`: its tensors become views into one flat array per fused kernel tensor, so the
-deltas' bit copies land there); an apply hands those tiles to the modules (the copies the tiles
-do not cover are replayed into pooled checkpoint-format buffers), runs each module's
-`process_weights_after_loading` (oneDNN / sgl packing), copies into the kernel tensors and
-re-packs the fused experts, as vLLM's reload does per layer. What the trace cannot follow goes
-to vLLM's reload (`reload_tensors`).
+A delta apply (`gagar_apply_version` on a version after the held one) writes the changed
+elements in place where the patch maps place them (`vllm_patch`, found by `patch_maps`) and
+rebuilds only the other modules whose checkpoint tensors changed (`fast_apply`), not whole
+layers through vLLM's reload. Once per engine, `plan_fast_apply` runs the model's own
+`load_weights` on the meta device and traces the copies the loaders make (name -> module,
+tensor, view: the q/k/v and gate/up fusions, the per-expert w13/w2 slots, the vocabulary
+padding), and the host copy moves into that layout (`vllm_tiles.tile_mirror`: its tensors become
+views into one flat array per fused kernel tensor, so the deltas' bit copies land there). A
+rebuild hands those tiles to the modules (the copies the tiles do not cover are replayed into
+pooled checkpoint-format buffers), runs each module's `process_weights_after_loading` (oneDNN /
+sgl packing), copies into the kernel tensors and re-packs the fused experts, as vLLM's reload
+does per layer. What the trace cannot follow goes to vLLM's reload (`reload_tensors`).
 `gagar_weights_digest` hashes every tensor and packed linear's output: the fast apply equals a
 full reload in it (tests/test_vllm.py).
 
@@ -22,10 +23,12 @@ from typing import Any
 
 from gagar_jax.rollout.vllm_reload import (
     expert_modules,
+    process_module,
     reload_group,
     reload_tensors,
     torch_tensor,
 )
+from gagar_jax.rollout.vllm_tiles import contiguous, retile
 
 
 def _layerwise() -> Any:
@@ -33,13 +36,12 @@ def _layerwise() -> Any:
     from types import SimpleNamespace
 
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.model_loader.reload import meta, utils
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     return SimpleNamespace(info=get_layerwise_info, to_meta=meta.restore_layer_on_meta,
                            skip=meta.SKIP_TENSORS,
                            tensors=utils.get_layer_tensors, kernel=utils.get_layer_params_buffers,
-                           quant_base=QuantizeMethodBase, deferred=is_deferred_attention_layer)
+                           deferred=is_deferred_attention_layer)
 
 
 def _storage(t: Any) -> int:
@@ -194,19 +196,19 @@ def fast_apply(model_runner: Any, mirror: dict, changed: set, plan: dict,
     into its kernel tensors, its fused experts re-packed: what vLLM's reload does for a layer,
     without its element counting and without visiting the rest of the model. Changed names
     the plan cannot place (or slow modules) go to `reload_tensors` by `reload_group`. `tiles`
-    (`tile_mirror`): checkpoint-format tensors the mirror's tensors are views of, handed to
-    their modules as they are (no copy). `stale`: patched names whose host copy lags the
+    (`vllm_tiles.tile_mirror`): checkpoint-format tensors the mirror's tensors are views of,
+    handed to their modules as they are (no copy). `stale`: patched names whose host copy lags the
     engine (their sparse entries went to the engine only), brought up to date (and dropped
     from the set) before a reload reads them. Returns the modules rebuilt and patched, the
     tensors fed, the slow groups.
     """
     import torch
 
-    from gagar_jax.rollout.vllm_patch import patch, refresh, reprocess_in_place
+    from gagar_jax.rollout.vllm_patch import patch, refresh
 
     lw, pool, tiles = _layerwise(), {} if pool is None else pool, tiles or {}
     maps = (patches or {}).get("maps", {})
-    _retile(mirror, tiles, changed)
+    retile(mirror, tiles, changed)
     model = model_runner.model
     dest, slow = plan["dest"], set(plan["slow"])
     is_fast = {n: bool(dest.get(n)) and not set(dest[n]) & slow for n in changed}
@@ -232,7 +234,7 @@ def fast_apply(model_runner: Any, mirror: dict, changed: set, plan: dict,
         out["repacked"] += sum(n in experts for n in rebuilt)
         reprocess = sorted({m for n in patched for m in patches["reprocess"].get(n, ())})
         for name in reprocess:
-            reprocess_in_place(model.get_submodule(name), lw)
+            process_module(model.get_submodule(name))
     if parts or patched:
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if callable(getattr(model_runner, reset, None)):
@@ -345,13 +347,7 @@ def _rebuild(model: Any, modules: dict, mirror: dict, plan: dict, pool: dict, lw
             loaded[name] = fill(name, m) if fill is not None else _replay(
                 m, plan["program"][name], mirror, {a for mod, a in tiles if mod == name})
         for name, m in modules.items():
-            qm = getattr(m, "quant_method", None)
-            if isinstance(qm, lw.quant_base):
-                if hasattr(m, "_already_called_process_weights_after_loading"):
-                    delattr(m, "_already_called_process_weights_after_loading")
-                qm.process_weights_after_loading(m)
-                if hasattr(m, "update_param_tp_status"):
-                    m.update_param_tp_status()
+            process_module(m)
             _place(m, saved.pop(name), lw, loaded[name])
     finally:
         for name, kernel in saved.items():    # only after a failure: the old weights back
@@ -385,7 +381,7 @@ def _replay(m: Any, program: list, mirror: dict, tiled: set = frozenset()) -> se
         tiles, end = sorted(range(len(ops)), key=lambda i: ops[i][1][0]), 0
         for i in tiles:     # disjoint and covering: the copies' order does not matter
             (do, ds, dt), p = ops[i][1], parts[i]
-            ok = ops[i][2] is not None and do == end and dt == _contiguous(ds) and \
+            ok = ops[i][2] is not None and do == end and dt == contiguous(ds) and \
                 p.is_contiguous() and p.dtype == dst.dtype
             end = do + p.numel() if ok and end >= 0 else -1
         if dst.is_contiguous() and end == dst.numel() and len(ops) > 1:
@@ -395,85 +391,6 @@ def _replay(m: Any, program: list, mirror: dict, tiled: set = frozenset()) -> se
             view = dst.as_strided(ds, dt, do + dst.storage_offset())
             view.copy_(p) if n is not None else view.fill_(p)
     return set(by_attr)
-
-
-def tile_mirror(mirror: dict, plan: dict) -> dict:
-    """Moves the mirror's tensors into the loader layout: for each kernel tensor of a fast
-    module that the plan's copies tile in order (a fused qkv or gate/up, an experts' w13 or w2,
-    an embedding with its padding filled), one flat array of that layout holds them, and the
-    mirror's tensors become views into it, so a delta's bit copies land in the layout the
-    module loads and `fast_apply` hands the tile over as it is. A tensor is tiled only when it
-    is copied whole, once in the plan, in its own dtype; the others stay as they are (copied
-    out of the file buffers). Returns {(module, attr): (flat array, {name: (offset, size)})}."""
-    import math
-    from collections import Counter
-
-    import numpy as np
-    import torch
-
-    uses = Counter(op[2] for ops in plan["program"].values() for op in ops if op[2] is not None)
-    slow, tiles = set(plan["slow"]), {}
-    for module, program in plan["program"].items():
-        by_attr = {}
-        for op in program:
-            by_attr.setdefault(op[0], []).append(op)
-        for attr, ops in by_attr.items():
-            shape, stride, dtype = plan["layout"][module][attr]
-            srcs = [mirror.get(op[2]) for op in ops if op[2] is not None]
-            if module in slow or stride != _contiguous(shape) or not srcs or None in srcs:
-                continue
-            end, dt = 0, srcs[0].array.dtype
-            for _, (do, ds, st), n, v in sorted(ops, key=lambda op: op[1][0]):
-                t = mirror[n] if n is not None else None
-                ok = do == end and st == _contiguous(ds)
-                if t is not None:
-                    ok = ok and uses[n] == 1 and t.array.dtype == dt and v[0] == 0 and (
-                        t.array.flags.c_contiguous and math.prod(v[1]) == t.array.size and
-                        v[2] == _contiguous(v[1]) and torch_tensor(t).dtype == dtype)
-                end = do + math.prod(ds) if ok and end >= 0 else -1
-            if end != math.prod(shape):
-                continue
-            flat, offsets = np.empty(end, dt), {}
-            for _, (do, ds, _), n, v in ops:
-                n_el = math.prod(ds)
-                if n is None:
-                    torch.from_numpy(flat).view(dtype)[do:do + n_el].fill_(v)
-                    continue
-                t = mirror[n]
-                flat[do:do + n_el] = t.array.reshape(-1)
-                t.array = flat[do:do + n_el].reshape(t.array.shape)
-                offsets[n] = do, n_el
-            tiles[(module, attr)] = (flat, offsets)
-    tiled = {n for _, offsets in tiles.values() for n in offsets}
-    for name, t in mirror.items():
-        if name not in tiled and not t.array.flags.owndata:
-            t.array = t.array.copy()
-    return tiles
-
-
-def _retile(mirror: dict, tiles: dict, changed: set) -> None:
-    """Puts back into their tiles the changed tensors a delta replaced instead of writing into
-    (`delta.apply_delta` writes in place when it can); a tile one no longer fits (another size
-    or dtype) is dropped, and its module's copies are replayed as without tiles."""
-    for key, (flat, offsets) in list(tiles.items()):
-        for n, (do, size) in offsets.items():
-            a = mirror[n].array
-            if n not in changed or a.__array_interface__["data"][0] == \
-                    flat.__array_interface__["data"][0] + do * flat.itemsize:
-                continue
-            if a.size != size or a.dtype != flat.dtype:
-                del tiles[key]
-                break
-            flat[do:do + size] = a.reshape(-1)
-            mirror[n].array = flat[do:do + size].reshape(a.shape)
-
-
-def _contiguous(shape: tuple) -> tuple:
-    out, n = [], 1
-    for d in reversed(shape):
-        out.append(n)
-        n *= d
-    return tuple(reversed(out))
 
 
 def weights_digest(model: Any) -> dict:

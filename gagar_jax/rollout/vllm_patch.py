@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from gagar_jax.rollout.vllm_reload import process_module, torch_tensor
+
 _EXACT = ("torch.bfloat16", "torch.float16", "torch.float32")   # 1..256 exact in each
 _TORCH = {"BF16": "torch.bfloat16", "F16": "torch.float16", "F32": "torch.float32"}
 
@@ -125,7 +127,7 @@ def probe_part(model: Any, part: tuple, plan: dict, sizes: dict, rebuild: Any,
         return None
     reprocess = [n for n, m in modules.items() if _holds_state(getattr(m, "cpu_linear", None))]
     for name in reprocess:            # re-processing in place must leave the tensors as they are
-        reprocess_in_place(modules[name], lw)
+        process_module(modules[name])
     after = {key: t.detach().reshape(-1) for key, t in _kernel(modules, lw).items()}
     if any(key not in after or not torch.equal(after[key], t) for key, t in runs[-1].items()):
         return None
@@ -264,16 +266,6 @@ def _holds_state(fn: Any) -> bool:
     return callable(fn)
 
 
-def reprocess_in_place(m: Any, lw: Any) -> None:
-    """Runs a module's `process_weights_after_loading` on its live tensors (a oneDNN handle made
-    again from the weight it keeps)."""
-    qm = getattr(m, "quant_method", None)
-    if isinstance(qm, lw.quant_base):
-        if hasattr(m, "_already_called_process_weights_after_loading"):
-            delattr(m, "_already_called_process_weights_after_loading")
-        qm.process_weights_after_loading(m)
-
-
 def patch(model: Any, maps: dict, mirror: dict, names: set, touched: dict) -> int:
     """Writes what changed in `names` into the kernel tensors `maps` place them in: for each
     delta in order, its entries (`touched`: name -> [(flat indices, values: a `Tensor`)], from
@@ -283,7 +275,6 @@ def patch(model: Any, maps: dict, mirror: dict, names: set, touched: dict) -> in
     written."""
     import torch
 
-    from gagar_jax.rollout.vllm_reload import torch_tensor
 
     rounds = max([len(e) for n in names if (e := touched.get(n)) is not None] or [1])
     written, kernel = 0, {}
@@ -298,9 +289,7 @@ def patch(model: Any, maps: dict, mirror: dict, names: set, touched: dict) -> in
             else:
                 continue
             if (mod, attr) not in kernel:
-                t = getattr(model.get_submodule(mod), attr).data.view(-1)
-                bits = {torch.bfloat16: torch.int16}.get(t.dtype, t.dtype)
-                kernel[(mod, attr)] = t, t.view(bits).numpy()
+                kernel[(mod, attr)] = _kernel_flat(model, mod, attr)
             dst, dst_bits = kernel[(mod, attr)]
             src = val.array.reshape(-1)
             pos = _positions(rel, idx, base, len(src))
@@ -322,17 +311,22 @@ def bit_copy(t: Any, kernel: Any) -> bool:
 def refresh(model: Any, maps: dict, mirror: dict, names: set) -> None:
     """Copies the elements of `names` back from the kernel tensors into the host copy `mirror`
     (bit copies: `bit_copy` names only)."""
-    import torch
-
     for name in sorted(names):
         mod, attr, base, rel = maps[name]
-        t = getattr(model.get_submodule(mod), attr).data.view(-1)
-        bits = t.view({torch.bfloat16: torch.int16}.get(t.dtype, t.dtype)).numpy()
+        bits = _kernel_flat(model, mod, attr)[1]
         dst = mirror[name].array.reshape(-1)
         if not mirror[name].array.flags.writeable:
             mirror[name].array = mirror[name].array.copy()
             dst = mirror[name].array.reshape(-1)
         dst[...] = bits[_positions(rel, None, base, dst.size)].view(dst.dtype)
+
+
+def _kernel_flat(model: Any, mod: str, attr: str) -> tuple:
+    """The kernel tensor `mod.attr` flat, and a numpy array over its bits (bfloat16 as int16)."""
+    import torch
+
+    t = getattr(model.get_submodule(mod), attr).data.view(-1)
+    return t, t.view({torch.bfloat16: torch.int16}.get(t.dtype, t.dtype)).numpy()
 
 
 def _positions(rel: Any, idx: Any, base: int, n: int) -> Any:

@@ -21,6 +21,21 @@ def expert_modules(model: Any) -> list:
     return out
 
 
+def process_module(m: Any) -> None:
+    """Runs a module's `process_weights_after_loading` as vLLM's reload does after loading it
+    (online-quantization flag reset first, TP status reconciled after): the oneDNN handle,
+    sgl packing or fused-experts layout made from its current tensors."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    qm = getattr(m, "quant_method", None)
+    if isinstance(qm, QuantizeMethodBase):
+        if hasattr(m, "_already_called_process_weights_after_loading"):
+            delattr(m, "_already_called_process_weights_after_loading")
+        qm.process_weights_after_loading(m)
+        if hasattr(m, "update_param_tp_status"):
+            m.update_param_tp_status()
+
+
 def reload_group(name: str) -> str:
     """The part of the model a checkpoint tensor is reloaded with: `model.layers.<i>.<block>`
     (vLLM fuses tensors only within one: q/k/v, gate/up, a layer's experts) or the tensor's own

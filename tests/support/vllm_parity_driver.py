@@ -53,7 +53,8 @@ def one(spec):
 
 def delta(llm, spec):
     """The delta chain's base, then its delta (the fast apply), against a full reload of the
-    same step: answers and weight digests of both."""
+    same step: answers and weight digests of both; then the next delta applied the old way
+    (`fast=False`, which reads the host copy the fast apply left lagging), the same."""
     d = spec["delta"]
     for path in (d["base"], d["delta"]):
         info = llm.collective_rpc("gagar_apply_version", args=(path,))[0]
@@ -61,30 +62,30 @@ def delta(llm, spec):
     out = {"info": {k: info[k] for k in ("deltas", "changed", "rebuilt", "slow_groups",
                                          "tiled", "patched", "patched_tensors",
                                          "patched_elements", "reprocessed")},
-           "applied": greedy(llm, spec["prompt"], spec["gen"])}
-    applied = llm.collective_rpc("gagar_weights_digest")[0]
-    llm.collective_rpc("gagar_reload_from", args=(d["full"],))
-    assert llm.reset_prefix_cache()
-    out["reloaded"] = greedy(llm, spec["prompt"], spec["gen"])
-    ref = llm.collective_rpc("gagar_weights_digest")[0]
-    out["digest_n"], out["digest_outs"] = len(ref), sum(k.endswith(":out") for k in ref)
-    out["digest_diff"] = sorted(k for k in ref.keys() | applied.keys()
-                                if ref.get(k) != applied.get(k))
-    # the host copy lags the engine after a fast apply: the next delta the old way reads it
+           **_against_full(llm, spec, d["full"], "")}
     for path in (d["base"], d["delta"]):
         llm.collective_rpc("gagar_apply_version", args=(path,))
     info = llm.collective_rpc("gagar_apply_version", args=(d["delta4"],),
                               kwargs={"fast": False})[0]
     assert llm.reset_prefix_cache()
     out["info4"] = {k: info.get(k) for k in ("deltas", "rebuilt", "reloaded")}
-    out["applied4"] = greedy(llm, spec["prompt"], spec["gen"])
+    out.update(_against_full(llm, spec, d["full4"], "4"))
+    return out
+
+
+def _against_full(llm, spec, full, key):
+    """The engine's answers and weight digest as applied, then after a full reload of `full`:
+    {applied, reloaded, digest_n, digest_outs, digest_diff} (each name + `key`)."""
+    out = {"applied" + key: greedy(llm, spec["prompt"], spec["gen"])}
     applied = llm.collective_rpc("gagar_weights_digest")[0]
-    llm.collective_rpc("gagar_reload_from", args=(d["full4"],))
+    llm.collective_rpc("gagar_reload_from", args=(full,))
     assert llm.reset_prefix_cache()
-    out["reloaded4"] = greedy(llm, spec["prompt"], spec["gen"])
+    out["reloaded" + key] = greedy(llm, spec["prompt"], spec["gen"])
     ref = llm.collective_rpc("gagar_weights_digest")[0]
-    out["digest_diff4"] = sorted(k for k in ref.keys() | applied.keys()
-                                 if ref.get(k) != applied.get(k))
+    out["digest_n" + key] = len(ref)
+    out["digest_outs" + key] = sum(k.endswith(":out") for k in ref)
+    out["digest_diff" + key] = sorted(k for k in ref.keys() | applied.keys()
+                                      if ref.get(k) != applied.get(k))
     return out
 
 
