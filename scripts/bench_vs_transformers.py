@@ -21,7 +21,14 @@ freed pages back to the host, memory left free for the seconds the other library
 costs several times more to fault in again; `--warm 0` (strict alternation) measures exactly
 that cost, `--same-process` runs both libraries in one process (docs/performance.md has all
 three). Every timed step also reports its process's user and system CPU time and page faults.
-Prints the times and the ratio transformers / gagar_jax (> 1: gagar_jax is faster).
+Prints the times and the ratio transformers / gagar_jax (> 1: gagar_jax is faster): the median
+of the per-pair ratios, each pair being one timed step of each library taken back to back, with
+the machine (CPU model, cores, load average, the CPU time the hypervisor took: steal) beside it.
+
+On a machine shared with other jobs the wall times measure the other jobs. `--realtime` puts both
+processes under round-robin real-time scheduling (SCHED_RR, priority 1: root or CAP_SYS_NICE),
+so ordinary processes get only the CPU the kernel's real-time throttle leaves them (5%): the
+comparison then runs as on a quiet machine. It must be asked for; the run says whether it held.
 
 gagar_jax's loss goes through `logprobs.token_logprobs`, the trainer's own path, which also
 computes the per-token entropy the policy loss reports; transformers computes the cross-entropy
@@ -42,6 +49,42 @@ from benchutil import Clock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SINGLE_THREAD_XLA = " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+# --------------------------------------------------------------------------- the machine
+def cpu_model() -> str:
+    """The CPU's model name and the vector extensions that matter for these kernels."""
+    name, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and name == "unknown CPU":
+                    name = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    isa = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if x in flags]
+    return f"{name} ({os.cpu_count()} cores; {', '.join(isa) or 'no AVX2'})"
+
+
+def steal_ticks() -> int:
+    """The CPU time the hypervisor gave to others, in ticks since boot (/proc/stat's steal)."""
+    try:
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def go_realtime() -> bool:
+    """SCHED_RR at priority 1 for this process and what it starts (True if it held)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
+    except (AttributeError, PermissionError, OSError):
+        return False
+    return os.sched_getscheduler(0) == os.SCHED_RR
 
 
 # --------------------------------------------------------------------------- transformers
@@ -181,8 +224,9 @@ def jax_cases(*inputs) -> dict:
 
 
 def interleaved(name: str, jax_fn, torch_fn, reps: int, warm: int, log: bool = True):
-    """Medians of `reps` turns (jax first, then torch); in each turn a library runs `warm`
-    untimed calls, then the timed one. warm = 0 alternates timed calls one by one."""
+    """Medians of `reps` pairs of turns (jax first, then torch); in each turn a library runs
+    `warm` untimed calls, then the timed one. warm = 0 alternates timed calls one by one.
+    Returns (jax median s, torch median s, the pairs' ratios torch / jax)."""
     jax_fn(name)
     torch_fn(name)
     js, ts = [], []
@@ -192,9 +236,10 @@ def interleaved(name: str, jax_fn, torch_fn, reps: int, warm: int, log: bool = T
                 fn(name)
             out.append(fn(name))
         if log:
-            print(f"  {name}: gagar_jax {_fmt(js[-1])}   transformers {_fmt(ts[-1])}",
-                  flush=True)
-    return float(np.median([r["s"] for r in js])), float(np.median([r["s"] for r in ts]))
+            print(f"  {name}: gagar_jax {_fmt(js[-1])}   transformers {_fmt(ts[-1])}   "
+                  f"pair ratio {ts[-1]['s'] / js[-1]['s']:.2f}x", flush=True)
+    ratios = [t["s"] / j["s"] for j, t in zip(js, ts, strict=True)]
+    return float(np.median([r["s"] for r in js])), float(np.median([r["s"] for r in ts])), ratios
 
 
 def _fmt(r: dict) -> str:
@@ -231,7 +276,11 @@ def build(args):
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(p)
-    p.add_argument("--reps", type=int, default=3, help="timed steps of each library")
+    p.add_argument("--reps", type=int, default=5,
+                   help="alternating pairs: timed steps of each library, taken in turns")
+    p.add_argument("--realtime", action="store_true",
+                   help="both processes under SCHED_RR priority 1 (root): the machine's other "
+                        "jobs cannot take the CPU from the comparison")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--single-thread", action="store_true",
                    help="both libraries on one thread, timed in CPU seconds of their process: "
@@ -254,6 +303,11 @@ def main(argv=None) -> dict:
         return {}
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    realtime = go_realtime() if args.realtime else False
+    if args.realtime and not realtime:
+        print("--realtime: SCHED_RR refused (needs root or CAP_SYS_NICE); timing as is",
+              flush=True)
+    machine = cpu_model()
     if args.single_thread:   # must reach XLA before jax is imported
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + SINGLE_THREAD_XLA
     model, tokens, trunk_r, head_h0 = build(args)
@@ -276,18 +330,26 @@ def main(argv=None) -> dict:
                   f"gagar_jax compile {first['s']:.1f} s", flush=True)
             if rel > 1e-4:
                 raise SystemExit(f"losses disagree: {j_loss} vs {t_loss}")
-            j_med, t_med = interleaved("step", jax_fn, torch_side, args.reps, args.warm)
+            steal0, load0 = steal_ticks(), os.getloadavg()[0]
+            j_med, t_med, ratios = interleaved("step", jax_fn, torch_side, args.reps, args.warm)
+            steal = (steal_ticks() - steal0) / os.sysconf("SC_CLK_TCK")
             where = "one process" if args.same_process else "separate processes"
+            ratio = float(np.median(ratios))
             print(f"fwd+bwd [{args.rows}, {args.seq}] attention={args.attention} "
                   f"experts={args.experts}, {args.threads} thread(s), {where}, warm "
                   f"{args.warm}: gagar_jax "
                   f"{j_med:.2f} s, transformers {t_med:.2f} s; ratio transformers / gagar_jax = "
-                  f"{t_med / j_med:.2f}x", flush=True)
-            out = dict(gagar_s=j_med, transformers_s=t_med, ratio=t_med / j_med, loss=j_loss)
+                  f"{ratio:.2f}x (median of {len(ratios)} pairs, {min(ratios):.2f}-"
+                  f"{max(ratios):.2f})", flush=True)
+            print(f"machine: {machine}; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}; "
+                  f"steal {steal:.1f} s; {'real-time' if realtime else 'normal'} scheduling",
+                  flush=True)
+            out = dict(gagar_s=j_med, transformers_s=t_med, ratio=ratio, pair_ratios=ratios,
+                       loss=j_loss, cpu=machine, realtime=realtime, steal_s=steal)
             if args.breakdown:
                 for name in ("trunk", "head"):
-                    jm, tm = interleaved(name, jax_fn, torch_side, args.reps, args.warm,
-                                         log=False)
+                    jm, tm, _ = interleaved(name, jax_fn, torch_side, args.reps, args.warm,
+                                            log=False)
                     print(f"  {name}: gagar_jax {jm:.2f} s, transformers {tm:.2f} s "
                           f"({tm / jm:.2f}x)", flush=True)
                     out[name] = (jm, tm)
