@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from support.reference_advantage import reference_advantages
 
 from gagar_jax.algo import advantage as adv
-from gagar_jax.algo.grading import DEFECTIVE, INTERMEDIATE, STRONG, quality_factors
+from gagar_jax.grading import DEFECTIVE, INTERMEDIATE, STRONG, quality_factors
 
 T, G = 64, 12
 CAP = 1.5

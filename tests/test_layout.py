@@ -77,7 +77,8 @@ def test_no_private_names_across_modules():
 # above every layer; `rollout` imports no JAX and only the JAX-free ground and feed modules.
 LAYERS = [
     ("ground", ["gagar_jax.config", "gagar_jax.batch", "gagar_jax.sharding",
-                "gagar_jax.distributed", "gagar_jax.audit_file"]),
+                "gagar_jax.distributed", "gagar_jax.audit_file", "gagar_jax.grading",
+                "gagar_jax.publish_format"]),
     ("algo", ["gagar_jax.algo"]),
     ("feed", ["gagar_jax.feed"]),
     ("kernels", ["gagar_jax.kernels"]),
@@ -115,8 +116,8 @@ def test_imports_go_down_the_layers():
 
 # Within the order, the arrows docs/architecture.md allows (a layer always imports itself).
 MAY_IMPORT = {
-    "ground": set(), "algo": {"ground"}, "feed": {"ground", "algo"}, "kernels": {"ground"},
-    "model": {"ground", "algo", "kernels"}, "hf": {"ground", "model"},
+    "ground": set(), "algo": {"ground"}, "feed": {"ground"}, "kernels": {"ground"},
+    "model": {"ground", "kernels"}, "hf": {"ground", "model"},
     "run": {"ground", "algo", "feed", "kernels", "model", "hf"},
     "aot": {"ground", "algo", "feed", "kernels", "model", "hf", "run"},
     "sim": {"ground", "algo", "feed", "kernels", "model", "hf", "run"},
@@ -135,4 +136,29 @@ def test_each_layer_imports_only_what_the_architecture_allows():
             other = LAYERS[_layer(t)][0] if t not in TOP else "top"
             if other != own and other not in MAY_IMPORT[own]:
                 bad.append(f"{m} ({own}) imports {t} ({other})")
+    assert not bad, bad
+
+
+# What the JAX-free side may load: the rollout package runs where no JAX is installed.
+JAX_STACK = {"jax", "jaxlib", "flax", "optax", "orbax", "chex", "etils", "ml_collections"}
+
+
+def test_rollout_reaches_only_jax_free_modules_of_ours():
+    """Every module of ours that `rollout/` imports, directly or through another, imports nothing
+    of the JAX stack (tests/test_rollout_imports.py runs the same promise with JAX absent)."""
+    mods = _modules()
+    edges = {m: {t for t, _ in e} for m, e in _imports(mods).items()}
+    seen, todo = set(), [m for m in mods if m.startswith("gagar_jax.rollout")]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += sorted(edges[m] - {"gagar_jax"})
+    bad = []
+    for m in sorted(seen):
+        for node in ast.walk(ast.parse(mods[m].read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            bad += [f"{m} imports {n}" for n in names if n.split(".")[0] in JAX_STACK]
     assert not bad, bad

@@ -492,7 +492,7 @@ def test_note_language_with_20_zipf_successors_keeps_the_3_successor_default():
 def test_control_record_gives_control_advantages(kinds):
     import jax.numpy as jnp
 
-    from gagar_jax.algo import grading
+    from gagar_jax import grading
     from gagar_jax.algo.advantage import gagar_advantages
     from gagar_jax.sim import arms
 

@@ -27,7 +27,7 @@ import msgspec
 from etils import epath
 
 from gagar_jax import batch as batch_lib
-from gagar_jax.algo import grading
+from gagar_jax import grading
 from gagar_jax.feed import packed, packing, schema
 from gagar_jax.feed.assemble import BatchInfo, assemble  # noqa: F401  (BatchInfo re-exported)
 from gagar_jax.feed.config import FeedConfig

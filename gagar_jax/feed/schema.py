@@ -14,7 +14,7 @@ from typing import Any, Literal, Optional, Union
 
 import msgspec
 
-from gagar_jax.algo import grading
+from gagar_jax import grading
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
@@ -30,7 +30,7 @@ Tier = Literal["strong", "intermediate", "defective"]
 Outcome = Literal["pass", "fail", "infra_error"]
 GradingStatus = Literal["ok", "failed"]
 
-# Integer tier codes of `gagar_jax.algo.grading` (-1: the factor was sent directly).
+# Integer tier codes of `gagar_jax.grading` (-1: the factor was sent directly).
 TIER_CODES = grading.TIER_NAMES
 TIER_DIRECT_FACTOR = grading.DIRECT
 

@@ -23,14 +23,7 @@ import numpy as np
 from etils import epath
 
 from gagar_jax.hf.safetensors import write_safetensors
-
-IDX, VAL = ":idx", ":val"
-PREFIX = "delta-"
-
-
-def file_name(process: int, part: int) -> str:
-    """`delta-00003-00000.safetensors`: process 3's first delta file."""
-    return f"{PREFIX}{process:05d}-{part:05d}.safetensors"
+from gagar_jax.publish_format import IDX, VAL, delta_file_name
 
 
 def bits(a: np.ndarray) -> np.ndarray:
@@ -108,7 +101,7 @@ def write_delta_share(entries: dict, directory: epath.PathLike, process: int,
     parts.append(current)   # an empty file when nothing changed: the process reports its share
     total, names = 0, []
     for j, tensors in enumerate(parts):
-        names.append(file_name(process, j))
+        names.append(delta_file_name(process, j))
         total += write_safetensors(epath.Path(directory) / names[-1], tensors,
                                    {"format": "gagar-delta"})
     return total, names

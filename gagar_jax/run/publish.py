@@ -56,17 +56,14 @@ from gagar_jax.hf import api as hf
 from gagar_jax.hf import delta as hf_delta
 from gagar_jax.hf import save as hf_save
 from gagar_jax.model.transformer import Transformer
-from gagar_jax.run import published
-from gagar_jax.run.published import (  # noqa: F401 -- the public names of the layout
+from gagar_jax.publish_format import (  # noqa: F401 -- the public names of the layout
     MANIFEST,
-    MARKER,
     POINTER,
     PUBLISH_DIR,
-    published_steps,
-    read_latest,
-    root_of,
     step_dir_name,
 )
+from gagar_jax.run import published
+from gagar_jax.run.published import published_steps, read_latest, root_of  # noqa: F401
 
 log = logging.getLogger(__name__)
 
