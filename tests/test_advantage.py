@@ -34,7 +34,7 @@ def pad(rewards, group_ids, factors, valid=None, hacked=None, grading_ok=None, a
     """A batch dict padded to (T, G): padding is invalid, \
 with a junk reward, NaN factor, pad_gid."""
     n = len(rewards)
-    full = lambda x, fill, dt: np.concatenate([np.asarray(x, dt), np.full(T - n, fill, dt)])  # noqa
+    full = lambda x, fill, dt: np.concatenate([np.asarray(x, dt), np.full(T - n, fill, dt)])
     return dict(
         rewards=full(rewards, 1.0, np.float32), group_ids=full(group_ids, pad_gid, np.int32),
         factors=full(factors, np.nan, np.float32),

@@ -1,7 +1,10 @@
-"""The package's layout promises: imports only go down (no cycle, lazy imports included), and no
-module reaches into another module's private names."""
+"""The package's layout promises: imports only go down (no cycle, lazy imports included), no
+module reaches into another module's private names, and the written maps (docs/architecture.md,
+backticked paths in docs, README and docstrings) name only what exists."""
 import ast
 import pathlib
+
+from support import doc_map
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "gagar_jax"
 
@@ -162,3 +165,59 @@ def test_rollout_reaches_only_jax_free_modules_of_ours():
                      else [])
             bad += [f"{m} imports {n}" for n in names if n.split(".")[0] in JAX_STACK]
     assert not bad, bad
+
+
+# ------------------------------------------------------------ maps that cannot go stale (item 4)
+REPO = PKG.parent
+
+
+def test_every_module_is_in_the_architecture_map():
+    missing = doc_map.unmapped_modules(PKG, REPO / "docs" / "architecture.md")
+    assert not missing, "\n".join(missing)
+
+
+def test_every_backticked_path_and_name_exists():
+    stale = doc_map.stale_references(doc_map.Repo(REPO), doc_map.repo_texts(REPO))
+    assert not stale, "\n".join(stale)
+
+
+def test_map_check_reports_a_planted_module(tmp_path):
+    """A module the map does not name is reported with the row to add it to; a map that names it
+    passes. Both on a copy of the package, so the planted names touch nothing real."""
+    pkg = tmp_path / "gagar_jax"
+    (pkg / "feed").mkdir(parents=True)
+    for f in ("__init__.py", "config.py", "feed/__init__.py", "feed/schema.py",
+              "feed/new_source.py"):
+        (pkg / f).write_text('"""x"""\n')
+    doc = tmp_path / "architecture.md"
+    doc.write_text("# map\n\n```\ngagar_jax/\n  __init__.py config.py   ground\n"
+                   "  feed/      schema                records in\n```\n")
+    assert doc_map.unmapped_modules(pkg, doc) == [
+        "architecture.md: module gagar_jax.feed.new_source is not in the package map: add "
+        "`new_source` to the `feed/` row of the first ``` block"]
+    doc.write_text(doc.read_text().replace("schema ", "schema new_source "))
+    assert doc_map.unmapped_modules(pkg, doc) == []
+
+
+def test_path_check_reports_planted_stale_names():
+    """Pre-move names planted in a doc and in a docstring are each reported with file and line;
+    current names, external paths and what a run writes pass."""
+    repo = doc_map.Repo(REPO)
+    doc = ("intro\n"
+           "Code: `gagar_jax/algo/grading.py` and `attention_context.py`,\n"
+           "`gagar_jax.algo.grading.FactorTable`, `experts_ep.py::test_x`, `hf_families.NO_SUCH`\n"
+           "fine: `gagar_jax/grading.py`, `run/step.py`, `kernels/attention/`, `run/loop`,\n"
+           "`gagar_jax.grading.FactorTable`, `gagar_jax.feed.local_row_slice`,\n"
+           "`hf_families.FAMILIES`,\n"
+           "`tests/test_layout.py::test_x`, `metrics.jsonl`, `verl/trainer/ppo/core_algos.py`,\n"
+           "`runs/tiny_cpu/summary.json`, `jax.jit`, `tier/rank`, `model.attention`\n"
+           "```\n`inside_a_fence.py`\n```\n")
+    stale = doc_map.stale_references(repo, [("docs/x.md", 1, doc, True),
+                                            ("gagar_jax/y.py", 40, "see `train_step.py`", False)])
+    refs = [line.split(" names no ")[0] for line in stale]
+    assert refs == ["docs/x.md:2: `gagar_jax/algo/grading.py`",
+                    "docs/x.md:2: `attention_context.py`",
+                    "docs/x.md:3: `gagar_jax.algo.grading.FactorTable`",
+                    "docs/x.md:3: `experts_ep.py`", "docs/x.md:3: `hf_families.NO_SUCH`",
+                    "gagar_jax/y.py:40: `train_step.py`"], stale
+    assert all("write its current name" in line for line in stale)

@@ -58,7 +58,7 @@ class Poller:
     def _run(self):
         try:
             self._poll()
-        except Exception as e:  # noqa: BLE001 -- a dead poller fails the test, not silently
+        except Exception as e:  # a dead poller fails the test, not silently
             self.bad.append(("the poller died", repr(e)))
 
     def _poll(self):

@@ -13,7 +13,7 @@ of the same step byte for byte. The reader is `gagar_jax/rollout/delta.py` (nump
 it spells this format out again, and tests/test_weight_delta.py holds the two together).
 
 Each process encodes its own share against its own previous share (the shares are disjoint and
-follow from the shapes, `hf_save.plan_save`), so no process sees another's tensors.
+follow from the shapes, `save.plan_save`), so no process sees another's tensors.
 """
 from __future__ import annotations
 

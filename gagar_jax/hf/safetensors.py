@@ -215,7 +215,7 @@ def _read_local(path: str, name: str, base: int, nbytes: int, shape: tuple, box:
         whole = np.frombuffer(mm, np.uint8, count=nbytes, offset=base)
         out[...] = whole.view(dt).reshape(shape)[tuple(slice(a, b) for a, b in box)]
     finally:
-        whole = None   # noqa: F841 -- the buffer must be released before the mapping closes
+        whole = None  # the buffer must be released before the mapping closes
         mm.close()     # unmapped: the pages leave this process's RSS
 
 

@@ -1,7 +1,7 @@
 """Parallel, bounded save of a sharded model as a Hugging Face checkpoint.
 
 safetensors files hold whole tensors, so the model is first resharded on device
-(`param_units.to_owners`: an all-to-all, cast to the save dtype on device) until every HF tensor
+(`units.to_owners`: an all-to-all, cast to the save dtype on device) until every HF tensor
 (one layer of a leaf, or one expert of a stacked expert leaf) lives on exactly one process. Each
 process then copies only its own tensors to host memory (`gather_share`) and writes them into its
 own files (`write_share`): no process holds or writes more than its share, and the shares are

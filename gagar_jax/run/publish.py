@@ -242,7 +242,7 @@ class Publisher:
             if self.publish_fn is not None:
                 self.publish_fn(step, share, os.fspath(final))
             status = "ok"
-        except BaseException as e:  # noqa: BLE001 -- reported by the next publish / close
+        except BaseException as e:  # reported by the next publish / close
             self._error, status, nbytes = e, f"process {jax.process_index()}: {e!r}", 0
         del share
         self.last_bytes = nbytes
@@ -260,7 +260,7 @@ class Publisher:
                         copy_serving_files(self.init_from, final)
                     hf_save.write_index(self._plan, final)
                 _finish(self.root, final.name, step, self.keep, base)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             self._error = self._error or e
 
     def _write_files(self, share: dict, final: epath.Path, base: Optional[str]) -> int:
