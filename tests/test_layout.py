@@ -211,13 +211,30 @@ def test_path_check_reports_planted_stale_names():
            "`hf_families.FAMILIES`,\n"
            "`tests/test_layout.py::test_x`, `metrics.jsonl`, `verl/trainer/ppo/core_algos.py`,\n"
            "`runs/tiny_cpu/summary.json`, `jax.jit`, `tier/rank`, `model.attention`\n"
-           "```\n`inside_a_fence.py`\n```\n")
+           "```\n`inside_a_fence.py`\n```\n"
+           "[old](aot/flash_310b_3e90e06_v5p_8x8x8.json), [new](aot/flash_310b_v5p_8x8x8.json)\n")
     stale = doc_map.stale_references(repo, [("docs/x.md", 1, doc, True),
                                             ("gagar_jax/y.py", 40, "see `train_step.py`", False)])
     refs = [line.split(" names no ")[0] for line in stale]
-    assert refs == ["docs/x.md:2: `gagar_jax/algo/grading.py`",
+    assert refs == ["docs/x.md:12: link `aot/flash_310b_3e90e06_v5p_8x8x8.json`",
+                    "docs/x.md:2: `gagar_jax/algo/grading.py`",
                     "docs/x.md:2: `attention_context.py`",
                     "docs/x.md:3: `gagar_jax.algo.grading.FactorTable`",
                     "docs/x.md:3: `experts_ep.py`", "docs/x.md:3: `hf_families.NO_SUCH`",
                     "gagar_jax/y.py:40: `train_step.py`"], stale
-    assert all("write its current name" in line for line in stale)
+    assert all("current name" in line for line in stale)
+
+
+def test_aot_reports_are_one_per_config_and_variant():
+    """docs/aot/ keeps the current proof: names carry no commit hash (a rerun replaces its report
+    and git keeps the old one), and every report says which commit it compiled."""
+    import json
+    import re
+    bad = []
+    for p in sorted((REPO / "docs" / "aot").glob("*.json")):
+        if any(re.fullmatch(r"[0-9a-f]{7,}", part) for part in p.stem.split("_")):
+            bad.append(f"{p.name}: a commit hash in the name: rename it without the hash (the "
+                       f"commit goes inside the report) and update the docs that link it")
+        if not json.loads(p.read_text()).get("commit"):
+            bad.append(f"{p.name}: no `commit` inside: add the commit it was compiled at")
+    assert not bad, "\n".join(bad)

@@ -10,6 +10,7 @@ Two checks, each returning one line per problem that says what to fix:
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 import re
 import subprocess
@@ -269,6 +270,8 @@ def stale_references(repo: Repo, texts: list) -> list:
     """
     bad = []
     for name, first, text, markdown in texts:
+        if markdown:
+            bad += _broken_links(repo, name, text)
         for line, ref, kind in references(text, skip_fences=markdown):
             ok = (repo.dotted_exists(ref) if kind == "name" else
                   repo.attr_exists(ref) if kind == "attr" else repo.path_exists(ref))
@@ -280,12 +283,35 @@ def stale_references(repo: Repo, texts: list) -> list:
     return bad
 
 
+_LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+
+
+def _broken_links(repo: Repo, name: str, text: str) -> list:
+    """Markdown links (`[report](aot/x.json)`) to files of the repository that do not exist,
+    taken relative to the linking file as a renderer does."""
+    base = pathlib.PurePosixPath(name).parent
+    bad = []
+    for i, ln in enumerate(text.splitlines(), 1):
+        for m in _LINK.finditer(ln):
+            target = m.group(1)
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            path = os.path.normpath((base / target).as_posix())
+            if path not in repo.files and path not in repo.dirs:
+                bad.append(f"{name}:{i}: link `{target}` names no file of this repository "
+                           f"({path}): link the file's current name (docs/aot: "
+                           f"`<config>[_<variant>]_<topology>.json`)")
+    return bad
+
+
 def repo_texts(root: pathlib.Path) -> list:
-    """What `stale_references` reads: README.md, docs/**/*.md and every gagar_jax docstring."""
+    """What `stale_references` reads: README.md, docs/**/*.md and the docstrings of gagar_jax,
+    configs/ and scripts/."""
     texts = [("README.md", 1, (root / "README.md").read_text(), True)]
     texts += [(p.relative_to(root).as_posix(), 1, p.read_text(), True)
               for p in sorted((root / "docs").rglob("*.md"))]
-    for p in sorted((root / "gagar_jax").rglob("*.py")):
+    sources = (p for d in ("gagar_jax", "configs", "scripts") for p in (root / d).rglob("*.py"))
+    for p in sorted(sources):
         rel = p.relative_to(root).as_posix()
         texts += [(rel, line, doc, False) for line, doc in docstrings(p)]
     return texts
