@@ -9,8 +9,9 @@ tensor whose bits differ from the previous version's:
   - otherwise `NAME`: the whole new tensor.
 Tensors absent from every file are unchanged. Values are compared bit for bit (an unsigned view
 of each element), so applying a delta is an exact bit copy: base + deltas equals a full publish
-of the same step byte for byte. The reader is `gagar_jax/rollout/delta.py` (numpy only, no JAX;
-it spells this format out again, and tests/test_weight_delta.py holds the two together).
+of the same step byte for byte. The reader is `gagar_jax/rollout/delta.py` (numpy only, no JAX);
+both take the file names and entry suffixes from `gagar_jax/publish_format.py`, and
+tests/test_weight_delta.py holds the two together.
 
 Each process encodes its own share against its own previous share (the shares are disjoint and
 follow from the shapes, `save.plan_save`), so no process sees another's tensors.
