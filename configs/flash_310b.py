@@ -18,7 +18,7 @@ AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/flash_310
 Numbers (gagar_jax/aot/flops.py, checked by tests/test_configs.py): 308.8B total, 15.4B active
 params. Global batch: 256 rows x 32768 tokens = 8.4M tokens, two micro-batches of 128 rows.
 Compiled for v5p:8x8x8 (fsdp 16 x expert 8 x tensor 4, `ep_a2a` with megablox over 16 chunks):
-34.3 GiB per chip (docs/aot/flash_310b_3e90e06_v5p_8x8x8.json; 44.9 before issue 29's dense-weight
+34.3 GiB per chip (docs/aot/flash_310b_v5p_8x8x8.json; 44.9 before issue 29's dense-weight
 and residual sharding, 53.6 before issue 29, docs/scaling.md), 107.7
 model GFLOPs per token (docs/aot/flash_310b_mimo_v5p_8x8x8.json, docs/scaling.md; the former
 global-attention stand-in: 38.9 GiB, 184.0 GFLOPs, docs/aot/flash_310b_ep_a2a_v5p_8x8x8.json).

@@ -16,7 +16,7 @@ AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/pro_1t.py
 Numbers (gagar_jax/aot/flops.py, checked by tests/test_configs.py): 1022.3B total, 43.0B active
 params. Global batch (Flash's): 256 rows x 32768 tokens = 8.4M tokens, two micro-batches of 128
 rows. Compiled for v5p:8x8x16 (fsdp 16 x expert 8 x tensor 8, `ep_a2a`, megablox over 16
-chunks): 46.0 GiB per chip (docs/aot/pro_1t_3e90e06_v5p_8x8x16.json; 74.4 before issue 29's
+chunks): 46.0 GiB per chip (docs/aot/pro_1t_v5p_8x8x16.json; 74.4 before issue 29's
 dense-weight and residual sharding, 82.3 before issue 29),
 302.3 model GFLOPs per token (docs/aot/pro_1t_mimo_v5p_8x8x16.json, docs/scaling.md; the former
 global-attention stand-in: 68.5 GiB, 527.2 GFLOPs, docs/aot/pro_1t_ep_a2a_v5p_8x8x16.json).

@@ -8,7 +8,7 @@ AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/pro_1t_25
 Numbers (gagar_jax/aot/flops.py, checked by tests/test_configs.py): 1022.3B total, 43.0B active
 params (the model of pro_1t). Compiled for v5p:8x8x16: 41.5 GiB per chip (fits 95.7; 75.1 for
 the former 32 rows of 262144 tokens), 543.9 model GFLOPs per token slot, a compute-bound step of
-90.6 s at peak (docs/aot/pro_1t_256k_3e90e06_v5p_8x8x16.json, docs/scaling.md).
+90.6 s at peak (docs/aot/pro_1t_256k_v5p_8x8x16.json, docs/scaling.md).
 """
 import pathlib
 

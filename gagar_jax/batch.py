@@ -27,7 +27,6 @@ from typing import Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 @flax.struct.dataclass
@@ -64,7 +63,7 @@ def dummy_batch(
     B: int, S: int, T: int, G: int, *, num_moe_layers: int = 0, top_k: int = 0
 ) -> Batch:
     """An all-padding batch with the given static shapes (for eval_shape / AOT / warm-up)."""
-    z = lambda shape, dt: jnp.zeros(shape, dt)  # noqa: E731
+    z = lambda shape, dt: jnp.zeros(shape, dt)
     routed = None
     if num_moe_layers and top_k:
         routed = jnp.full((B, S, num_moe_layers, top_k), -1, jnp.int32)
@@ -77,8 +76,3 @@ def dummy_batch(
         factors_T=jnp.ones((T,), jnp.float32), adjustments_T=z((T,), jnp.float32),
         grading_ok_G=z((G,), jnp.bool_), routed_experts_BxSxLxK=routed,
     )
-
-
-def to_numpy(batch: Batch) -> Batch:
-    """Host copy (numpy leaves) of a batch."""
-    return jax.tree.map(np.asarray, batch)

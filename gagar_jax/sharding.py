@@ -13,7 +13,7 @@ short tables below. Mesh axes:
           256k-token row spreads over `context` chips. Parameters are stored split over it like
           over fsdp (ZeRO-3: a chip keeps 1 / (fsdp * context) of the model width) and their
           gradients reduce over it as over the batch axes. Attention exchanges keys and values
-          across it (`attention_context.py`); everything else is per token.
+          across it (`kernels/attention/context.py`); everything else is per token.
   tensor  tensor parallelism: heads, MLP width and vocabulary split
 
 A mesh axis is dropped from a dimension it does not divide (e.g. 2 KV heads on tensor = 4), so
@@ -136,7 +136,7 @@ def mesh_axes(name: Optional[str], mesh: Optional[Mesh | AbstractMesh] = None) -
     """The mesh axes of logical axis `name` (in rule order); with `mesh`, those it has.
 
     Divisibility is the caller's business: `logical_to_spec` drops a non-dividing axis from a
-    parameter dimension, expert parallelism raises (`experts_ep`).
+    parameter dimension, expert parallelism raises (`kernels/experts/ep.py`).
     """
     if name is None:
         return ()

@@ -15,11 +15,11 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")   # libtpu is installed; this benchmark is CPU
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from benchutil import best_of  # noqa: E402
+import jax
+import numpy as np
+from benchutil import best_of
 
-from gagar_jax.algo.advantage import gagar_advantages  # noqa: E402
+from gagar_jax.algo.advantage import gagar_advantages
 
 LOOP_BUDGET_S = 60.0    # time the loop fully when the estimate is under this
 
@@ -70,7 +70,7 @@ def bench(num_traj: int, group_size: int, loop_est_s: float | None):
     batch, num_groups = make_batch(num_traj, group_size)
     fn = jax.jit(functools.partial(gagar_advantages, num_groups=num_groups))
     dev = {k: jax.device_put(v) for k, v in batch.items()}
-    run = lambda: jax.block_until_ready(fn(**dev).advantages)  # noqa: E731
+    run = lambda: jax.block_until_ready(fn(**dev).advantages)
     run()   # compile
     t_vec = best_of(run, repeats=20 if num_traj <= 65536 else 5)
 

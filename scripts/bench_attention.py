@@ -46,13 +46,13 @@ def context_aot(seqs, topology, heads, block, window):
           f"{Kv_slide} (sliding, W={window}), Dh {Dh}, Dv {Dv}, bf16, block {block}")
     print("S        kernel     temporaries MiB  arguments MiB  Mosaic kernels  compile s")
     for s in seqs:
-        sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=rows)  # noqa: E731
+        sds = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=rows)
         args = (sds(1, s, H, Dh), sds(1, s, Kv, Dh), sds(1, s, Kv, Dv), sds(1, s, Kv_slide, Dh),
                 sds(1, s, Kv_slide, Dv), sds(1, s, dt=jnp.int32),
                 jax.ShapeDtypeStruct((H,), jnp.float32, sharding=NamedSharding(mesh, P())))
         for impl in ("blockwise", "splash"):
             def loss(q, k, v, k2, v2, seg, sinks, impl=impl):  # lowered in this iteration
-                att = lambda k, v, **kw: attention_context.attention(  # noqa: E731
+                att = lambda k, v, **kw: attention_context.attention(
                     q, k, v, seg, impl=impl, block=block, **kw)
                 o = att(k, v) + att(k2, v2, window=window, sinks_H=sinks)
                 return jnp.sum(o.astype(jnp.float32))
@@ -100,9 +100,9 @@ def main():
                     tuple(map(int, a.heads.split(","))), a.block, a.window)
         return
     H, Kv, Dh = map(int, a.heads.split(","))
-    blk = lambda q, k, v, s: blockwise_attention(q, k, v, s, block=a.block)  # noqa: E731
+    blk = lambda q, k, v, s: blockwise_attention(q, k, v, s, block=a.block)
     if a.mode == "sliding":
-        win = lambda q, k, v, s: blockwise_attention(q, k, v, s, block=a.block,  # noqa: E731
+        win = lambda q, k, v, s: blockwise_attention(q, k, v, s, block=a.block,
                                                      window=a.window)
         print(f"S      full ms  sliding(W={a.window}) ms  full / sliding  sliding ms per 1k tokens")
         for s in map(int, a.seqs.split(",")):

@@ -32,14 +32,14 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-from benchutil import time_train_step, timed  # noqa: E402
+from benchutil import time_train_step, timed
 
-from gagar_jax import sharding as shd  # noqa: E402
-from gagar_jax.algo.loss import LossConfig  # noqa: E402
-from gagar_jax.aot import flops  # noqa: E402
-from gagar_jax.model.config import ModelConfig  # noqa: E402
-from gagar_jax.run import step as TS  # noqa: E402
-from gagar_jax.run.optim import OptimConfig  # noqa: E402
+from gagar_jax import sharding as shd
+from gagar_jax.algo.loss import LossConfig
+from gagar_jax.aot import flops
+from gagar_jax.model.config import ModelConfig
+from gagar_jax.run import step as TS
+from gagar_jax.run.optim import OptimConfig
 
 # The bench model: 1.67B parameters (0.43B active), 8 layers (1 dense + 7 MoE).
 BENCH = ModelConfig(

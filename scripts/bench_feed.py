@@ -253,7 +253,7 @@ def _long_row_lines(long_rows: dict) -> list:
                      f"{ROW_TOKENS:,}] | "
                      f"{r['tokens']:,} ({r['groups']}) | {r['mb']:,.0f} | " + " | ".join(cells)
                      + " |")
-    name = lambda r: f"{r['encoding']} with {r['tokens_as']} tokens"  # noqa: E731
+    name = lambda r: f"{r['encoding']} with {r['tokens_as']} tokens"
     met = [name(r) for r in long_rows["rows"] if r["ratio"]["pod"] >= 2.0]
     missed = [name(r) for r in long_rows["rows"] if r["ratio"]["pod"] < 2.0]
     lines += [

@@ -16,12 +16,12 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from benchutil import matmul_peak, timed, write_docs_section  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from benchutil import matmul_peak, timed, write_docs_section
 
-from gagar_jax import sharding  # noqa: E402
+from gagar_jax import sharding
 from gagar_jax.kernels.experts import local as experts
 from gagar_jax.kernels.experts import registry as experts_registry
 from gagar_jax.model import router
@@ -47,7 +47,7 @@ def make_step(backend: str, top_k: int, mesh=None):
 
 def bench_case(backend, e, k, t, d, f, reps, mesh=None):
     rng = np.random.default_rng(e * 100 + k)
-    arr = lambda *s, scale=1.0: jnp.asarray(rng.normal(size=s) * scale, jnp.float32)  # noqa
+    arr = lambda *s, scale=1.0: jnp.asarray(rng.normal(size=s) * scale, jnp.float32)
     args = (arr(t, d), arr(d, e, scale=d ** -0.5), arr(e, d, f, scale=d ** -0.5),
             arr(e, d, f, scale=d ** -0.5), arr(e, f, d, scale=f ** -0.5), arr(t, d))
     step = make_step(backend, k, mesh)

@@ -19,16 +19,16 @@ import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from benchutil import matmul_peak, synthetic_batch, time_train_step, timed, write_docs_section  # noqa: E402
+import jax
+import numpy as np
+from benchutil import matmul_peak, synthetic_batch, time_train_step, timed, write_docs_section
 
-from gagar_jax.algo.advantage import broadcast_to_tokens, gagar_advantages  # noqa: E402
-from gagar_jax.aot import flops  # noqa: E402
-from gagar_jax.batch import Batch  # noqa: E402
-from gagar_jax.config import load_config_file  # noqa: E402
-from gagar_jax.run import step as TS  # noqa: E402
-from gagar_jax.sharding import make_mesh  # noqa: E402
+from gagar_jax.algo.advantage import broadcast_to_tokens, gagar_advantages
+from gagar_jax.aot import flops
+from gagar_jax.batch import Batch
+from gagar_jax.config import load_config_file
+from gagar_jax.run import step as TS
+from gagar_jax.sharding import make_mesh
 
 HEADING = "## Train step (scripts/bench_train_step.py)"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -320,7 +320,7 @@ def main(argv=None) -> dict:
         torch_side = (TorchInProcess if args.same_process else TorchProcess)(
             d, args.threads, args.single_thread)
         cases = jax_cases(model, tokens, trunk_r, head_h0)
-        jax_fn = lambda name: clock(cases[name])          # noqa: E731
+        jax_fn = lambda name: clock(cases[name])
         try:
             first = jax_fn("step")                        # compiles
             t_loss = torch_side("step")["out"]

@@ -147,7 +147,7 @@ def engine(spec_file: str) -> None:
     llm = LLM(model=first, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
               max_model_len=256, seed=0, worker_extension_cls=EXT, gpu_memory_utilization=0.5)
     result = {"start_s": time.perf_counter() - t0, "runs": []}
-    rpc = lambda name, *a, **k: llm.collective_rpc(name, args=a, kwargs=k)[0]   # noqa: E731
+    rpc = lambda name, *a, **k: llm.collective_rpc(name, args=a, kwargs=k)[0]
     for run in spec["runs"]:
         rows, deltas = [], run["delta"]
         t0 = time.perf_counter()

@@ -16,7 +16,7 @@ XLA dump on. Every column, gagar_jax's included, is measured three ways:
       either); it exists as soon as the compiler got past buffer assignment, so a compile
       killed later (host memory, HBM OOM) still has it;
   (c) XLA's peak live set (`gagar_jax.aot.buffers.peak_buffers`, the live-range dump's peak).
-Prints the markdown table and writes docs/aot/maxtext_side_by_side_<commit>.json.
+Prints the markdown table and writes docs/aot/maxtext_side_by_side.json (the commit inside).
 The config keys used are MODEL_KEYS and VARIANTS below; docs/scaling.md ("Side by side with
 MaxText") says what each side cannot express. Stdlib + gagar_jax only.
 """
@@ -369,8 +369,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--gagar_dump", default="", help="that compile's --dump_dir")
     p.add_argument("--compile_gagar", action="store_true",
                    help="compile flash_310b (splash) here first (~10 min) for the gagar column")
-    p.add_argument("--out", default="", help="JSON (default docs/aot/maxtext_side_by_side_"
-                   "<commit>.json)")
+    p.add_argument("--out", default="", help="JSON (default docs/aot/maxtext_side_by_side.json)")
     a = p.parse_args(argv)
     variants = [v for v in a.variants.split(",") if v]
     bad = [v for v in variants if v not in VARIANTS]
@@ -387,11 +386,12 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     commit = _commit()
-    out = a.out or os.path.join(REPO, "docs", "aot", f"maxtext_side_by_side_{commit}.json")
+    # one report per variant, the commit inside: a rerun replaces it (git keeps the old one)
+    out = a.out or os.path.join(REPO, "docs", "aot", "maxtext_side_by_side.json")
     if a.compile_gagar:
         a.gagar_report, a.gagar_dump = compile_gagar(
             a.workdir, a.mem_cap_gb, a.timeout_s,
-            os.path.join(REPO, "docs", "aot", f"flash_310b_splash_{commit}_v5p_8x8x8.json"))
+            os.path.join(REPO, "docs", "aot", "flash_310b_splash_v5p_8x8x8.json"))
     columns = [gagar_column(a.gagar_report, a.gagar_dump)] if a.gagar_report else []
     for v in variants:
         columns.append(run_maxtext(v, a.workdir, a.mem_cap_gb, a.timeout_s, a.remeasure))

@@ -108,7 +108,7 @@ HARSH_TABLE = dict(strong_best=1.0, strong_other=0.8, intermediate_best=0.6,
 
 def _table(a):
     """The feed's factor table (`--factor-table`); exits 2 on a bad value."""
-    from gagar_jax.algo import grading
+    from gagar_jax import grading
     if a.factor_table == "default":
         return grading.FactorTable()
     if a.factor_table == "harsh":

@@ -112,7 +112,7 @@ def main(argv=None) -> str:
     compiled = fn.lower(*fn_args).compile()
     hlo = compiled.as_text()
     names = describe(hlo)
-    run = lambda: jax.block_until_ready(compiled(*fn_args))   # noqa: E731
+    run = lambda: jax.block_until_ready(compiled(*fn_args))
     run()                                           # a step of its own first
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from support.reference_advantage import reference_advantages
 
 from gagar_jax.algo import advantage as adv
-from gagar_jax.algo.grading import DEFECTIVE, INTERMEDIATE, STRONG, quality_factors
+from gagar_jax.grading import DEFECTIVE, INTERMEDIATE, STRONG, quality_factors
 
 T, G = 64, 12
 CAP = 1.5
@@ -34,7 +34,7 @@ def pad(rewards, group_ids, factors, valid=None, hacked=None, grading_ok=None, a
     """A batch dict padded to (T, G): padding is invalid, \
 with a junk reward, NaN factor, pad_gid."""
     n = len(rewards)
-    full = lambda x, fill, dt: np.concatenate([np.asarray(x, dt), np.full(T - n, fill, dt)])  # noqa
+    full = lambda x, fill, dt: np.concatenate([np.asarray(x, dt), np.full(T - n, fill, dt)])
     return dict(
         rewards=full(rewards, 1.0, np.float32), group_ids=full(group_ids, pad_gid, np.int32),
         factors=full(factors, np.nan, np.float32),

@@ -197,7 +197,7 @@ def test_kernels_compile_ahead_of_time_for_v5p(tmp_path):
     mesh = sharding.make_mesh(types.SimpleNamespace(data=2, fsdp=1, expert=2, tensor=1),
                               aot.topology_devices("v5p:2x2x1"))
     B, S, H, KV, DH, T, D, F, E, K = 4, 256, 4, 2, 128, 256, 256, 256, 8, 2
-    sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
+    sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(
         shape, dtype, sharding=NamedSharding(mesh, spec))
     row, tok = P("data"), P(("data", "fsdp", "expert"))
 
@@ -247,7 +247,7 @@ def test_splash_under_context_compiles_ahead_of_time_for_v5p(tmp_path):
     mesh = sharding.make_mesh(types.SimpleNamespace(data=2, fsdp=1, expert=1, context=2, tensor=1),
                               aot.topology_devices("v5p:2x2x1"))
     B, S, H, KV, DH = 2, 512, 4, 2, 128
-    sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
+    sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(
         shape, dtype, sharding=NamedSharding(mesh, spec))
     rows = P("data", "context")
 

@@ -54,7 +54,7 @@ def test_blockwise_matches_plain_values_and_grads(block):
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v, SEG) * w)
 
-    blk = lambda q, k, v, s: blockwise_attention(q, k, v, s, block=block)  # noqa: E731
+    blk = lambda q, k, v, s: blockwise_attention(q, k, v, s, block=block)
     assert_rel_close(jax.jit(blk)(q, k, v, SEG), plain_attention(q, k, v, SEG))
     g_plain = jax.grad(loss(plain_attention), (0, 1, 2))(q, k, v)
     g_blk = jax.jit(jax.grad(loss(blk), (0, 1, 2)))(q, k, v)
@@ -73,7 +73,7 @@ def test_packed_row_equals_each_segment_alone():
 def test_causal_no_gradient_from_later_tokens():
     q, k, v, _ = _inputs(3)
     t = 20
-    f = lambda k, v: blockwise_attention(q, k, v, SEG, block=8)[:, t].sum()  # noqa: E731
+    f = lambda k, v: blockwise_attention(q, k, v, SEG, block=8)[:, t].sum()
     dk, dv = jax.grad(f, (0, 1))(k, v)
     assert float(jnp.abs(dk[:, t + 1:]).max()) == 0.0 and float(jnp.abs(dv[:, t + 1:]).max()) == 0.0
     assert float(jnp.abs(dv[:, t]).max()) > 0.0
@@ -95,15 +95,15 @@ def test_bad_impl_and_shapes_rejected():
 
 
 def _temp_bytes(fn, s):
-    shape = lambda h: jax.ShapeDtypeStruct((1, s, h, 16), jnp.float32)  # noqa: E731
+    shape = lambda h: jax.ShapeDtypeStruct((1, s, h, 16), jnp.float32)
     seg = jax.ShapeDtypeStruct((1, s), jnp.int32)
-    loss = lambda q, k, v, sg: jnp.sum(fn(q, k, v, sg) ** 2)  # noqa: E731
+    loss = lambda q, k, v, sg: jnp.sum(fn(q, k, v, sg) ** 2)
     compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(shape(2), shape(1), shape(1), seg).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 
 def test_blockwise_memory_linear_plain_quadratic():
-    blk = lambda q, k, v, s: blockwise_attention(q, k, v, s, block=256)  # noqa: E731
+    blk = lambda q, k, v, s: blockwise_attention(q, k, v, s, block=256)
     ratio_blk = _temp_bytes(blk, 4096) / _temp_bytes(blk, 1024)
     ratio_plain = _temp_bytes(plain_attention, 4096) / _temp_bytes(plain_attention, 1024)
     assert ratio_blk < 6, ratio_blk      # ~4x for 4x the tokens
@@ -151,9 +151,9 @@ def test_window_sinks_and_value_width_match_numpy_and_plain_grads():
     w = w[..., :DV]
     sink = jnp.array([0.5, -1.0, 2.0, 0.0])
     want = _numpy_window_sink(q, k, v, SEG, 5, sink)
-    plain = lambda q, k, v, s: plain_attention(q, k, v, SEG, window=5, sinks_H=s)  # noqa: E731
-    blk = lambda q, k, v, s: blockwise_attention(q, k, v, SEG, block=8, window=5, sinks_H=s)  # noqa: E731
-    loss = lambda fn: lambda *a: jnp.sum(fn(*a) * w)  # noqa: E731
+    plain = lambda q, k, v, s: plain_attention(q, k, v, SEG, window=5, sinks_H=s)
+    blk = lambda q, k, v, s: blockwise_attention(q, k, v, SEG, block=8, window=5, sinks_H=s)
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a) * w)
 
     @jax.jit
     def run(q, k, v, sink):
@@ -178,7 +178,7 @@ def test_window_block_ranges_are_exactly_the_blocks_with_visible_keys(nq, nk, bl
     """The loops visit exactly the (query block, key block) pairs holding a visible pair: a
     sliding layer does O(S * W) work. Also with queries starting d keys in (context shards)."""
     from gagar_jax.kernels.attention.blockwise import _key_block_range, _query_block_range
-    visible = lambda i, j: any(0 <= qi - kj and (not window or qi - kj < window)  # noqa: E731
+    visible = lambda i, j: any(0 <= qi - kj and (not window or qi - kj < window)
                                for qi in range(d + i * blk, d + (i + 1) * blk)
                                for kj in range(j * blk, (j + 1) * blk))
     for i in range(nq):

@@ -89,7 +89,7 @@ def test_sliding_window_and_sinks_match_numpy_loop(qkv):
                                                       block=128))(q, k, v, sinks)
     assert_rel_close(got, numpy_attention(q, k, v, SEG, window=window, sinks=np.asarray(sinks)))
     # Each feature matters: without it the output is far from the loop's.
-    far = lambda a, b: np.linalg.norm(np.asarray(a) - b) > 1e-2 * np.linalg.norm(b)  # noqa: E731
+    far = lambda a, b: np.linalg.norm(np.asarray(a) - b) > 1e-2 * np.linalg.norm(b)
     assert far(splash_attention(q, k, v, SEG, sinks_H=sinks, block=128),
                numpy_attention(q, k, v, SEG, window=window, sinks=np.asarray(sinks)))
     assert far(got, numpy_attention(q, k, v, SEG, window=window))

@@ -264,11 +264,11 @@ def _fake_save(payload_bytes=4096):
 
 def _complete(path, step, payload_bytes=4096):
     files = set(os.listdir(path))
-    if files != {"config.json", "model.safetensors", publish.MARKER}:
+    if files != {"config.json", "model.safetensors", publish.MANIFEST}:
         return False
     with open(os.path.join(path, "model.safetensors"), "rb") as f:
         data = f.read()
-    with open(os.path.join(path, publish.MARKER)) as f:
+    with open(os.path.join(path, publish.MANIFEST)) as f:
         marker = json.load(f)
     return data == bytes([step % 256]) * payload_bytes and (marker["step"], marker[
         "policy_version"], marker["kind"], marker["files"]) == (

@@ -161,7 +161,7 @@ def test_process_row_block_with_rows_spanning_hosts():
     """Four fake hosts of two devices on fsdp 2 x context 4: a host holds half the rows and
     half of S; the two hosts of one row group hold the same rows, different S halves."""
     mesh = _mesh(data=1, fsdp=2, context=4)
-    host = lambda d: d.id // 2  # noqa: E731
+    host = lambda d: d.id // 2
     got = [sharding.process_row_block(mesh, 8, 64, p, process_of=host) for p in range(4)]
     assert got == [(slice(0, 4), slice(0, 32)), (slice(0, 4), slice(32, 64)),
                    (slice(4, 8), slice(0, 32)), (slice(4, 8), slice(32, 64))]

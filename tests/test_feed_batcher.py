@@ -108,8 +108,8 @@ def test_dynamic_sampling_after_hack_zeroing_and_infra_exclusion(tmp_path):
 
 
 def test_keeps_pulling_until_groups_per_batch_mixed_groups(tmp_path):
-    mixed = lambda i: group(f"m{i}", [traj("x", "pass"), traj("y", "fail")])  # noqa: E731
-    uniform = lambda i: group(f"u{i}", [traj("x", "fail"), traj("y", "fail")])  # noqa: E731
+    mixed = lambda i: group(f"m{i}", [traj("x", "pass"), traj("y", "fail")])
+    uniform = lambda i: group(f"u{i}", [traj("x", "fail"), traj("y", "fail")])
     items = [
         uniform(0),
         uniform(1),
@@ -128,7 +128,7 @@ def test_keeps_pulling_until_groups_per_batch_mixed_groups(tmp_path):
 
 
 def test_staleness(tmp_path):
-    mk = lambda gid, v: group(gid, [traj("x", "pass"), traj("y", "fail")], version=v)  # noqa: E731
+    mk = lambda gid, v: group(gid, [traj("x", "pass"), traj("y", "fail")], version=v)
     feed = Feed(
         CFG, tmp_path, **MODEL, source=IteratorSource([mk("old", 7), mk("ok", 8), mk("new", 10)])
     )

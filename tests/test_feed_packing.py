@@ -108,7 +108,8 @@ def test_local_row_slice_rejects_bad_arguments():
 
 def test_make_global_batch_on_8_devices(devices):
     mesh = Mesh(np.array(devices).reshape(8), ("data",))
-    local = batch_lib.to_numpy(batch_lib.dummy_batch(B, S, 16, 4, num_moe_layers=2, top_k=2))
+    local = jax.tree.map(np.asarray,
+                         batch_lib.dummy_batch(B, S, 16, 4, num_moe_layers=2, top_k=2))
     local = local.replace(tokens_BxS=np.arange(B * S, dtype=np.int32).reshape(B, S),
                           rewards_T=np.linspace(0, 1, 16, dtype=np.float32))
     rows = NamedSharding(mesh, P("data"))

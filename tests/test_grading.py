@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gagar_jax.algo.grading import (
+from gagar_jax.grading import (
     DEFECTIVE,
     DIRECT,
     INTERMEDIATE,

@@ -41,8 +41,8 @@ def test_chunked_matches_plain_values_and_grads(chunk, keep):
             return a * jnp.sum(lp * jnp.arange(12.0)) + b * jnp.sum(ent * jnp.cos(jnp.arange(12.0)))
         return f
 
-    chunked = lambda h, w: chunked_logprobs_entropy(h, w, tgt, chunk, keep)  # noqa: E731
-    plain = lambda h, w: _plain(h, w, tgt)  # noqa: E731
+    chunked = lambda h, w: chunked_logprobs_entropy(h, w, tgt, chunk, keep)
+    plain = lambda h, w: _plain(h, w, tgt)
     for a, b in ((1.0, 1.0), (1.0, 0), (0, 1.0)):   # python 0: that output gets no cotangent
         g = jax.jit(jax.grad(scalar(chunked, a, b), (0, 1)))(h, w)
         g0 = jax.grad(scalar(plain, a, b), (0, 1))(h, w)
@@ -57,7 +57,7 @@ def test_bf16_inputs_give_bf16_grads_close_to_float32():
     h = jax.random.normal(kh, (12, 16)).astype(jnp.bfloat16)
     w = (jax.random.normal(kw, (16, 50)) * 0.5).astype(jnp.bfloat16)
     tgt = jax.random.randint(kt, (12,), 0, 50)
-    f = lambda h, w: jnp.sum(chunked_logprobs_entropy(h, w, tgt, 7)[0] * jnp.arange(12.0))  # noqa: E731
+    f = lambda h, w: jnp.sum(chunked_logprobs_entropy(h, w, tgt, 7)[0] * jnp.arange(12.0))
     gh, gw = jax.jit(jax.grad(f, (0, 1)))(h, w)
     assert gh.dtype == jnp.bfloat16 and gw.dtype == jnp.bfloat16
     gh0, gw0 = jax.grad(f, (0, 1))(h.astype(jnp.float32), w.astype(jnp.float32))
@@ -153,10 +153,10 @@ def test_chunked_never_holds_full_logits():
             .temp_size_in_bytes
         )
 
-    chunked = lambda h, w, t: chunked_logprobs_entropy(h, w, t, 512)  # noqa: E731
+    chunked = lambda h, w, t: chunked_logprobs_entropy(h, w, t, 512)
     small, large = temp(chunked, 8192), temp(chunked, 32768)
     assert large < 1.5 * small, (small, large)   # 4x the vocabulary, ~ the same memory
     assert large < N * 32768 * 4 / 8              # far below the full logits
     assert temp(_plain, 8192) >= N * 8192 * 4     # the plain path does hold them
-    kept = lambda h, w, t: chunked_logprobs_entropy(h, w, t, 512, True)  # noqa: E731
+    kept = lambda h, w, t: chunked_logprobs_entropy(h, w, t, 512, True)
     assert temp(kept, 8192) >= N * 8192 * 4       # keep_logits holds the tiles for the backward

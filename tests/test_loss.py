@@ -261,7 +261,7 @@ def test_config_validation():
     assert (c.clip_low, c.router_aux_coef, c.router_z_coef) == (0.1, 1e-3, 1e-4)
 
 
-# ---------------------------------------------------------------- prepare (with advantages)
+# ---------------------------------------------------------- prepare_batch (with advantages)
 def tiny_batch(factors=(1.0, 0.5), recompute_shift=0.0):
     """One row, group 0: passes t0 (f0), t1 (f1), failures t2, t3; group 1: invalid t4 only."""
     S = 12
@@ -282,8 +282,9 @@ def tiny_batch(factors=(1.0, 0.5), recompute_shift=0.0):
 
 def test_prepare_hand_worked_group():
     # p = 2/4, A = +-0.5; lam = 2 / (1 + 0.5) = 4/3 -> A' = 2/3, 1/3 for passes, -0.5 for failures.
-    inputs, adv = jax.jit(L.prepare, static_argnames=("cfg", "mini_batches"))(
+    p = jax.jit(L.prepare_batch, static_argnames=("cfg", "mini_batches"))(
         tiny_batch(), L.LossConfig(aggregation="token-mean"))
+    inputs, adv = p.inputs, p.adv
     np.testing.assert_allclose(adv.advantages, [2 / 3, 1 / 3, -0.5, -0.5, 0.0], rtol=1e-6)
     np.testing.assert_allclose(adv.lam[0], 4 / 3, rtol=1e-6)
     want = np.array([[0, 2 / 3, 2 / 3, 0, 1 / 3, 1 / 3, 0, -.5, 0, -.5, 0, 0]])
@@ -297,7 +298,7 @@ def test_prepare_hand_worked_group():
 def test_prepare_capped_group():
     # Lone low-quality pass: passes t0 (f=0.2) and t1 (f=0.2): lam = 2/0.4 = 5 > 1.5 -> capped,
     # A' = 1.5*0.2*0.5 = 0.15 each, failures -0.5, re-center by mean (0.3 - 1) / 4 = -0.175.
-    _, adv = L.prepare(tiny_batch(factors=(0.2, 0.2)), L.LossConfig())
+    adv = L.prepare_batch(tiny_batch(factors=(0.2, 0.2)), L.LossConfig()).adv
     assert bool(adv.capped[0]) and float(adv.lam[0]) == pytest.approx(1.5)
     np.testing.assert_allclose(adv.advantages[:4], [0.325, 0.325, -0.325, -0.325], rtol=1e-5)
     np.testing.assert_allclose(adv.advantages[:4].sum(), 0.0, atol=1e-6)
@@ -308,14 +309,14 @@ def test_prepare_tis_weight_and_ratio_denominator():
     learner_old = b.old_logprobs_BxS + 1.5 * b.loss_mask_BxS  # exp(1.5) = 4.48 > cap
     learner_old = learner_old.at[0, 4].set(-1.2)                  # exp(-0.2) below cap
     cfg = L.LossConfig(recompute_old_logprobs=True, tis_cap=2.0)
-    inputs, _ = L.prepare(b, cfg, learner_old_logprobs_BxS=learner_old)
+    inputs = L.prepare_batch(b, cfg, learner_old_logprobs_BxS=learner_old).inputs
     m = np.asarray(inputs.mask_BxS)
     np.testing.assert_allclose(inputs.old_logprobs_BxS, np.asarray(learner_old) * m, rtol=1e-6)
     want = np.where(m > 0, 2.0, 1.0)
     want[0, 4] = np.exp(-0.2)
     np.testing.assert_allclose(inputs.tis_weight_BxS, want, rtol=1e-6)
     with pytest.raises(ValueError, match="learner_old_logprobs"):
-        L.prepare(b, cfg)
+        L.prepare_batch(b, cfg)
     # The TIS weight multiplies the surrogate (NumPy reference with the same weight).
     rng = np.random.default_rng(0)
     logp = np.asarray(learner_old) + rng.normal(0, 0.1, m.shape).astype(np.float32) * m

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from support.paths import REPO
 
-from gagar_jax.algo import grading
+from gagar_jax import grading
 from gagar_jax.sim import tabular, tabular_report
 
 

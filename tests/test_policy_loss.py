@@ -117,7 +117,7 @@ def test_packed_micro_batches_equal_single_shot_and_loop(objective, agg):
     traj, mask, logp, old, adv = packed()
     cfg = cfg_for(objective, agg)
     K, J, T = 2, 2, 8
-    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
     w = L.aggregation_weights(f32(mask), jnp.asarray(traj), T, cfg, K)
     pw = L.aggregation_weights(f32(mask), jnp.asarray(traj), T, cfg, K,
                                aggregation=PL.policy_aggregation(cfg))
@@ -125,7 +125,7 @@ def test_packed_micro_batches_equal_single_shot_and_loop(objective, agg):
                        old_logprobs_BxS=f32(old * mask), tis_weight_BxS=jnp.ones_like(w),
                        ref_logprobs_BxS=jnp.zeros_like(w), pg_weight_BxS=pw,
                        traj_index_BxS=jnp.asarray(traj), num_trajectories=T)
-    split = lambda x, k=K, j=J: jax.tree.map(lambda a: L.split_rows(a, k, j), x)  # noqa: E731
+    split = lambda x, k=K, j=J: jax.tree.map(lambda a: L.split_rows(a, k, j), x)
     lp = f32(logp)
 
     def micro_sum(lp_, k):
@@ -160,7 +160,7 @@ def test_packed_micro_batches_equal_single_shot_and_loop(objective, agg):
 def test_entropy_bonus_aggregated_like_the_loss():
     traj, mask, logp, old, adv = packed(1)
     cfg = L.LossConfig(aggregation="seq-mean-token-mean", entropy_coef=0.01)
-    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
     w = L.aggregation_weights(f32(mask), jnp.asarray(traj), 8, cfg)
     inp = L.LossInputs(adv_BxS=f32(adv), mask_BxS=f32(mask), weight_BxS=w,
                        old_logprobs_BxS=f32(old * mask), tis_weight_BxS=jnp.ones_like(w),
@@ -186,7 +186,7 @@ def test_gspo_context_sharded_equals_one_device(context, devices):
     traj, mask, logp, old, adv = packed(2, B=4, S=16)
     cfg = cfg_for("gspo", "token-mean")
     args = [jnp.asarray(x, jnp.float32) for x in (logp, old, adv, mask)]
-    fn = lambda lp, o, a, m, t: gagar_jax.policy_loss(lp, o, a, m, cfg, traj_index_BxS=t,  # noqa: E731
+    fn = lambda lp, o, a, m, t: gagar_jax.policy_loss(lp, o, a, m, cfg, traj_index_BxS=t,
                                                       num_trajectories=8)[0]
     want, gwant = jax.jit(jax.value_and_grad(fn))(*args, jnp.asarray(traj))
     mesh = Mesh(np.asarray(devices[:context]), ("context",))

@@ -15,6 +15,7 @@ import pytest
 from support.delta_models import applicable, model_and_states, raw, set_state
 from support.paths import load_tiny_config as tiny_config
 
+from gagar_jax import publish_format
 from gagar_jax.hf import delta as hf_delta
 from gagar_jax.hf import safetensors as st
 from gagar_jax.hf import save as hf_save
@@ -57,7 +58,7 @@ class Poller:
     def _run(self):
         try:
             self._poll()
-        except Exception as e:  # noqa: BLE001 -- a dead poller fails the test, not silently
+        except Exception as e:  # a dead poller fails the test, not silently
             self.bad.append(("the poller died", repr(e)))
 
     def _poll(self):
@@ -229,7 +230,7 @@ def test_directories_from_before_manifests_named_their_predecessor_are_kept_by_s
     root = published.root_of(tmp_path)
     for step in (1, 2, 3):   # the old layout: marker {"step", "policy_version"} only
         (root / published.step_dir_name(step)).mkdir(parents=True)
-        (root / published.step_dir_name(step) / publish.MARKER).write_text(
+        (root / published.step_dir_name(step) / publish.MANIFEST).write_text(
             json.dumps({"step": step, "policy_version": step}))
     published.write_pointer(root, {"step": 3, "policy_version": 3,
                                    "path": os.fspath(root / "step_00000003")})
@@ -250,7 +251,8 @@ def delta_states():
 def _kill_delta_at(monkeypatch, point):
     if point == "writing":   # half a delta file, then the kill
         def half(entries, directory, process, max_shard_bytes):
-            with open(os.path.join(directory, hf_delta.file_name(process, 0)), "wb") as f:
+            name = publish_format.delta_file_name(process, 0)
+            with open(os.path.join(directory, name), "wb") as f:
                 f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
             raise Kill(point)
         monkeypatch.setattr(hf_delta, "write_delta_share", half)

@@ -31,18 +31,19 @@ def test_rollout_package_imports_without_jax(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
-def test_pointer_and_checkpoint_files(tmp_path):
-    from gagar_jax.rollout import read_latest
-    from gagar_jax.rollout.vllm_extension import checkpoint_files
+def test_pointer_and_weight_files(tmp_path):
+    from gagar_jax.rollout import read_latest, read_manifest
+    from gagar_jax.rollout.delta import weight_files
+    assert callable(read_manifest)   # the package's documented re-exports (its __all__)
     assert read_latest(str(tmp_path)) is None
     step = tmp_path / "published" / "step_00000004"
     step.mkdir(parents=True)
     (tmp_path / "published" / "latest").write_text(
         json.dumps({"step": 4, "policy_version": 4, "path": str(step)}))
     assert read_latest(str(tmp_path)) == {"step": 4, "policy_version": 4, "path": str(step)}
-    assert checkpoint_files(str(step)) == [str(step / "model.safetensors")]
+    assert weight_files(str(step)) == [str(step / "model.safetensors")]
     (step / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
         "a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
         "c": "model-00001-of-00002.safetensors"}}))
-    assert checkpoint_files(str(step)) == [str(step / "model-00001-of-00002.safetensors"),
+    assert weight_files(str(step)) == [str(step / "model-00001-of-00002.safetensors"),
                                            str(step / "model-00002-of-00002.safetensors")]

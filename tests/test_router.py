@@ -151,7 +151,7 @@ def test_bias_update_moves_load_toward_balance():
     _, load0 = step(bias)
     for _ in range(60):
         bias, load = step(bias)
-    ratio = lambda load: float(jnp.max(load) / jnp.mean(load))  # noqa: E731
+    ratio = lambda load: float(jnp.max(load) / jnp.mean(load))
     assert ratio(load0) > 2.0
     assert ratio(load) < 0.6 * ratio(load0)
     assert float(bias[0]) < 0 < float(bias[-1])

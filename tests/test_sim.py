@@ -214,7 +214,7 @@ def warm(tmp_path_factory):
     model = Transformer(ModelConfig.from_config(load_tiny_config().model), rngs=nnx.Rngs(0))
     demos = D.make_demos(cfg, T.make_tasks(cfg, 11, 64, prefix="demo"), seed=1)
     held = D.pack_episodes(D.make_demos(cfg, T.make_tasks(cfg, 12, 8, prefix="dev"), seed=2), 64)
-    nll = lambda: float(D.sft_loss(model, *(jnp.asarray(a) for a in (  # noqa: E731
+    nll = lambda: float(D.sft_loss(model, *(jnp.asarray(a) for a in (
         held.tokens_BxS, held.segment_ids_BxS, held.positions_BxS, held.loss_mask_BxS))))
     before = nll()
     losses = D.warm_start(model, demos, steps=30, batch_size=8, seq_len=64, lr=3e-3, seed=0)
@@ -492,7 +492,7 @@ def test_note_language_with_20_zipf_successors_keeps_the_3_successor_default():
 def test_control_record_gives_control_advantages(kinds):
     import jax.numpy as jnp
 
-    from gagar_jax.algo import grading
+    from gagar_jax import grading
     from gagar_jax.algo.advantage import gagar_advantages
     from gagar_jax.sim import arms
 
@@ -513,7 +513,7 @@ def test_control_record_gives_control_advantages(kinds):
     want = arms.control_advantages(group, table)
     got_group = arms.control_record(group, table)
     n = len(kinds)
-    pad = lambda x, fill: np.concatenate([np.asarray(x), np.full(8 - n, fill)])  # noqa: E731
+    pad = lambda x, fill: np.concatenate([np.asarray(x), np.full(8 - n, fill)])
     # One padded shape (8 slots, padding invalid) so the advantage function compiles once.
     r = pad([t.outcome == "pass" for t in got_group.trajectories], 0).astype(np.float32)
     f = pad([t.quality.factor if (t.quality is not None and t.quality.factor is not None)

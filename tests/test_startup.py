@@ -68,7 +68,7 @@ def test_feed_source_rules(tmp_path):
     from gagar_jax.run.startup import check_run
     rc = train.RunConfig.from_config(tiny_config())
     missing = str(tmp_path / "spool")
-    feed = lambda **kw: dataclasses.replace(rc.feed, **{"path": "", **kw})  # noqa: E731
+    feed = lambda **kw: dataclasses.replace(rc.feed, **{"path": "", **kw})
     with pytest.raises(ConfigError, match="does not exist"):
         check_run(rc.step, feed(spool_dir=missing), rc.train)
     check_run(rc.step, feed(spool_dir=missing, spool_create=True), rc.train)

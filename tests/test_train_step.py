@@ -466,7 +466,7 @@ def test_r2_replays_recorded_routing(expert, cfg, init, batch, devices):
     def probe(params, rec_params, bias):
         old, tok_r = TS.replay_inputs(graphdef, rec_params, bias, tok, c)
         t0 = jax.tree.map(lambda x: x[0, 0], tok_r)
-        run = lambda routed: token_logprobs(nnx.merge(graphdef, params, bias), t0.tokens_BxS,  # noqa: E731
+        run = lambda routed: token_logprobs(nnx.merge(graphdef, params, bias), t0.tokens_BxS,
                                             t0.segment_ids_BxS, t0.positions_BxS, routed)
         lp, _, aux = run(t0.routed_experts_BxSxLxK)
         free = run(None)[2].routed_experts_BxSxLxK

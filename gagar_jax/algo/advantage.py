@@ -333,8 +333,8 @@ def check_invariants_of(out: AdvantageOutput, outcomes: GroupOutcomes, *, lam_ca
     G = x.num_groups
     st = group_stats(x, use_factors=mode != "binary")
     gid, member, passed, A, f = st.gid_T, st.member_T, st.pass_T, st.A_T, st.f_T
-    seg = lambda v: segment_sum(v, gid, G)  # noqa: E731
-    close = lambda a, b, tol: jnp.abs(a - b) <= tol  # noqa: E731
+    seg = lambda v: segment_sum(v, gid, G)
+    close = lambda a, b, tol: jnp.abs(a - b) <= tol
     fail, in_mixed = member & ~passed, member & st.mixed_G[gid]
     A1, tol_G = out.redistributed_advantages, atol * jnp.maximum(st.n_G, 1.0)
     r, g, adj = x.rewards_T, x.group_ids_T, jnp.where(member, out.advantages - A1, 0.0)

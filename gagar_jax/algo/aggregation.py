@@ -54,7 +54,7 @@ def aggregation_weights(mask_BxS: jax.Array, traj_index_BxS: jax.Array, num_traj
     tokens = per_mini(mask_BxS)
     # Each trajectory's 1/n_i sums to exactly 1 over its tokens; round away float error.
     n_traj = jnp.round(per_mini(inv_n_BxS))
-    safe = lambda d: jnp.where(d > 0, d, 1.0)  # noqa: E731  (empty mini-batch: weights stay 0)
+    safe = lambda d: jnp.where(d > 0, d, 1.0)  # empty mini-batch: weights stay 0
     if agg == "token-mean":
         return mask_BxS / safe(tokens)
     if agg == "seq-mean-token-mean":

@@ -1,7 +1,7 @@
 """Clipped policy-gradient loss fused with Gagar advantages.
 
 Two pure stages (see docs/loss.md):
-  * `prepare(batch, cfg, ...)` runs ONCE per feed batch, before any mini/micro-batch loop:
+  * `prepare_batch(batch, cfg, ...)` runs ONCE per feed batch, before any mini/micro-batch loop:
     Gagar advantages, their token broadcast, the ratio denominator, the truncated IS weight, and
     per-token aggregation weights whose denominators are global over each mini-batch.
   * `pg_loss(logprobs, entropy, inputs, cfg)` runs per micro-batch: a weighted SUM of per-token
@@ -271,12 +271,6 @@ def prepare_batch(batch: Batch, cfg: LossConfig, *, mini_batches: int = 1,
     return Prepared(inputs=inputs, adv=adv_out, rollout=rollout)
 
 
-def prepare(batch: Batch, cfg: LossConfig, **kwargs) -> tuple[LossInputs, AdvantageOutput]:
-    """`prepare_batch` without the rollout-correction metrics: (LossInputs, AdvantageOutput)."""
-    p = prepare_batch(batch, cfg, **kwargs)
-    return p.inputs, p.adv
-
-
 def kl_penalty(logprobs_BxS: jax.Array, ref_logprobs_BxS: jax.Array, estimator: str) -> jax.Array:
     """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1/k2/k3)."""
     log_r = ref_logprobs_BxS - logprobs_BxS
@@ -297,7 +291,7 @@ def pg_loss(logprobs_BxS: jax.Array, entropy_BxS: jax.Array, inputs: LossInputs,
       logprobs_BxS: current policy log-probs of the tokens (differentiable).
       entropy_BxS: current policy entropy per position (differentiable; a metric unless
         `cfg.entropy_coef > 0`).
-      inputs: this micro-batch's rows of `prepare`'s LossInputs.
+      inputs: this micro-batch's rows of `prepare_batch`'s LossInputs.
       cfg: loss settings.
     Returns:
       (loss, LossAux) with

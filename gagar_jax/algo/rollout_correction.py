@@ -140,7 +140,7 @@ def rollout_correction(old_logprobs: jax.Array, rollout_logprobs: jax.Array, mas
     n_T = jax.ops.segment_sum(m.reshape(-1), flat, num_segments=T)
     sum_T = jax.ops.segment_sum(lr_raw.reshape(-1), flat, num_segments=T)
     level, cap = is_level(cfg)
-    clip = lambda x: jnp.clip(x, -SAFETY_BOUND, SAFETY_BOUND)  # noqa: E731
+    clip = lambda x: jnp.clip(x, -SAFETY_BOUND, SAFETY_BOUND)
     if level == "token":
         w_raw = jnp.exp(lr)
     elif level == "sequence":

@@ -93,7 +93,7 @@ def step_metrics(batch: Batch, inputs: loss_lib.LossInputs, adv: AdvantageOutput
                  stats: UpdateStats, load_LxE: jax.Array,
                  rollout: RolloutCorrMetrics | None = None) -> StepMetrics:
     """Reduces the per-update stats [epochs, mini_batches] and the advantage output to metrics."""
-    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
     a = stats.aux
     tok = jnp.maximum(jnp.sum(a.tokens), 1.0)
     mixed = adv.mixed

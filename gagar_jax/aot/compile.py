@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import ml_collections
 
 from gagar_jax.aot import buffers, flops, roofline
-from gagar_jax.aot.hlo_stats import (  # noqa: F401
+from gagar_jax.aot.hlo_stats import (
     COLLECTIVES,
     collective_bytes_per_step,
     collective_traffic,
@@ -217,7 +217,7 @@ class AotReport:
                       f"{g(self.ragged['balanced'])} / {g(self.ragged['imbalanced'])}")]
         r = self.roofline
         if r:
-            s, pct = (lambda k: f"{r[k]:.2f} s"), (lambda k: f"{r[k]:.1%}")  # noqa: E731
+            s, pct = (lambda k: f"{r[k]:.2f} s"), (lambda k: f"{r[k]:.1%}")
             rows += [
                 ("step at peak: model / hardware FLOPs",
                  f"{s('compute_s_model_flops')} / {s('compute_s_hardware_flops')}"),
@@ -270,7 +270,7 @@ def lower_train_step(cfg: ml_collections.ConfigDict,
     """Lowers the trainer's jitted `train_step` over `devices` with abstract state and batch.
 
     Same code path as training: `StepConfig.from_config`, the state and batch shardings of
-    `train_step.py`, and `make_train_step`'s jit (donation, micro-batch scan). Every input is a
+    `run/step.py`, and `make_train_step`'s jit (donation, micro-batch scan). Every input is a
     `ShapeDtypeStruct` carrying its `NamedSharding`; nothing is allocated.
 
     Returns:
@@ -295,7 +295,7 @@ def lower_train_step(cfg: ml_collections.ConfigDict,
         top_k=mc.top_k if f.routing_replay else 0))
     state_sh = ts.state_shardings(abstract_state, mesh, step_cfg)
     batch_sh = sharding.batch_shardings(abstract_batch, mesh)
-    with_sharding = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
+    with_sharding = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
     state_in = jax.tree.map(with_sharding, abstract_state, state_sh)
     batch_in = jax.tree.map(with_sharding, abstract_batch, batch_sh)
     step_fn = ts.make_train_step(step_cfg, mesh, state_sh, batch_sh, graphdef)

@@ -1,6 +1,6 @@
 """Parameter counts, model FLOPs and memory worked out on paper from a model config.
 
-The counts follow the layouts the model implements (see `model.py`): per layer GQA attention
+The counts follow the layouts the model implements (see `gagar_jax/model/`): per layer GQA attention
 (full or sliding-window, with the MiMo-V2-Flash options: value head width, sliding-layer KV heads
 and sinks, optional q/k RMS norms), two RMSNorms, and either a SwiGLU dense MLP (the first
 `num_dense_layers` layers) or a softmax/sigmoid router over `num_experts` SwiGLU experts of which
@@ -8,7 +8,7 @@ and sinks, optional q/k RMS norms), two RMSNorms, and either a SwiGLU dense MLP 
 `configs/tiny_cpu.py` (a `ModelConfig` or the ConfigDict itself).
 
 Used by `tests/test_configs.py` (the configs' docstrings state these numbers) and by
-`aot.py` / `docs/scaling.md` (the paper-side memory estimate beside the compiler's).
+`compile.py` / `docs/scaling.md` (the paper-side memory estimate beside the compiler's).
 """
 from __future__ import annotations
 

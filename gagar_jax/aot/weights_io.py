@@ -1,11 +1,11 @@
 """Weights I/O of a pod config on paper, and the publish reshard compiled for its TPU topology.
 
-For each parameter leaf of the config's train state (shardings of `train_step.state_shardings`
+For each parameter leaf of the config's train state (shardings of `step.state_shardings`
 over the topology's compile-only devices):
 - load: which index boxes each host's chips hold (`devices_indices_map`), hence the elements each
   host reads (`hf_load` reads exactly those) and the largest per-leaf host buffer;
 - publish: the `hf_save` plan (tensor -> writing host) gives the bytes each host holds and writes;
-  the on-device reshard (`param_units.resharder`) of every leaf is lowered and compiled for the
+  the on-device reshard (`units.resharder`) of every leaf is lowered and compiled for the
   topology, so the compiler states the extra HBM per chip it needs beside the resident state.
 
 `scripts/aot_compile.py --what=weights_io` runs it; docs/scaling.md has the figures.

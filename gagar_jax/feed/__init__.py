@@ -22,7 +22,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):  # noqa: ANN202 -- PEP 562 module attribute hook
+def __getattr__(name: str):  # PEP 562 module attribute hook
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from gagar_jax import batch as batch_lib
-from gagar_jax.algo import grading
+from gagar_jax import grading
 from gagar_jax.feed import packing
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.validate import ModelShape

@@ -16,7 +16,6 @@ batch itself is assembled in `assemble.py`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -27,9 +26,9 @@ import msgspec
 from etils import epath
 
 from gagar_jax import batch as batch_lib
-from gagar_jax.algo import grading
+from gagar_jax import grading
 from gagar_jax.feed import packed, packing, schema
-from gagar_jax.feed.assemble import BatchInfo, assemble  # noqa: F401  (BatchInfo re-exported)
+from gagar_jax.feed.assemble import BatchInfo, assemble  # BatchInfo re-exported
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.deadletter import DeadLetter, Oversized
 from gagar_jax.feed.ledger import Ledger
@@ -222,7 +221,7 @@ class Feed:
             return None
         except (MemoryError, KeyboardInterrupt):
             raise
-        except Exception as e:  # noqa: BLE001 -- no record content may crash the learner
+        except Exception as e:  # no record content may crash the learner
             self._reject(raw, Reason.INVALID, f"{type(e).__name__}: {str(e)[:500]}", group_id)
             return None
         if self._stale(pg, learner_step):   # a copy of it would be stale too: not remembered
@@ -385,9 +384,6 @@ dead-letter position."""
             "dead_letter": {**self.dead_letter.position().to_json(),
                             "count": self.dead_letter.count},
         }
-
-    def state_json(self) -> str:
-        return json.dumps(self.state())
 
     def restore(self, state: dict) -> None:
         """Resumes from `state()` taken at a checkpoint (same config and source)."""

@@ -57,7 +57,7 @@ def _original(raw: Any, encoding: str, limit: int) -> dict:
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         try:
             return {"record": msgspec.to_builtins(raw)}
-        except Exception:  # noqa: BLE001 -- any object: keep a bounded repr instead
+        except Exception:  # any object: keep a bounded repr instead
             return {"record_repr": repr(raw)[:PREFIX_BYTES]}
     raw = bytes(raw)
     if len(raw) > limit:
@@ -66,7 +66,7 @@ def _original(raw: Any, encoding: str, limit: int) -> dict:
     try:
         record = {"record": msgspec.to_builtins(schema.decode_untyped(raw, encoding))}
         _ENC.encode(record)   # deep nesting or odd values fail here, not in write()
-    except Exception:  # noqa: BLE001 -- unparseable, too deep: the bytes are the record
+    except Exception:  # unparseable, too deep: the bytes are the record
         return b64
     # JSON cannot carry everything msgpack can (non-finite floats, binary): keep the bytes too.
     return record if encoding == "json" else {**record, **b64}
@@ -109,7 +109,7 @@ class DeadLetter:
         try:
             entry.update(_original(raw, encoding, self.limit))
             return _ENC.encode(entry) + b"\n"
-        except Exception as e:  # noqa: BLE001 -- the entry must exist whatever the record is
+        except Exception as e:  # the entry must exist whatever the record is
             entry.pop("record", None)
             entry["record_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             return _ENC.encode(entry) + b"\n"

@@ -14,8 +14,6 @@ from typing import Any, Literal, Optional, Union
 
 import msgspec
 
-from gagar_jax.algo import grading
-
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
 MAX_ID_CHARS = 256          # group_id, task_id, trajectory_id (they are kept in checkpoints)
@@ -29,10 +27,6 @@ BASE64_PATTERN = "^([A-Za-z0-9+/]{4})*([A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 Tier = Literal["strong", "intermediate", "defective"]
 Outcome = Literal["pass", "fail", "infra_error"]
 GradingStatus = Literal["ok", "failed"]
-
-# Integer tier codes of `gagar_jax.algo.grading` (-1: the factor was sent directly).
-TIER_CODES = grading.TIER_NAMES
-TIER_DIRECT_FACTOR = grading.DIRECT
 
 
 class Quality(msgspec.Struct, omit_defaults=True):

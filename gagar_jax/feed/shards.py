@@ -267,7 +267,7 @@ def open_shard(path: epath.PathLike, start: int, max_record_bytes: int,
         return ShardReader(path, start, max_record_bytes, **kw)
     except IsADirectoryError as e:
         events.skipped(str(path), "not_a_regular_file", str(e))
-    except Exception as e:  # noqa: BLE001 -- unreadable: permissions, I/O, a bad ArrayRecord
+    except Exception as e:  # unreadable: permissions, I/O, a bad ArrayRecord
         events.skipped(str(path), "unreadable", f"{type(e).__name__}: {e}")
     return None
 
@@ -276,7 +276,7 @@ def read_next(reader: ShardReader, events: SourceEvents) -> Optional[RawRecord]:
     """`reader.next()`, turning a read error into a reported skip of the shard's rest."""
     try:
         return reader.next()
-    except Exception as e:  # noqa: BLE001 -- an I/O error mid-shard ends that shard only
+    except Exception as e:  # an I/O error mid-shard ends that shard only
         reader.failed = True
         events.skipped(str(reader.path), "unreadable",
                        f"read error after record {reader.index}: {type(e).__name__}: {e}")

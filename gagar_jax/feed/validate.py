@@ -9,6 +9,7 @@ from typing import Any, Optional
 import msgspec
 import numpy as np
 
+from gagar_jax import grading
 from gagar_jax.feed import packed, schema
 from gagar_jax.feed.config import FeedConfig
 
@@ -81,7 +82,7 @@ class ParsedTrajectory:
     reward: float                   # 1.0 pass, 0.0 fail (hacked passes keep 1: the loss zeroes
                                     # them)
     hacked: bool
-    tier: int                       # schema.TIER_CODES, or -1 (factor sent directly / missing)
+    tier: int                       # a grading tier code, or grading.DIRECT (factor sent or none)
     rank: int
     factor: float                   # direct factor; NaN when missing (rule-5 fallback)
     adjustment: float
@@ -225,14 +226,14 @@ def _routed(traj: schema.Trajectory, mask: np.ndarray, shape: ModelShape, where:
 def _quality(traj: schema.Trajectory, where: str) -> tuple[int, int, float]:
     q = traj.quality
     if q is None:
-        return schema.TIER_DIRECT_FACTOR, 0, float("nan")
+        return grading.DIRECT, 0, float("nan")
     if q.factor is not None and (q.tier is not None or q.rank is not None):
         raise Rejected(Reason.BAD_QUALITY, f"{where}: quality has both a factor and a tier/rank")
     if q.factor is not None:
-        return schema.TIER_DIRECT_FACTOR, 0, float(q.factor)
+        return grading.DIRECT, 0, float(q.factor)
     if q.tier is None or q.rank is None:
         raise Rejected(Reason.BAD_QUALITY, f"{where}: quality needs tier and rank, or factor")
-    return schema.TIER_CODES[q.tier], int(q.rank), float("nan")
+    return grading.TIER_NAMES[q.tier], int(q.rank), float("nan")
 
 
 def _length(values: list | schema.PackedArray, field: str, dtypes: tuple, where: str) -> int:

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out, for every family of `hf_families` \
 (Qwen3-MoE, MiMo-V2-Flash).
 
-`from_pretrained(path)` reads config.json (`model_type` picks the family; see `hf_config.py`) and
+`from_pretrained(path)` reads config.json (`model_type` picks the family; see `config_json.py`) and
 safetensors weights (one file or sharded with `model.safetensors.index.json`), in the Hub's
 per-expert layout or transformers' fused-expert layout. Block-FP8 checkpoints
 (`quantization_config.quant_method = "fp8"`: e4m3 weights with a `weight_scale_inv` per
@@ -38,12 +38,10 @@ from gagar_jax.hf.config_json import config_from_hf, config_to_hf, engine_warnin
 from gagar_jax.hf.config_json import published_config as _published_config
 from gagar_jax.hf.safetensors import (  # noqa: F401
     INDEX_FILE,
-    ST_DTYPES,
     dequantize_block_fp8,
     read_header,
     write_safetensors,
 )
-from gagar_jax.hf.save import SAVE_DTYPES  # noqa: F401  (public API)
 from gagar_jax.model.transformer import ModelConfig, Transformer
 
 log = logging.getLogger(__name__)
@@ -52,7 +50,7 @@ log = logging.getLogger(__name__)
 def _reader(path: epath.PathLike, block: tuple | None = None) -> Callable[[str], np.ndarray]:
     """name -> whole float32 numpy array (FP8 weights dequantized); `.names` the tensor names."""
     src = hf_load.Source(path, block)
-    get = lambda name: src.read(name)  # noqa: E731
+    get = lambda name: src.read(name)
     get.names = src.names
     return get
 

@@ -160,7 +160,7 @@ def _mimo_from_hf(hf: dict, convention: str = "vllm") -> dict:
     if has_sliding and hf.get("add_swa_attention_sink_bias") is False:
         raise ValueError("config.json add_swa_attention_sink_bias=false is not supported "
                          "(every MiMo sliding layer has sinks)")
-    theta = lambda t: float((rope.get(t) or MIMO_ROPE_DEFAULTS[t])["rope_theta"])  # noqa: E731
+    theta = lambda t: float((rope.get(t) or MIMO_ROPE_DEFAULTS[t])["rope_theta"])
     eps = hf.get("rms_norm_eps", hf.get("layernorm_epsilon", MIMO_DEFAULTS["rms_norm_eps"]))
     return dict(
         vocab_size=h["vocab_size"], hidden_size=h["hidden_size"], num_layers=n,
@@ -233,7 +233,7 @@ def hub_window_size(cfg: ModelConfig) -> int:
 
 def _mimo_to_hf(cfg: ModelConfig) -> dict:
     """transformers' keys and, beside them, the Hub checkpoint's (read by vLLM and SGLang)."""
-    rope = lambda theta: {"rope_type": "default", "rope_theta": theta,  # noqa: E731
+    rope = lambda theta: {"rope_type": "default", "rope_theta": theta,
                           "partial_rotary_factor": cfg.partial_rotary_factor}
     types = [cfg.is_sliding(i) for i in range(cfg.num_layers)]
     swa_theta = cfg.sliding_rope_theta or cfg.rope_theta

@@ -9,11 +9,12 @@ tensor whose bits differ from the previous version's:
   - otherwise `NAME`: the whole new tensor.
 Tensors absent from every file are unchanged. Values are compared bit for bit (an unsigned view
 of each element), so applying a delta is an exact bit copy: base + deltas equals a full publish
-of the same step byte for byte. The reader is `gagar_jax/rollout/delta.py` (numpy only, no JAX;
-it spells this format out again, and tests/test_weight_delta.py holds the two together).
+of the same step byte for byte. The reader is `gagar_jax/rollout/delta.py` (numpy only, no JAX);
+both take the file names and entry suffixes from `gagar_jax/publish_format.py`, and
+tests/test_weight_delta.py holds the two together.
 
 Each process encodes its own share against its own previous share (the shares are disjoint and
-follow from the shapes, `hf_save.plan_save`), so no process sees another's tensors.
+follow from the shapes, `save.plan_save`), so no process sees another's tensors.
 """
 from __future__ import annotations
 
@@ -23,14 +24,7 @@ import numpy as np
 from etils import epath
 
 from gagar_jax.hf.safetensors import write_safetensors
-
-IDX, VAL = ":idx", ":val"
-PREFIX = "delta-"
-
-
-def file_name(process: int, part: int) -> str:
-    """`delta-00003-00000.safetensors`: process 3's first delta file."""
-    return f"{PREFIX}{process:05d}-{part:05d}.safetensors"
+from gagar_jax.publish_format import IDX, VAL, delta_file_name
 
 
 def bits(a: np.ndarray) -> np.ndarray:
@@ -108,7 +102,7 @@ def write_delta_share(entries: dict, directory: epath.PathLike, process: int,
     parts.append(current)   # an empty file when nothing changed: the process reports its share
     total, names = 0, []
     for j, tensors in enumerate(parts):
-        names.append(file_name(process, j))
+        names.append(delta_file_name(process, j))
         total += write_safetensors(epath.Path(directory) / names[-1], tensors,
                                    {"format": "gagar-delta"})
     return total, names

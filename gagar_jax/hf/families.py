@@ -6,7 +6,7 @@ walk these tables, so names and transforms live here as data, not code.
 
 A `TensorSpec` maps one of our parameters (its path inside a decoder layer, e.g. "attn/wq", or at
 the top of the model, e.g. "embedding") to a checkpoint name. "{i}" in a name is the layer index,
-"{e}" the expert index. Transforms (load: `hf_load.view_of`, save: `hf_save.save_transform`;
+"{e}" the expert index. Transforms (load: `load.view_of`, save: `save.save_transform`;
 HF Linear weights are [out, in], ours [in, out] with heads split out):
 
   copy         same array (norm scales, embeddings, sinks, the correction bias)

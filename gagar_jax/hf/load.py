@@ -3,7 +3,7 @@
 For every parameter leaf, `load_state` asks the leaf's sharding which index boxes this process's
 devices hold (`addressable_devices_indices_map`), maps each box through the family's transform
 (`hf_families`) to a box of the checkpoint tensor(s), reads just those bytes
-(`safetensors_io.Checkpoint.read_box`), dequantizes block-FP8 boxes (only the scale blocks the box
+(`safetensors.Checkpoint.read_box`), dequantizes block-FP8 boxes (only the scale blocks the box
 touches), and assembles the global array with `jax.make_array_from_callback`. No process builds
 a full-model host array, and nothing is `device_put` into a global sharding, so no collective runs.
 

@@ -37,8 +37,8 @@ import numpy as np
 from etils import epath
 
 from gagar_jax.distributed import is_remote
+from gagar_jax.publish_format import INDEX_FILE, SINGLE_FILE
 
-INDEX_FILE = "model.safetensors.index.json"
 ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
              "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32,
              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
@@ -100,11 +100,11 @@ class Checkpoint:
         if index.exists():
             self.weight_map = json.loads(index.read_text())["weight_map"]
         else:
-            single = self.path / "model.safetensors"
+            single = self.path / SINGLE_FILE
             if not single.exists():
-                raise FileNotFoundError(f"{path} has neither model.safetensors nor {INDEX_FILE}")
+                raise FileNotFoundError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
             self._headers[single] = read_header(single)
-            self.weight_map = {k: "model.safetensors" for k in self._headers[single][0]}
+            self.weight_map = {k: SINGLE_FILE for k in self._headers[single][0]}
         self._lock = threading.Lock()
 
     @property
@@ -215,7 +215,7 @@ def _read_local(path: str, name: str, base: int, nbytes: int, shape: tuple, box:
         whole = np.frombuffer(mm, np.uint8, count=nbytes, offset=base)
         out[...] = whole.view(dt).reshape(shape)[tuple(slice(a, b) for a, b in box)]
     finally:
-        whole = None   # noqa: F841 -- the buffer must be released before the mapping closes
+        whole = None  # the buffer must be released before the mapping closes
         mm.close()     # unmapped: the pages leave this process's RSS
 
 

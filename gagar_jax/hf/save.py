@@ -1,7 +1,7 @@
 """Parallel, bounded save of a sharded model as a Hugging Face checkpoint.
 
 safetensors files hold whole tensors, so the model is first resharded on device
-(`param_units.to_owners`: an all-to-all, cast to the save dtype on device) until every HF tensor
+(`units.to_owners`: an all-to-all, cast to the save dtype on device) until every HF tensor
 (one layer of a leaf, or one expert of a stacked expert leaf) lives on exactly one process. Each
 process then copies only its own tensors to host memory (`gather_share`) and writes them into its
 own files (`write_share`): no process holds or writes more than its share, and the shares are
@@ -26,8 +26,9 @@ from etils import epath
 from gagar_jax.hf import families as hf_families
 from gagar_jax.hf import load as hf_load
 from gagar_jax.hf import units as param_units
-from gagar_jax.hf.safetensors import INDEX_FILE, write_safetensors
+from gagar_jax.hf.safetensors import write_safetensors
 from gagar_jax.model.config import ModelConfig
+from gagar_jax.publish_format import INDEX_FILE, SINGLE_FILE
 
 SAVE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -150,7 +151,7 @@ def plan_save(leaves: dict, cfg: ModelConfig, procs: int, dtype: str, carried: d
         if current:
             parts.append((p, current))
     if procs == 1 and len(parts) == 1:
-        files = [("model.safetensors", 0, parts[0][1])]
+        files = [(SINGLE_FILE, 0, parts[0][1])]
     else:
         files = [(f"model-{j + 1:05d}-of-{len(parts):05d}.safetensors", p, names)
                  for j, (p, names) in enumerate(parts)]
@@ -204,7 +205,7 @@ def write_share(share: dict, plan: SavePlan, directory: epath.PathLike, process:
 
 def write_index(plan: SavePlan, directory: epath.PathLike) -> None:
     """The index of a multi-file save (write it after every process's files)."""
-    if len(plan.files) == 1 and plan.files[0][0] == "model.safetensors":
+    if len(plan.files) == 1 and plan.files[0][0] == SINGLE_FILE:
         return
     total = sum(_nbytes(t) for t in plan.tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": plan.weight_map()}

@@ -203,5 +203,5 @@ def token_logprobs(model: Transformer, tokens_BxS: jax.Array, segment_ids_BxS: j
     lp, ent = chunked_logprobs_entropy(h_BxSxD, model.output_kernel_DxV(), next_BxS,
                                        cfg.logprob_vocab_chunk, keep)
     mask = next_token_mask(segment_ids_BxS)
-    shift = lambda x: jnp.where(mask > 0, jnp.roll(x, 1, axis=1), 0.0)  # noqa: E731  (t-1 -> t)
+    shift = lambda x: jnp.where(mask > 0, jnp.roll(x, 1, axis=1), 0.0)  # t-1 -> t
     return shift(lp), shift(ent), aux

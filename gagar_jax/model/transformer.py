@@ -29,7 +29,7 @@ from gagar_jax.model.config import (  # noqa: F401  (re-exported: the model's se
     SLIDING_WINDOW_CONVENTIONS,
     ModelConfig,
 )
-from gagar_jax.model.layer_pattern import LayerStack, layer_stacks  # noqa: F401  (re-exported)
+from gagar_jax.model.layer_pattern import LayerStack, layer_stacks  # re-exported
 from gagar_jax.model.layers import Attention, DenseMLP, RMSNorm, normal_init
 from gagar_jax.model.moe import MoE, RouterBias
 from gagar_jax.sharding import constrain

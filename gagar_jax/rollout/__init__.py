@@ -7,4 +7,6 @@ gagar_jax.run import); `worker`: the rollout worker (vLLM samples groups, a grad
 the records go into the learner's spool); `engine`: the vLLM calls it makes; `feed_writer`:
 records and atomic spool shards; `example_task`: the example task and grader.
 """
-from gagar_jax.rollout.pointer import read_latest, read_manifest  # noqa: F401
+from gagar_jax.rollout.pointer import read_latest, read_manifest
+
+__all__ = ["read_latest", "read_manifest"]

@@ -25,11 +25,9 @@ import struct
 
 import numpy as np
 
+from gagar_jax.publish_format import DELTA_PREFIX, IDX, INDEX_FILE, SINGLE_FILE, VAL
 from gagar_jax.rollout.pointer import read_manifest
 
-IDX, VAL = ":idx", ":val"                 # = gagar_jax.hf.delta.IDX, VAL
-DELTA_PREFIX = "delta-"                   # = gagar_jax.hf.delta.PREFIX
-INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype -> the numpy dtype the bits are held in (BF16 as raw uint16: never computed)
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
           "F8_E4M3": np.uint8, "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
@@ -77,7 +75,7 @@ def weight_files(path: str) -> list:
     if os.path.exists(index):
         with open(index) as f:
             return [os.path.join(path, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
-    return [os.path.join(path, "model.safetensors")]
+    return [os.path.join(path, SINGLE_FILE)]
 
 
 def delta_files(path: str, manifest: dict) -> list:

@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import os
 
-PUBLISH_DIR = "published"   # = gagar_jax.run.publish.PUBLISH_DIR
-POINTER = "latest"          # = gagar_jax.run.publish.POINTER
-MANIFEST = "gagar_publish.json"   # = gagar_jax.run.published.MANIFEST
+from gagar_jax.publish_format import MANIFEST, POINTER, POINTER_KEYS, PUBLISH_DIR
 
 
 def read_latest(workdir: str) -> dict | None:
@@ -29,7 +27,7 @@ def read_latest(workdir: str) -> dict | None:
             ptr = json.load(fh)
     except FileNotFoundError:
         return None
-    if not isinstance(ptr, dict) or not {"step", "policy_version", "path"} <= set(ptr):
+    if not isinstance(ptr, dict) or not set(POINTER_KEYS) <= set(ptr):
         raise ValueError(f"{f}: not a publish pointer: {ptr!r}")
     if not os.path.isabs(ptr["path"]):
         ptr = {**ptr, "path": os.path.join(workdir, PUBLISH_DIR, ptr["path"])}

@@ -31,9 +31,6 @@ from gagar_jax.rollout.delta import weight_files
 from gagar_jax.rollout.pointer import read_latest
 from gagar_jax.rollout.vllm_reload import reload_group, reload_tensors, torch_tensor
 
-# The safetensors files of a published directory (sharded with an index, or one file).
-checkpoint_files = weight_files
-
 
 def _routers(model: Any) -> list:
     """(name, router) of every experts runner whose router takes a capture hook (MoERunner)."""
@@ -59,7 +56,7 @@ class GagarWorkerExtension:
         from safetensors.torch import load_file
 
         tensors = {}
-        for f in checkpoint_files(path):
+        for f in weight_files(path):
             tensors.update(load_file(f))
         out = reload_tensors(self.model_runner, tensors, groups=None)
         self._gagar_loaded = path
@@ -152,7 +149,7 @@ class GagarWorkerExtension:
         if plan is None or set(plan["names"]) != set(mirror):
             try:
                 plan = plan_fast_apply(self.model_runner.model, mirror)
-            except Exception as e:    # noqa: BLE001 - any loader the trace cannot follow
+            except Exception as e:  # any loader the trace cannot follow
                 plan = {"dest": {}, "feeds": {}, "program": {}, "layout": {}, "slow": [],
                         "error": repr(e)}
             self._gagar_plan = {**plan, "names": sorted(mirror)}

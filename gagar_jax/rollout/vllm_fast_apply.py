@@ -269,7 +269,7 @@ def patch_maps(model_runner: Any, mirror: dict, plan: dict, pool: dict, tiles: d
             try:
                 got = probe_part(model, part, plan, sizes, lambda fill, part=part: _rebuild_part(
                     model, part, mirror, plan, pool, lw, {}, experts, fill), lw, patterns)
-            except Exception as e:    # noqa: BLE001 - a processing the probe cannot run: rebuilt
+            except Exception as e:  # a processing the probe cannot run: rebuilt
                 got = None
                 out.setdefault("errors", {})[part[0]] = repr(e)
             finally:

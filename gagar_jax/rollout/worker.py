@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> dict:
                                    task["task_id"], version, task["prompt"], comps, verdicts,
                                    grader=args.grader, sampling=spec.record(), evidence=evidence,
                                    grading_ok=status == "ok")
-            except Exception as e:  # noqa: BLE001 -- a grader bug skips the group, loudly
+            except Exception as e:  # a grader bug skips the group, loudly
                 counts["grader_errors"] += 1
                 log.error("task %s: grading failed, group skipped: %r", task["task_id"], e)
                 continue

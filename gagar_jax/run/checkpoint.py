@@ -11,7 +11,7 @@ Directory layout (``directory`` is ``<workdir>/checkpoints`` in the trainer)::
         _CHECKPOINT_METADATA           orbax step metadata (commit time)
         commit_success.txt             orbax commit marker
         state/                         the TrainState pytree (OCDBT + zarr; sharding-agnostic)
-        feed/metadata                  JSON: feed position/state (`batcher.state_dict()`-style)
+        feed/metadata                  JSON: feed position/state (`Feed.state()`)
         config/metadata                JSON: the run's config (ConfigDict.to_dict())
         audit/metadata                 JSON: positions of metrics.jsonl / groups.jsonl (optional)
       <step>.orbax-checkpoint-tmp-*/   a save in flight (or killed mid-save): never read
@@ -252,7 +252,7 @@ class Checkpointer:
         def close():
             try:
                 self._manager.close()
-            except Exception as err:  # noqa: BLE001 -- already failing: report, do not mask
+            except Exception as err:  # already failing: report, do not mask
                 log.warning("checkpoint writer stopped with %s: %s", type(err).__name__, err)
 
         thread = threading.Thread(target=close, name="gagar-checkpoint-abort", daemon=True)
@@ -276,7 +276,7 @@ class Checkpointer:
             meta = ocp.StandardCheckpointHandler().metadata(
                 epath.Path(self.directory) / str(step) / "state")
             saved = _tree_leaves(getattr(meta, "tree", meta))
-        except Exception:  # noqa: BLE001 -- damaged metadata: the restore reports it
+        except Exception:  # damaged metadata: the restore reports it
             return
         differ = _tree_differences(saved, _tree_leaves(abstract_state)) if saved else []
         if differ:
@@ -326,7 +326,7 @@ class Checkpointer:
             self.check_state_tree(abstract_state, candidate)   # a config mistake: never moved
             try:
                 return self._restore_step(abstract_state, candidate)
-            except Exception as err:  # noqa: BLE001 -- any read failure means "unusable step"
+            except Exception as err:  # any read failure means "unusable step"
                 log.warning("checkpoint step %d in %s is unusable (%s: %s); falling back to the "
                             "previous one", candidate, self.directory, type(err).__name__, err)
                 moved.append(self._quarantine(candidate, f"{type(err).__name__}: {err}"))

@@ -197,7 +197,7 @@ def _fatal(err: BaseException, workdir: str) -> None:
         path = epath.Path(workdir) / "fatal_error.txt"
         path.write_text("".join(traceback.format_exception(err)))
         where = f" (traceback: {path})"
-    except Exception:  # noqa: BLE001 -- the workdir itself may be what failed
+    except Exception:  # the workdir itself may be what failed
         pass
     print(f"gagar-train: fatal: {reason}{where}", file=sys.stderr)
     sys.stdout.flush()
@@ -252,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(_usage(argv, path))
         except ConfigError as e:
             return _error(str(e))
-        except Exception as e:  # noqa: BLE001 -- the config file's own code failed
+        except Exception as e:  # the config file's own code failed
             return _error(_load_failure(path, e))
         return 0
 
@@ -269,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         return _error("could not load config: " + (lines[-1] if lines else str(e)))
-    except Exception as e:  # noqa: BLE001 -- the config file's own code failed (syntax, names)
+    except Exception as e:  # the config file's own code failed (syntax, names)
         return _error(_load_failure(path, e))
     if cfg is None:
         return _error("--config is required")
@@ -306,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(str(e))
     except FileNotFoundError as e:
         return _error(f"file not found: {e.filename or e}")
-    except Exception as e:  # noqa: BLE001 -- fatal at run time: one line, exit 1
+    except Exception as e:  # fatal at run time: one line, exit 1
         _fatal(e, fv.workdir)
     if summary is not None:
         import json

@@ -15,7 +15,7 @@ its first axis (0-d arrays: one unit). Then
                           rows added element-wise one after another, the 1024 sums added
                           exactly) )
 
-Units never span processes (they are resharded on device with `param_units.to_owners`), each
+Units never span processes (they are resharded on device with `units.to_owners`), each
 process hashes its own, and only the 32-byte digests and float64 sums cross processes. So both
 values are identical on 1 and N processes and any mesh, and no process gathers a leaf.
 """

@@ -31,7 +31,7 @@ from etils import epath
 
 from gagar_jax.algo.advantage import GroupOutcomes
 from gagar_jax.algo.step_metrics import GroupAudit
-from gagar_jax.audit_file import AuditFile, AuditPosition, truncate_to  # noqa: F401
+from gagar_jax.audit_file import AuditFile, AuditPosition
 from gagar_jax.distributed import is_primary, is_remote
 from gagar_jax.feed.batcher import BatchInfo
 from gagar_jax.run.fingerprint import params_fingerprint, params_l2, params_sha256  # noqa: F401

@@ -56,17 +56,14 @@ from gagar_jax.hf import api as hf
 from gagar_jax.hf import delta as hf_delta
 from gagar_jax.hf import save as hf_save
 from gagar_jax.model.transformer import Transformer
-from gagar_jax.run import published
-from gagar_jax.run.published import (  # noqa: F401 -- the public names of the layout
+from gagar_jax.publish_format import (  # noqa: F401 -- the public names of the layout
     MANIFEST,
-    MARKER,
     POINTER,
     PUBLISH_DIR,
-    published_steps,
-    read_latest,
-    root_of,
     step_dir_name,
 )
+from gagar_jax.run import published
+from gagar_jax.run.published import published_steps, read_latest, root_of  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +242,7 @@ class Publisher:
             if self.publish_fn is not None:
                 self.publish_fn(step, share, os.fspath(final))
             status = "ok"
-        except BaseException as e:  # noqa: BLE001 -- reported by the next publish / close
+        except BaseException as e:  # reported by the next publish / close
             self._error, status, nbytes = e, f"process {jax.process_index()}: {e!r}", 0
         del share
         self.last_bytes = nbytes
@@ -263,7 +260,7 @@ class Publisher:
                         copy_serving_files(self.init_from, final)
                     hf_save.write_index(self._plan, final)
                 _finish(self.root, final.name, step, self.keep, base)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             self._error = self._error or e
 
     def _write_files(self, share: dict, final: epath.Path, base: Optional[str]) -> int:

@@ -32,20 +32,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from typing import Optional
 
 from etils import epath
 
 from gagar_jax.distributed import is_remote
+from gagar_jax.publish_format import MANIFEST, POINTER, PUBLISH_DIR, parse_name, step_dir_name
 
 log = logging.getLogger(__name__)
 
-PUBLISH_DIR = "published"
-POINTER = "latest"
-MANIFEST = MARKER = "gagar_publish.json"
-NAME_RE = re.compile(r"^step_(\d{8,})(?:\.a(\d+))?$")
 _TMP = f"{POINTER}.tmp-"
 
 
@@ -53,17 +49,6 @@ def root_of(workdir: epath.PathLike) -> epath.Path:
     """`<workdir>/published` (absolute for a local workdir)."""
     w = os.fspath(workdir)
     return epath.Path(os.path.abspath(w) if not is_remote(w) else w) / PUBLISH_DIR
-
-
-def step_dir_name(step: int, attempt: int = 0) -> str:
-    """`step_00000010` for a step's first attempt, `step_00000010.a<k>` for the k-th re-publish."""
-    return f"step_{step:08d}" + (f".a{attempt}" if attempt else "")
-
-
-def parse_name(name: str) -> Optional[tuple]:
-    """(step, attempt) of a version directory name, or None for any other entry."""
-    m = NAME_RE.match(name)
-    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
 def read_manifest(directory: epath.PathLike) -> Optional[dict]:

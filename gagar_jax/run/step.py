@@ -272,7 +272,7 @@ def _optimizer_update(carry: tuple, xs: tuple, *, bias: nnx.State, graphdef: nnx
     gnorm = optax.tree.norm(mb.grads)
     finite = jnp.isfinite(mb.loss) & jnp.isfinite(gnorm)
     upd, new_opt = tx.update(mb.grads, opt_state, params)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     params, opt_state = keep(optax.apply_updates(params, upd), params), keep(new_opt, opt_state)
     stats = UpdateStats(loss=mb.loss, grad_norm=gnorm,
                         learning_rate=make_schedule(cfg.optim)(updates), finite=finite,
@@ -295,7 +295,7 @@ def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef,
     """
     cfg.check_batch(batch)
     n_mini, n_micro = cfg.mini_batches, cfg.micro_batches
-    split = lambda tree: jax.tree.map(lambda x: loss_lib.split_rows(x, n_mini, n_micro), tree)  # noqa: E731
+    split = lambda tree: jax.tree.map(lambda x: loss_lib.split_rows(x, n_mini, n_micro), tree)
     tok_MxU = split(TokenInputs.from_batch(batch))
     ref = None
     if cfg.loss.kl_coef > 0:

@@ -212,7 +212,7 @@ class _Resources:
             try:
                 if closer is not None:
                     closer.close()
-            except Exception:  # noqa: BLE001 -- e.g. the same full disk: already reported
+            except Exception:  # e.g. the same full disk: already reported
                 pass
 
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import msgspec
 import numpy as np
 
-from gagar_jax.algo import grading
+from gagar_jax import grading
 from gagar_jax.algo.advantage import MODES
 from gagar_jax.feed import schema
 

@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from gagar_jax.algo import grading
+from gagar_jax import grading
 from gagar_jax.algo.advantage import MODES
 from gagar_jax.batch import Batch
 from gagar_jax.feed import schema

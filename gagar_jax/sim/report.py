@@ -94,7 +94,7 @@ def criteria(runs: dict) -> list:
     """The pre-registered checks (docs/miniature.md): list of (name, passed, evidence)."""
     arms = by_arm(runs)
     out = []
-    step0 = lambda rows, key: series(rows, key)[0]  # noqa: E731
+    step0 = lambda rows, key: series(rows, key)[0]
     for arm in ("downweight_only", "control"):
         if arm not in arms or "sum_preserving" not in arms:
             out.append((f"{arm}: runs present", False, "missing runs"))
@@ -176,7 +176,7 @@ def markdown_table(runs: dict) -> str:
             first = [series(r, key)[0] for r in seeds.values()]
             last = [last_window(r, key) for r in seeds.values()]
             final = [series(r, key)[-1] for r in seeds.values()]
-            cell = lambda x, fmt=fmt: _ci(t_ci(x), fmt)  # noqa: E731
+            cell = lambda x, fmt=fmt: _ci(t_ci(x), fmt)
             diff = ""
             if arm != "sum_preserving" and "sum_preserving" in arms:
                 diff = cell(list(_paired(arms, arm, "sum_preserving", key, last_window).values()))

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gagar_jax.algo import grading
+from gagar_jax import grading
 from gagar_jax.algo.advantage import broadcast_to_tokens, gagar_advantages
 from gagar_jax.algo.loss import LossConfig
 from gagar_jax.algo.policy_loss import policy_loss

@@ -92,7 +92,7 @@ def _balanced_full(kernel: Callable[..., jax.Array], q: jax.Array, k_all: jax.Ar
     """
     half = q.shape[1] // 2
     r = jax.lax.axis_index(axis)
-    dest = lambda h: h if h < n else 2 * n - 1 - h  # noqa: E731  (half-chunk -> computing chip)
+    dest = lambda h: h if h < n else 2 * n - 1 - h  # half-chunk -> computing chip
     outs = []
     for j in (0, 1):  # chip s's half j is half-chunk 2s + j
         perm = [(s, dest(2 * s + j)) for s in range(n)]

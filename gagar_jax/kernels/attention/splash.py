@@ -1,6 +1,6 @@
 """Splash attention: the Pallas TPU flash-attention kernel behind `attention="splash"`.
 
-Same contract as `attention.plain_attention` (packed rows, causal inside each segment, GQA),
+Same contract as `blockwise.plain_attention` (packed rows, causal inside each segment, GQA),
 computed by `jax.experimental.pallas.ops.tpu.splash_attention`: a block-sparse kernel that skips
 the key blocks its mask rules out (above the diagonal; outside the window of a local mask) and
 applies segment ids inside the blocks it visits. Its backward pass is the kernel's own (dq and
@@ -21,7 +21,7 @@ hides it from real queries.
 
 Under a mesh, the kernel runs per shard inside `shard_map` (a Pallas call has no SPMD
 partitioning rule): rows split over the batch axes, heads over 'tensor' where it divides the KV
-heads. With rows split along S over the context axis, `attention_context.py` runs
+heads. With rows split along S over the context axis, `context.py` runs
 `splash_local_attention` per shard instead: a chip's queries against the keys it gathered (keys
 of their own length and segment ids), its first query at key index `q_offset`, through the
 masks' `offset` (`CausalMask((S, K), offset)`, `LocalMask((S, K), (W - 1, 0), offset)`).
@@ -131,7 +131,7 @@ def _local(q: jax.Array, k: jax.Array, v: jax.Array, seg_q: jax.Array, seg_k: ja
     q, seg_q = _pad(q, bq), _pad(seg_q.astype(jnp.int32), bq, fill=-2)
     k, v, seg_k = _pad(k, bkv), _pad(v, bkv), _pad(seg_k.astype(jnp.int32), bkv, fill=-3)
     kernel = _kernel(q.shape[1], k.shape[1], h, bq, bkv, window, offset, interpret)
-    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, H, S, Dh]
+    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, H, S, Dh]
     qs = heads_first(q * jnp.asarray(dh ** -0.5, q.dtype))
 
     def one_row(q_r: jax.Array, k_r: jax.Array, v_r: jax.Array, seg_q_r: jax.Array,
@@ -151,7 +151,7 @@ def splash_local_attention(q_BxSxHxD: jax.Array, k_BxKxKvxD: jax.Array, v_BxKxKv
                            sinks_H: Optional[jax.Array] = None, block: int = 512,
                            interpret: Optional[bool] = None) -> jax.Array:
     """The splash kernel on one shard, with the per-shard contract of
-    `attention.blockwise_attention` (context parallelism, its `local` in `registry.py`):
+    `blockwise.blockwise_attention` (context parallelism, its `local` in `registry.py`):
     queries against keys of their own length K with their own segment ids, the first query at
     key index `q_offset`.
 
@@ -167,7 +167,7 @@ def splash_local_attention(q_BxSxHxD: jax.Array, k_BxKxKvxD: jax.Array, v_BxKxKv
       segment_ids_BxS, kv_segment_ids_BxK: segment ids of queries and of keys (default: keys
         are the queries' rows).
       q_offset, q_offsets: as above.
-      window: sliding window W (0 = full causal), as in `attention.plain_attention`.
+      window: sliding window W (0 = full causal), as in `blockwise.plain_attention`.
       sinks_H: optional per-head sink logits.
       block: query / key block (rounded to a multiple of 128, at most the length rounded up).
       interpret: Pallas interpret mode (None: unless the ambient mesh's devices are TPUs).
@@ -185,7 +185,7 @@ def splash_local_attention(q_BxSxHxD: jax.Array, k_BxKxKvxD: jax.Array, v_BxKxKv
         interpret = sharding.device_platform() != "tpu"
     sinks = None if sinks_H is None else sinks_H.astype(jnp.float32)
     args = (q, k, v, segment_ids_BxS.astype(jnp.int32), seg_k.astype(jnp.int32), sinks)
-    run = lambda offset, *a: _local(*a, block=block, window=int(window) or None,  # noqa: E731
+    run = lambda offset, *a: _local(*a, block=block, window=int(window) or None,
                                     offset=offset, interpret=interpret)
     if isinstance(q_offset, (int, np.integer)):
         return run(int(q_offset), *args)
@@ -208,7 +208,7 @@ def splash_attention(q_BxSxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.
     """Packed causal GQA attention with the Pallas splash kernel.
 
     Args:
-      q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS: as `attention.plain_attention`.
+      q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS: as `blockwise.plain_attention`.
       window: sliding window in keys, the query itself included (None = full causal).
       sinks_H: optional float per-head sink logits (softmax denominator only).
       block: query/key block, rounded to a multiple of 128 and at most S rounded up.
@@ -228,7 +228,7 @@ def splash_attention(q_BxSxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.
     b, kv = q_BxSxHxD.shape[0], k_BxSxKxD.shape[2]
     seg = segment_ids_BxS.astype(jnp.int32)
     sinks = None if sinks_H is None else sinks_H.astype(jnp.float32)
-    local = lambda q, k, v, seg, sinks: _local(  # noqa: E731
+    local = lambda q, k, v, seg, sinks: _local(
         q, k, v, seg, seg, sinks, block=block, window=window, offset=0, interpret=interpret)
     q, k, v = q_BxSxHxD, k_BxSxKxD, v_BxSxKxD
     row_axes, head_axes = (), ()

@@ -23,7 +23,7 @@ is an all-to-all dispatch, `ep_a2a_ffn` (backend `ep_a2a`): sort each device's a
 destination device, exchange the per-device counts, send every row only to the device owning
 its expert with `jax.lax.ragged_all_to_all`, run the local grouped matmul on the received rows,
 and send the results back with a second ragged all-to-all. Its local FFN is the megablox
-kernel when compiling for TPU (`experts_megablox.py`), the grouped matmul elsewhere. \
+kernel when compiling for TPU (`megablox.py`), the grouped matmul elsewhere. \
 It moves about K / n_expert of the
 gathered traffic. Being dropless it sizes its receive buffer for the worst case (every row
 sent to one device: n_expert * T_local * K rows), so it exchanges the local tokens in n_expert
@@ -129,12 +129,12 @@ def ep_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array, down_Ex
            idx_TxK: jax.Array, weights_TxK: jax.Array, *,
            mesh: Optional[jax.sharding.Mesh | jax.sharding.AbstractMesh] = None, block: int = 32,
            big_block: int = 256) -> jax.Array:
-    """Expert-parallel routed SwiGLU, gather design (same math as `experts.dense_ffn`).
+    """Expert-parallel routed SwiGLU, gather design (same math as `local.dense_ffn`).
 
     Args:
       x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK: as `registry.expert_ffn`.
       mesh: a `Mesh`/`AbstractMesh`; default the ambient one (`jax.set_mesh(mesh)`).
-      block, big_block: grouped-matmul chunk rows (see `experts.grouped_ffn`).
+      block, big_block: grouped-matmul chunk rows (see `local.grouped_ffn`).
     Returns:
       y_TxD, sharded like the tokens.
     """
@@ -143,7 +143,7 @@ def ep_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array, down_Ex
 
     def local(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array, idx: jax.Array,
               w: jax.Array):
-        gather = lambda a: jax.lax.all_gather(a, ax, axis=0, tiled=True)  # noqa: E731
+        gather = lambda a: jax.lax.all_gather(a, ax, axis=0, tiled=True)
         first = jax.lax.axis_index(ax) * wg.shape[0]
         # Where the backward pass sums (see dispatch.to_varying): dx over 'tensor' on the
         # chip's rows before the gather, the weight gradients over the token axes once.
@@ -168,7 +168,7 @@ def emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offs
     """
     del recv_sizes  # implied by the senders' send_sizes
     me = jax.lax.axis_index(axis_name)
-    gather = lambda a: jax.lax.all_gather(a, axis_name)  # noqa: E731
+    gather = lambda a: jax.lax.all_gather(a, axis_name)
     ops, io = gather(operand), gather(input_offsets)
     ss, oo = gather(send_sizes), gather(output_offsets)
     r = jnp.arange(output.shape[0])
@@ -233,7 +233,7 @@ def ep_a2a_ffn(
       as `ep_ffn`, plus chunks: slices of the local tokens (default: the expert-axis size,
         lowered to a divisor of the local token count); exchange: the ragged all-to-all
         collective (tests pass `emulated_ragged_all_to_all` to run on CPU); local: the
-        per-device expert FFN on the received rows, "grouped" (`experts.grouped_ffn`),
+        per-device expert FFN on the received rows, "grouped" (`local.grouped_ffn`),
         "megablox" (`megablox.local_ffn`); the model's `ep_local_ffn` "auto" is resolved by
         `registry.resolve_local` (megablox when compiling for TPU at widths it lowers for);
         interpret: Pallas interpret mode of megablox (None: unless compiling for TPU).
@@ -266,7 +266,7 @@ def ep_a2a_ffn(
         send = jnp.bincount(dest_s, length=n_dev + 1)[:n_dev].astype(jnp.int32)
         counts = jax.lax.all_gather(send, ax)              # [sender, receiver]
         recv = counts[:, me]
-        excl = lambda c, axis: jnp.cumsum(c, axis) - c     # noqa: E731
+        excl = lambda c, axis: jnp.cumsum(c, axis) - c
         fwd = dict(input_offsets=excl(send, 0), send_sizes=send,
                    output_offsets=excl(counts, 0)[me], recv_sizes=recv)
         back = dict(input_offsets=excl(recv, 0), send_sizes=recv,
@@ -308,7 +308,7 @@ def ep_a2a_ffn(
             return one_chunk(x, wg, wu, wd, idx, w)
         # Keep only each chunk's inputs for the backward pass, not its worst-case buffers.
         body = jax.checkpoint(lambda _, xs: (None, one_chunk(xs[0], wg, wu, wd, xs[1], xs[2])))
-        split = lambda a: a.reshape((c, a.shape[0] // c) + a.shape[1:])  # noqa: E731
+        split = lambda a: a.reshape((c, a.shape[0] // c) + a.shape[1:])
         _, y = jax.lax.scan(body, None, (split(x), split(idx), split(w)))
         return y.reshape(x.shape[0], -1)
 

@@ -17,11 +17,11 @@ Backends (`registry.py` picks one per config; all dropless except `capacity`):
   * `capacity` fixed per-expert capacity, one batched einsum; DROPS overflow tokens
                (`capacity_ffn` reports how many). The speed reference for `grouped`.
   * `ep`       expert parallelism with `shard_map`: tokens all-gathered over the expert axis,
-               local experts, outputs reduce-scattered back (see `experts_ep.py`).
+               local experts, outputs reduce-scattered back (see `ep.py`).
   * `ep_a2a`   expert parallelism with `ragged_all_to_all` dispatch (TPU/GPU only).
 
 The token-to-expert plan (sort, gather, combine) is shared with the expert-parallel backends
-in `experts_ep.py` through the public module `dispatch.py`.
+in `ep.py` through the public module `dispatch.py`.
 """
 from __future__ import annotations
 
@@ -65,14 +65,14 @@ def ragged_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array, dow
 # --------------------------------------------------------------------------- grouped (CPU)
 def _varying_like(z: jax.Array, *refs: jax.Array) -> jax.Array:
     """Inside shard_map, loop carries must carry the union of their inputs' varying axes."""
-    vary = lambda a: jax.typeof(a).manual_axis_type.varying  # noqa: E731
+    vary = lambda a: jax.typeof(a).manual_axis_type.varying
     vma = frozenset().union(*map(vary, refs)) - vary(z)
     return jax.lax.pcast(z, tuple(sorted(vma)), to="varying") if vma else z
 
 
 def _sum_to_type_of(g: jax.Array, primal: jax.Array) -> jax.Array:
     """A cotangent varying over axes its primal does not vary over is summed over them."""
-    vary = lambda a: jax.typeof(a).manual_axis_type.varying  # noqa: E731
+    vary = lambda a: jax.typeof(a).manual_axis_type.varying
     extra = vary(g) - vary(primal)
     return jax.lax.psum(g, tuple(sorted(extra))) if extra else g
 
@@ -127,7 +127,7 @@ def _grouped_fwd(x_SxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
         return _over_expert_rows(first, size, block, big, chunk, carry), None
 
     refs = (x_SxD, gate_ExDxF, up_ExDxF, down_ExFxD)
-    zeros = lambda last: _varying_like(jnp.zeros((s, last), x_SxD.dtype), *refs)  # noqa: E731
+    zeros = lambda last: _varying_like(jnp.zeros((s, last), x_SxD.dtype), *refs)
     xs = (gate_ExDxF, up_ExDxF, down_ExFxD, _expert_starts(sizes_E, block), sizes_E)
     (y, hg, hu), _ = jax.lax.scan(per_expert, (zeros(d), zeros(f), zeros(f)), xs)
     # Saving the gate/up activations spares two of the three matmuls' recomputation.

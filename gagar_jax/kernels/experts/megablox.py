@@ -133,7 +133,7 @@ def megablox_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
                  mesh: Optional[jax.sharding.Mesh | jax.sharding.AbstractMesh] = None,
                  tiling: tuple[int, int, int] = DEFAULT_TILING,
                  interpret: Optional[bool] = None) -> jax.Array:
-    """Dropless routed SwiGLU with the megablox kernels (same math as `experts.dense_ffn`).
+    """Dropless routed SwiGLU with the megablox kernels (same math as `local.dense_ffn`).
 
     Args:
       x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK: as `registry.expert_ffn`.
@@ -146,7 +146,7 @@ def megablox_ffn(x_TxD: jax.Array, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if interpret is None:
         interpret = sharding.device_platform(mesh) != "tpu"
-    local = lambda *a: local_ffn(*a, tiling=tiling, interpret=interpret)  # noqa: E731
+    local = lambda *a: local_ffn(*a, tiling=tiling, interpret=interpret)
     if mesh is None or mesh.empty:
         return local(x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD, idx_TxK, weights_TxK)
     tok_axes = tuple(a for a in sharding.mesh_axes("batch", mesh)

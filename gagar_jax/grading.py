@@ -1,4 +1,5 @@
-"""Tier / rank -> quality factor (docs/advantage.md section 6).
+"""Tier / rank -> quality factor (docs/advantage.md section 6), plain NumPy in the ground layer:
+the feed maps grades with it, and a grader beside the rollout engine (no JAX) shares the table.
 
 The grader ranks each group's passing candidates into tiers with a within-tier rank (smaller =
 better; ties share a rank). The feed batcher maps them to factors once per batch, on host numpy
