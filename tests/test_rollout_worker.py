@@ -9,7 +9,8 @@ import pytest
 
 from gagar_jax.feed import Feed, FeedConfig, IteratorSource, schema
 from gagar_jax.rollout import example_task, worker
-from gagar_jax.rollout.engine import Completion, SamplingSpec, routes_array
+from gagar_jax.rollout.engine import Completion, SamplingSpec
+from gagar_jax.rollout.vllm_engine import routes_array
 from gagar_jax.rollout.feed_writer import SpoolWriter, group_record
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

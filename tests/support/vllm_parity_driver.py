@@ -16,7 +16,7 @@ import sys
 def greedy(llm, prompt, gen):
     from vllm import SamplingParams
 
-    from gagar_jax.rollout.engine import routes_array
+    from gagar_jax.rollout.vllm_engine import routes_array
     sp = SamplingParams(temperature=0.0, max_tokens=gen, logprobs=1, prompt_logprobs=1,
                         detokenize=False, ignore_eos=True)
     llm.collective_rpc("gagar_capture_routes", args=(True,))
@@ -32,7 +32,7 @@ def greedy(llm, prompt, gen):
 def one(spec):
     import time
 
-    from gagar_jax.rollout.engine import make_llm
+    from gagar_jax.rollout.vllm_engine import make_llm
     from gagar_jax.rollout.vllm_extension import reload_latest
     t0 = time.perf_counter()
     llm = make_llm(spec["step2"], max_model_len=64, seed=0)
@@ -94,17 +94,13 @@ def main(spec_path, out_path):
     import of vLLM), each shut down before the next starts."""
     import gc
 
-    from vllm.distributed.parallel_state import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-    )
+    from gagar_jax.rollout.vllm_internals import shutdown_vllm
     out = {}
     for name, spec in json.load(open(spec_path)).items():
         llm, out[name] = one(spec)
         del llm
         gc.collect()
-        destroy_model_parallel()
-        destroy_distributed_environment()
+        shutdown_vllm()
     json.dump(out, open(out_path, "w"))
 
 
