@@ -169,6 +169,6 @@ def check_engine(engine: object, factory: str) -> Engine:
     missing = [m for m in ("name", "version", "generate", "cancel", "move_to", "sync", "close")
                if not hasattr(engine, m)]
     if missing:
-        raise TypeError(f"engine factory {factory!r} returned {type(engine).__name__}, which "
-                        f"lacks {', '.join(missing)} (gagar_jax.rollout.engine.Engine)")
+        raise TypeError(f"{factory!r} returned a {type(engine).__name__}, which lacks "
+                        f"{', '.join(missing)} (gagar_jax.rollout.engine.Engine)")
     return engine  # type: ignore[return-value]

@@ -114,7 +114,11 @@ def run(args: argparse.Namespace) -> dict:
     options = engine_lib.EngineOptions(seed=args.seed, max_model_len=args.max_model_len,
                                        logprobs_mode=args.logprobs_mode,
                                        routing=not args.no_routing)
-    engine = engine_lib.check_engine(factory(ptr["path"], options), args.engine)
+    built = factory(ptr["path"], options)
+    try:
+        engine = engine_lib.check_engine(built, args.engine)
+    except TypeError as e:
+        raise UsageError(f"--engine {e}") from e
     version, mixed_here, groups_here, capped_since = engine.version, 0, 0, None
     writer = SpoolWriter(args.spool or os.path.join(args.workdir, "spool"), args.writer_id)
     log_path = args.log or os.path.join(args.workdir, "rollout", f"{args.writer_id}.jsonl")
