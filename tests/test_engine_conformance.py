@@ -127,6 +127,8 @@ def test_cancel_ends_one_sequence_and_leaves_the_others(run):
 def test_move_to_serves_the_new_weights(run):
     cfg, refs, models, got = run
     assert got["greedy_step1"]["tokens"] == refs[1]["greedy"] != refs[2]["greedy"]
+    assert got["greedy_step1"]["policy_version"] == 1
+    assert got["greedy_step2_again"]["policy_version"] == got["greedy_p"]["policy_version"] == 2
     matches_learner(models[1], PROMPT, got["greedy_step1"], cfg, greedy=True)
     assert got["greedy_step2_again"]["tokens"] == refs[2]["greedy"]
     matches_learner(models[2], PROMPT, got["greedy_step2_again"], cfg, greedy=True)

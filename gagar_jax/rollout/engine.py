@@ -103,12 +103,15 @@ class Completion:
       finish_reason: "stop" (a stop token), "length" (max_tokens or the context) or
         "cancelled".
       sequence: the live sequence id (continue it with `Request(..., sequence=...)`).
+      policy_version: the version whose weights generated it (a trajectory whose turns span a
+        `move_to` carries one per turn).
     """
     tokens: list
     logprobs: list
     routed_experts: list | None
     finish_reason: str = "length"
     sequence: str | None = None
+    policy_version: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +142,10 @@ class Engine(Protocol):
     version: int
 
     def generate(self, requests: Sequence[Request]) -> list:
-        """Runs `requests`; returns per request its `n` `Completion`s, in order. Each
-        completion is then a live sequence until cancelled."""
+        """Runs `requests` together (returns when all are done); returns per request its `n`
+        `Completion`s, in order. Each completion is then a live sequence until cancelled. A
+        sequence that would not fit the context (`EngineOptions.max_model_len`) is a
+        ValueError naming the request; a continuation of an unknown sequence a KeyError."""
         ...
 
     def cancel(self, sequences: Sequence[str]) -> None:

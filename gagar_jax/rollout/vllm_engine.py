@@ -140,7 +140,8 @@ class VLLMEngine:
         seq = parent if parent is not None else f"s{next(self._ids)}"
         self._live[seq] = prompt + tokens
         return Completion(tokens=tokens, logprobs=logprobs, routed_experts=routed,
-                          finish_reason=_FINISH.get(out.finish_reason, "length"), sequence=seq)
+                          finish_reason=_FINISH.get(out.finish_reason, "length"), sequence=seq,
+                          policy_version=self.version)
 
     def cancel(self, sequences: Sequence[str]) -> None:
         """Forgets live sequences (`generate` returns only once they are done, so none is in

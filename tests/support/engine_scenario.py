@@ -18,7 +18,8 @@ SEED = 11
 
 def _dict(c) -> dict:
     return {"tokens": list(c.tokens), "logprobs": list(c.logprobs),
-            "routed": c.routed_experts, "finish": c.finish_reason}
+            "routed": c.routed_experts, "finish": c.finish_reason,
+            "policy_version": c.policy_version}
 
 
 def run(engine, spec: dict) -> dict:
