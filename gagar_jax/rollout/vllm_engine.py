@@ -105,6 +105,8 @@ class VLLMEngine:
                                  f"this engine serves {self.options.logprobs_mode!r}")
             if r.sequence is not None and r.sequence not in self._live:
                 raise KeyError(f"request {i}: no live sequence {r.sequence!r} (cancelled?)")
+            if r.sequence is not None and r.sequence in {j[3] for j in jobs}:
+                raise ValueError(f"request {i}: sequence {r.sequence!r} is continued twice")
             prompt = (self._live[r.sequence] if r.sequence else []) + [int(t) for t in r.tokens]
             if len(prompt) >= self.options.max_model_len:
                 raise ValueError(f"request {i}: {len(prompt)} tokens fill the context "
