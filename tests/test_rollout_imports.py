@@ -73,3 +73,28 @@ def test_pointer_and_checkpoint_files(tmp_path):
         "c": "model-00001-of-00002.safetensors"}}))
     assert checkpoint_files(str(step)) == [str(step / "model-00001-of-00002.safetensors"),
                                            str(step / "model-00002-of-00002.safetensors")]
+
+
+def test_private_torch_and_vllm_apis_only_in_vllm_internals():
+    """A vLLM upgrade touches one file: outside `rollout/vllm_internals.py` no module of
+    rollout/ imports a vLLM submodule (only `from vllm import LLM, SamplingParams`) or a private
+    torch module, or reads an underscored attribute of anything but `self`."""
+    import ast
+    import glob
+
+    found = []
+    for path in sorted(glob.glob(os.path.join(REPO, "gagar_jax", "rollout", "**", "*.py"),
+                                 recursive=True)):
+        if path.endswith("vllm_internals.py"):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            mods = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for m in mods:
+                if m.startswith("vllm.") or m.startswith(("torch._", "torch.utils._")):
+                    found.append(f"{os.path.basename(path)}:{node.lineno} imports {m}")
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and \
+                    not node.attr.startswith("__") and not (
+                        isinstance(node.value, ast.Name) and node.value.id == "self"):
+                found.append(f"{os.path.basename(path)}:{node.lineno} reads .{node.attr}")
+    assert not found, found
