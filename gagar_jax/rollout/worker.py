@@ -25,6 +25,7 @@ SIGTERM / SIGINT end it after the group in flight. Imports no JAX.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> dict:
     log_path = args.log or os.path.join(args.workdir, "rollout", f"{args.writer_id}.jsonl")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     counts = dict(groups=0, mixed=0, passes=0, completions=0, reloads=0, grader_errors=0)
-    with open(log_path, "a") as logf:
+    with open(log_path, "a") as logf, contextlib.closing(engine):    # close() on any exit
         while not stop.requested and (not args.max_groups or counts["groups"] < args.max_groups):
             ptr = read_latest(args.workdir)
             if ptr is not None and int(ptr["policy_version"]) != version:
@@ -188,7 +189,6 @@ def run(args: argparse.Namespace) -> dict:
                                    "passes": n_pass, "valid": n_valid, "mixed": is_mixed,
                                    "s": round(time.perf_counter() - t0, 4)}) + "\n")
             logf.flush()
-    engine.close()
     log.info("worker done: %s", counts)
     return counts
 
