@@ -34,8 +34,9 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 from hypothesis import settings  # noqa: E402
 
-# The gcs_emulator fixture (a local fake-gcs-server for tests/test_gcs.py).
-pytest_plugins = ("support.gcs_emulator",)
+# The gcs_emulator fixture (a local fake-gcs-server for tests/test_gcs.py); vllm_served (one
+# vLLM engine per family for the test run: tests/test_vllm.py, tests/test_engine_conformance.py).
+pytest_plugins = ("support.gcs_emulator", "support.vllm_served")
 
 # Few, deterministic examples: each new shape is a compile on 2 CPU cores.
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
@@ -63,15 +64,37 @@ def devices():
 
 
 # The longest files first: `make test` runs two xdist workers with a file per worker
-# (--dist loadfile), handed out in collection order, so a long file collected last would run
-# alone at the end.
-_LONG_FIRST = ("test_vllm.py", "test_train_mesh.py", "test_loop.py", "test_weights_io.py",
-               "test_train.py", "test_train_signals.py", "test_train_step.py", "test_startup.py",
-               "test_gcs.py", "test_miniature.py", "test_reliability.py", "test_policy_loss.py",
-               "test_aot.py", "test_configs.py", "test_hf_mimo.py", "test_published_versions.py",
-               "test_bench_device.py", "test_sim.py", "test_miniature_tabular.py")
+# (--dist loadfile; the vLLM files below together), handed out in collection order, so a long
+# file collected last would run alone at the end.
+_LONG_FIRST = ("test_vllm.py", "test_engine_conformance.py", "test_train_mesh.py", "test_loop.py",
+               "test_weights_io.py", "test_train.py", "test_train_signals.py", "test_train_step.py",
+               "test_startup.py", "test_gcs.py", "test_miniature.py", "test_reliability.py",
+               "test_policy_loss.py", "test_aot.py", "test_configs.py", "test_hf_mimo.py",
+               "test_published_versions.py", "test_bench_device.py", "test_sim.py",
+               "test_miniature_tabular.py")
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(_LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+# The files that read the test run's vLLM engines (support/vllm_served.py, a session fixture: one
+# engine per family) are one xdist work unit, so `--dist loadfile` runs them on one worker and
+# starts the engines once; every other file stays a unit of its own. (A scheduler, not
+# `--dist loadgroup`: xdist 3.8 marks groups by rewriting `item._nodeid`, which pytest 9 no
+# longer reads, so loadgroup falls back to scheduling test by test.)
+VLLM_FILES = ("test_vllm.py", "test_engine_conformance.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class VLLMFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)           # the test's file
+            return "vllm" if os.path.basename(scope) in VLLM_FILES else scope
+    return VLLMFilesTogether(config, log)

@@ -1,6 +1,10 @@
 """The rollout worker's parts without vLLM: the example grader, routing rows, the records it
-writes (accepted by the learner's feed as they are), the atomic spool shards, bad flags."""
+writes (accepted by the learner's feed as they are), the atomic spool shards, bad flags, and the
+whole worker on a scripted engine through the engine interface (tests/support/fake_engine.py)."""
+import glob
+import json
 import os
+import random
 import subprocess
 import sys
 
@@ -9,8 +13,9 @@ import pytest
 
 from gagar_jax.feed import Feed, FeedConfig, IteratorSource, schema
 from gagar_jax.rollout import example_task, worker
-from gagar_jax.rollout.engine import Completion, SamplingSpec, routes_array
+from gagar_jax.rollout.engine import Completion, SamplingSpec
 from gagar_jax.rollout.feed_writer import SpoolWriter, group_record
+from gagar_jax.rollout.vllm_engine import routes_array
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D = [ord(c) for c in "0123456789"]
@@ -103,10 +108,60 @@ def test_spool_writer_is_atomic_and_ordered(tmp_path):
 
 @pytest.mark.parametrize("flags,msg", [(["--grader", "nosuch.module:fn"], "--grader"),
                                        (["--tasks", "gagar_jax.rollout.example_task"], "--tasks"),
-                                       (["--top-p", "1.5"], "sampling"), (["--n", "0"], "--n")])
+                                       (["--top-p", "1.5"], "sampling"), (["--n", "0"], "--n"),
+                                       (["--engine", "nosuch.engine:make"], "--engine")])
 def test_bad_flags_exit_2_in_one_line(tmp_path, flags, msg):
     proc = subprocess.run([sys.executable, "-m", "gagar_jax.rollout.worker", "--workdir",
                            str(tmp_path), *flags], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": REPO})
     assert proc.returncode == 2, proc.stderr
     assert msg in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def _published(tmp_path, version=3):
+    """A workdir whose `latest` names version `version` (a manifest, no weights: the fake
+    engine reads none)."""
+    step = tmp_path / "published" / f"step_{version:08d}"
+    step.mkdir(parents=True)
+    (step / "gagar_publish.json").write_text(json.dumps(
+        {"step": version, "policy_version": version, "seq": 1, "kind": "full"}))
+    (tmp_path / "published" / "latest").write_text(
+        json.dumps({"step": version, "policy_version": version, "path": str(step)}))
+    return str(tmp_path)
+
+
+def _worker(workdir, *flags):
+    return subprocess.run([sys.executable, "-m", "gagar_jax.rollout.worker", "--workdir",
+                           workdir, "--wait-s", "5", *flags], capture_output=True, text=True,
+                          timeout=120,
+                          env={**os.environ,
+                               "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])})
+
+
+def test_worker_runs_on_any_engine_through_the_interface(tmp_path):
+    """The worker with `--engine support.fake_engine:make` (a scripted engine; it refuses to
+    start if a vLLM module is loaded): one request of --n samples per group, sample j seeded
+    `seed * 1_000_003 + completions so far + j`, the engine's name and version in the record."""
+    wd = _published(tmp_path)
+    proc = _worker(wd, "--engine", "support.fake_engine:make", "--max-groups", "2", "--n", "3",
+                   "--seed", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["completions"] == 6
+    shards = sorted(glob.glob(os.path.join(wd, "spool", "*.jsonl")))
+    groups = [schema.decode(line, "json") for s in shards for line in open(s, "rb")]
+    assert len(groups) == 2 and all(g.policy_version == 3 for g in groups)
+    assert all(g.sampling.engine == "fake" for g in groups)
+    tasks = example_task.tasks(1)
+    for i, g in enumerate(groups):
+        prompt = next(tasks)["prompt"]
+        for j, t in enumerate(g.trajectories):
+            rng = random.Random(1_000_003 + 3 * i + j)
+            assert t.tokens == prompt + [rng.randrange(256) for _ in range(8)]
+            assert t.logprobs == [0.0] * len(prompt) + [-1.0] * 8
+
+
+def test_an_engine_factory_without_the_interface_exits_2_in_one_line(tmp_path):
+    proc = _worker(_published(tmp_path), "--engine", "support.fake_engine:not_an_engine")
+    assert proc.returncode == 2, proc.stderr
+    assert "--engine" in proc.stderr and "lacks" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -15,6 +15,7 @@ import torch
 from gagar_jax.rollout.delta import Tensor
 from gagar_jax.rollout.vllm_patch import _positions, probe_part, refresh
 from gagar_jax.rollout.vllm_patch import patch as patch_kernel
+from gagar_jax.rollout.vllm_plans import FastApplyPlan
 
 E, F, D, PAD = 3, 20, 8, 32        # experts, intermediate (padded to 32), hidden
 
@@ -47,8 +48,8 @@ def plan(dtype):
         for j, p in enumerate(("gate", "up")):
             dst = (e * 2 * F * D + j * F * D, (F, D), (D, 1))
             program.append(("w13", dst, f"e{e}.{p}", (0, (F, D), (D, 1))))
-    return {"program": {"experts": program}, "feeds": {"experts": names()},
-            "layout": {"experts": {"w13": ((E, 2 * F, D), (2 * F * D, D, 1), dtype)}}}
+    return FastApplyPlan(program={"experts": program}, feeds={"experts": names()},
+                         layout={"experts": {"w13": ((E, 2 * F, D), (2 * F * D, D, 1), dtype)}})
 
 
 def loader_of(weights, dtype):
@@ -78,8 +79,9 @@ def probe(dtype, process, rows=2 * PAD, calls=None):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_patch_equals_processing_the_new_weights(dtype):
     model, got = probe(dtype, pack)
-    assert got is not None and sorted(got["maps"]) == names() and got["reprocess"] == []
-    assert len({id(m[3]) for m in got["maps"].values()}) == 1    # one pattern, held once
+    assert got is not None and sorted(got.maps) == names()
+    assert got.reprocess == {n: [] for n in names()}
+    assert len({id(m[3]) for m in got.maps.values()}) == 1    # one pattern, held once
     rng = np.random.default_rng(0)
     bits = {torch.bfloat16: ("BF16", np.uint16), torch.float32: ("F32", np.float32)}[dtype]
 
@@ -95,16 +97,16 @@ def test_patch_equals_processing_the_new_weights(dtype):
         new[n].view(-1)[torch.from_numpy(idx)] = torch.randn(7).to(dtype)
         touched[n] = [(idx, Tensor(bits[0], tensor(new[n]).array.reshape(-1)[idx]))]
     mirror = {n: tensor(t) for n, t in new.items()}
-    assert patch_kernel(model, got["maps"], mirror, set(touched), touched) == 7 * len(touched)
+    assert patch_kernel(model, got.maps, mirror, set(touched), touched) == 7 * len(touched)
     assert torch.equal(model.experts.w13.data, pack(loader_of(new, dtype)))
     # a whole tensor (a dense delta entry, touched None) comes from the mirror
     new["e1.up"] = torch.randn(F, D).to(dtype)
     mirror["e1.up"] = tensor(new["e1.up"])
-    assert patch_kernel(model, got["maps"], mirror, {"e1.up"}, {"e1.up": None}) == F * D
+    assert patch_kernel(model, got.maps, mirror, {"e1.up"}, {"e1.up": None}) == F * D
     assert torch.equal(model.experts.w13.data, pack(loader_of(new, dtype)))
     # a host copy that lags (entries that went to the engine only) is read back from it
     lagging = {n: tensor(t) for n, t in old.items()}
-    refresh(model, got["maps"], lagging, set(names()))
+    refresh(model, got.maps, lagging, set(names()))
     for n in names():
         np.testing.assert_array_equal(lagging[n].array, mirror[n].array)
 
@@ -133,6 +135,6 @@ def test_a_plain_copy_needs_no_digit_runs():
     calls = []
     model, got = probe(torch.bfloat16, lambda w: w.clone(), rows=2 * F, calls=calls)
     assert len(calls) == 2
-    assert {n: (m[1], m[2], m[3]) for n, m in got["maps"].items()} == {
+    assert {n: (m[1], m[2], m[3]) for n, m in got.maps.items()} == {
         f"e{e}.{p}": ("w13", (2 * e + j) * F * D, None)
         for e in range(E) for j, p in enumerate(("gate", "up"))}

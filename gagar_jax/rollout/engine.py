@@ -1,40 +1,44 @@
-"""vLLM as the rollout engine: start it on a published directory, sample one completion with its
-behaviour log-probs and its routing (docs/rollout.md). Runs in .venv-vllm; vLLM is imported
-inside the functions only, so this module imports without it (and without JAX).
+"""The rollout engine interface: what the worker (and every loop built on it) asks of an engine.
 
-    llm = make_llm(read_latest(workdir)["path"], seed=0)
-    c = sample(llm, prompt_ids, SamplingSpec(temperature=1.0, top_p=1.0, max_tokens=8), seed=7)
-    c.tokens, c.logprobs, c.routed_experts          # [g], [g], [g][L][K]
+The worker talks to this interface only; an engine is chosen by `--engine module:factory`
+(default `gagar_jax.rollout.vllm_engine:make`) and built as `factory(path, EngineOptions(...))`
+on a published version directory (docs/rollout.md, "Engines"):
 
-Routing comes from the extension's router hook (`gagar_capture_routes`): vLLM's own
-`routed_experts` output needs its V2 model runner (Triton), which the CPU build lacks. The hook
-sees the whole scheduled batch of a forward step, so `sample` runs one request at a time: the
-rows then belong to that request, in order. On a GPU build, `enable_return_routed_experts=True`
-gives per-request routing with batching (docs/rollout.md, "GPUs").
+    engine = make(read_latest(workdir)["path"], EngineOptions(seed=0))
+    [samples] = engine.generate([Request(prompt, SamplingSpec(max_tokens=8), seed=7, n=4)])
+    s = samples[0]; s.tokens, s.logprobs, s.routed_experts, s.finish_reason   # [g] [g] [g][L][K]
+    [[turn2]] = engine.generate([Request(observation_ids, spec, seed=8, sequence=s.sequence)])
+    engine.cancel([s.sequence]); engine.sync(workdir); engine.close()
+
+Live sequences: every sample is a live sequence (its prompt, then every token generated or
+appended to it) until it is cancelled; a request naming `sequence` appends its `tokens` to that
+sequence and generates the next turn from the whole of it, so an engine may keep its cache
+(vLLM resubmits the prefix and its prefix cache finds it; a paged sampler keeps the pages).
+Importing this module imports neither JAX nor any engine.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
-from typing import Any
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
-EXTENSION = "gagar_jax.rollout.vllm_extension.GagarWorkerExtension"
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+FINISH_REASONS = ("stop", "length", "cancelled")
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSpec:
-    """How the worker samples; written into every feed record (`sampling`).
+    """How one request samples; written into every feed record (`sampling`).
 
     Attributes:
-      temperature, top_p, top_k: vLLM's sampling parameters (top_k -1 = off).
+      temperature, top_p, top_k: the sampling parameters (top_k -1 or 0 = off).
       max_tokens: completion length bound (the example task's completions run to it).
       logprobs_mode: which log-probs the record carries as the behaviour policy's:
-        "raw_logprobs" (vLLM's default) = log softmax of the model's logits, before temperature
-        and top-p: what the learner computes, so the ratio compares like with like;
-        "processed_logprobs" = of the distribution actually sampled from (after temperature,
-        top-p), the exact behaviour probability.
-      stop_token_ids: tokens that end a completion (kept in it).
+        "raw_logprobs" = log softmax of the model's logits, before temperature and top-p: what
+        the learner computes, so the ratio compares like with like; "processed_logprobs" = of
+        the distribution actually sampled from (after temperature, top-p), the exact behaviour
+        probability. An engine may serve one mode only (`EngineOptions.logprobs_mode`).
+      stop_token_ids: tokens that end a completion (kept in it; finish reason "stop").
     """
     temperature: float = 1.0
     top_p: float = 1.0
@@ -49,78 +53,127 @@ class SamplingSpec:
                              f"got {self.logprobs_mode!r}")
         if not (self.temperature > 0 and 0 < self.top_p <= 1 and self.max_tokens >= 1):
             raise ValueError(f"bad sampling parameters: {self}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
 
-    def record(self) -> dict:
-        """The record's `sampling` field (docs/feed.md)."""
-        return {"engine": "vllm", "temperature": self.temperature, "top_p": self.top_p,
+    def record(self, engine: str = "vllm") -> dict:
+        """The record's `sampling` field (docs/feed.md); `engine`: the engine's `name`."""
+        return {"engine": engine, "temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k, "max_tokens": self.max_tokens,
                 "logprobs_mode": self.logprobs_mode}
 
 
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation request: `n` samples of one prompt, or the next turn of a live sequence.
+
+    Attributes:
+      tokens: token ids: the prompt, or (with `sequence`) the ids appended to that sequence
+        before it generates (a tool's output, the next user turn; may be empty).
+      sampling: temperature, top-p, top-k, max tokens, log-probs mode, stop tokens.
+      seed: sample j draws with seed `seed + j` (None: the engine's own stream, not
+        reproducible).
+      n: samples sharing the prompt (1 for a continuation).
+      sequence: the live sequence to continue (a `Completion.sequence`), or None.
+    """
+    tokens: Sequence[int]
+    sampling: SamplingSpec
+    seed: int | None = None
+    n: int = 1
+    sequence: str | None = None
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.sequence is not None and self.n != 1:
+            raise ValueError(f"a continuation of {self.sequence!r} takes n=1, got n={self.n}")
+        if self.sequence is None and not self.tokens:
+            raise ValueError("a new request needs a non-empty prompt")
+
+
 @dataclasses.dataclass
 class Completion:
-    """One sampled completion: its tokens, their behaviour log-probs and the engine's routing."""
-    tokens: list            # [g] generated token ids
-    logprobs: list          # [g] log-prob of each (SamplingSpec.logprobs_mode)
-    routed_experts: list | None   # [g][L][K]: the forward that produced token j (None: no MoE)
+    """One sample: its generated tokens, their behaviour log-probs, the engine's routing.
 
-
-def make_llm(path: str, *, seed: int = 0, max_model_len: int = 256,
-             logprobs_mode: str = "raw_logprobs", dtype: str = "float32",
-             **kwargs: Any) -> Any:
-    """A vLLM engine on a published directory, with the gagar worker extension.
-
-    No tokenizer (token ids in, token ids out), eager mode, float32 compute (a bf16 directory
-    is upcast: the engine then differs from the learner by the weight rounding only). Call it
-    under `if __name__ == "__main__":` (the CPU platform spawns its workers). On CPU set
-    `VLLM_CPU_KVCACHE_SPACE` (GiB) before calling; it defaults to 1 here.
+    Attributes:
+      tokens: [g] generated token ids (a stop token, when one ended it, is the last).
+      logprobs: [g] log-prob of each (the request's `logprobs_mode`).
+      routed_experts: [g][L][K] the experts of the forward that produced token j, per MoE
+        layer (None: no MoE, or routing not recorded).
+      finish_reason: "stop" (a stop token), "length" (max_tokens or the context) or
+        "cancelled".
+      sequence: the live sequence id (continue it with `Request(..., sequence=...)`).
+      policy_version: the version whose weights generated it (a trajectory whose turns span a
+        `move_to` carries one per turn).
     """
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-    return LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
-               max_model_len=max_model_len, seed=seed, logprobs_mode=logprobs_mode,
-               worker_extension_cls=EXTENSION, **kwargs)
+    tokens: list
+    logprobs: list
+    routed_experts: list | None
+    finish_reason: str = "length"
+    sequence: str | None = None
+    policy_version: int | None = None
 
 
-def routes_array(calls: list) -> list:
-    """The extension's popped routes [(layer name, [[id] * K] * rows), ...] (call order) as
-    [rows][L][K], layers in the order of their first call (= the model's layer order)."""
-    per_layer: dict = {}
-    for name, rows in calls:
-        per_layer.setdefault(name, []).extend(rows)
-    if not per_layer:
-        return []
-    cols = list(per_layer.values())
-    n = {len(c) for c in cols}
-    if len(n) != 1:
-        raise RuntimeError(f"MoE layers captured different token counts: {sorted(n)}")
-    return [[c[r] for c in cols] for r in range(n.pop())]
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """What the worker tells an engine's factory besides the version to start on.
 
-
-def sample(llm: Any, prompt: list, spec: SamplingSpec, *, seed: int | None = None,
-           routing: bool = True) -> Completion:
-    """One completion of `prompt` (token ids) with its log-probs and, with `routing`, its experts.
-
-    One request per call (the routing hook cannot tell requests of one batch apart). The
-    captured rows are the forward passes' input tokens; the last g rows are the passes that
-    produced the g generated tokens (a prefix-cache hit only removes rows of the prompt).
+    Attributes:
+      seed: the engine's own seed (requests without one draw from it).
+      max_model_len: the longest sequence (prompt plus every turn) the engine serves.
+      logprobs_mode: the log-probs it reports (`SamplingSpec.logprobs_mode`).
+      routing: record the routed experts of every generated token.
     """
-    from vllm import SamplingParams
-    sp = SamplingParams(n=1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-                        max_tokens=spec.max_tokens, logprobs=0, detokenize=False,
-                        ignore_eos=not spec.stop_token_ids,
-                        stop_token_ids=list(spec.stop_token_ids) or None, seed=seed)
-    if routing:
-        # (Re)hooks every router and clears the record: a reload may rebuild modules.
-        llm.collective_rpc("gagar_capture_routes", args=(True,))
-    out = llm.generate([{"prompt_token_ids": list(prompt)}], sp, use_tqdm=False)[0].outputs[0]
-    tokens = list(out.token_ids)
-    logprobs = [float(out.logprobs[j][t].logprob) for j, t in enumerate(tokens)]
-    routed = None
-    if routing:
-        rows = routes_array(llm.collective_rpc("gagar_pop_routes")[0])
-        if rows:
-            if len(rows) < len(tokens):
-                raise RuntimeError(f"captured {len(rows)} routing rows for {len(tokens)} tokens")
-            routed = rows[len(rows) - len(tokens):]
-    return Completion(tokens=tokens, logprobs=logprobs, routed_experts=routed)
+    seed: int = 0
+    max_model_len: int = 256
+    logprobs_mode: str = "raw_logprobs"
+    routing: bool = True
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What every rollout engine implements (`tests/test_engine_conformance.py` checks it).
+
+    Attributes:
+      name: the engine's name in the records' `sampling.engine` ("vllm", ...).
+      version: the `policy_version` of the weights it serves.
+    """
+    name: str
+    version: int
+
+    def generate(self, requests: Sequence[Request]) -> list:
+        """Runs `requests` together (returns when all are done); returns per request its `n`
+        `Completion`s, in order. Each completion is then a live sequence until cancelled. A
+        sequence that would not fit the context (`EngineOptions.max_model_len`) is a
+        ValueError naming the request; a continuation of an unknown sequence a KeyError."""
+        ...
+
+    def cancel(self, sequences: Sequence[str]) -> None:
+        """Ends live sequences: the engine frees what it holds for them; continuing one is
+        then an error. Unknown ids are ignored (a sequence may already be gone)."""
+        ...
+
+    def move_to(self, path: str) -> dict:
+        """Serves the published version directory `path` (full, or a delta whose chain it
+        applies from the version it holds); returns what the move did, with
+        "policy_version". Live sequences stay (their next turn runs on the new weights)."""
+        ...
+
+    def sync(self, workdir: str) -> dict | None:
+        """Moves to the version `<workdir>/published/latest` names when it is another one;
+        returns `move_to`'s answer, or None when it already serves it."""
+        ...
+
+    def close(self) -> None:
+        """Shuts the engine down (it takes no request afterwards)."""
+        ...
+
+
+def check_engine(engine: object, factory: str) -> Engine:
+    """`engine` when it implements `Engine`; a one-line error naming `factory` otherwise."""
+    missing = [m for m in ("name", "version", "generate", "cancel", "move_to", "sync", "close")
+               if not hasattr(engine, m)]
+    if missing:
+        raise TypeError(f"{factory!r} returned a {type(engine).__name__}, which lacks "
+                        f"{', '.join(missing)} (gagar_jax.rollout.engine.Engine)")
+    return engine  # type: ignore[return-value]

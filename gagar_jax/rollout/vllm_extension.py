@@ -25,10 +25,12 @@ A delta apply rebuilds only the modules whose tensors changed: `vllm_fast_apply`
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from gagar_jax.rollout.delta import weight_files
 from gagar_jax.rollout.pointer import read_latest
+from gagar_jax.rollout.vllm_plans import FastApplyPlan, WeightSyncState
 from gagar_jax.rollout.vllm_reload import reload_group, reload_tensors, torch_tensor
 
 
@@ -41,7 +43,9 @@ def _routers(model: Any) -> list:
 class GagarWorkerExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`); call with `llm.collective_rpc(name)`.
 
-    Method names start with `gagar_` so they cannot clash with the worker's own.
+    Method names start with `gagar_` so they cannot clash with the worker's own; its state is
+    two attributes: `_gagar_sync` (a `WeightSyncState`) and `_gagar_routes` (the captured
+    routes since the last pop).
     """
 
     def gagar_reload_latest(self, workdir: str) -> dict:
@@ -59,8 +63,15 @@ class GagarWorkerExtension:
         for f in weight_files(path):
             tensors.update(load_file(f))
         out = reload_tensors(self.model_runner, tensors, groups=None)
-        self._gagar_loaded = path
+        self._gagar_state().loaded = path
         return out
+
+    def _gagar_state(self) -> WeightSyncState:
+        """This worker's weight-sync state (made on first use: vLLM builds the worker, not us)."""
+        state = getattr(self, "_gagar_sync", None)
+        if state is None:
+            state = self._gagar_sync = WeightSyncState()
+        return state
 
     def gagar_apply_version(self, path: str, fast: bool = True) -> dict:
         """Brings the weights to version `path`, full or delta (`gagar_jax.rollout.delta`).
@@ -81,35 +92,30 @@ class GagarWorkerExtension:
         from gagar_jax.rollout.vllm_tiles import tile_mirror
 
         t0 = time.perf_counter()
-        held = getattr(self, "_gagar_mirror", None)
+        st = self._gagar_state()
         todo, touched = None, {}
-        if held is not None and self.gagar_loaded() == getattr(self, "_gagar_mirror_path", ""):
-            todo = delta.pending(self._gagar_mirror_path, path)
+        if st.mirror is not None and st.loaded == st.mirror_path:
+            todo = delta.pending(st.mirror_path, path)
         if todo is None:
-            self._gagar_mirror = delta.materialize(path)
-            changed = set(self._gagar_mirror)
-            self._gagar_stale = set()
+            st.mirror = delta.materialize(path)
+            changed = set(st.mirror)
+            st.stale = set()
         else:
             # the patched tensors' sparse entries go to the engine only: their host copy is
             # brought up to date from the engine when something else needs it (`stale`)
-            patches = getattr(self, "_gagar_patches", None) if fast else None
-            defer = patches["bits"] if patches else frozenset()
-            self._gagar_refresh(getattr(self, "_gagar_stale", set()) - defer)
+            patches = st.patches if fast else None
+            defer = patches.bits if patches is not None else frozenset()
+            self._gagar_refresh(st.stale - defer)
             changed = set()
             for d in todo:
-                changed.update(delta.apply_delta(self._gagar_mirror, d, touched, defer))
-            stale = getattr(self, "_gagar_stale", set())
-            stale -= {n for n, e in touched.items() if e is None}
-            stale |= {n for n, e in touched.items() if e is not None and n in defer}
-            self._gagar_stale = stale
+                changed.update(delta.apply_delta(st.mirror, d, touched, defer))
+            st.stale -= {n for n, e in touched.items() if e is None}
+            st.stale |= {n for n, e in touched.items() if e is not None and n in defer}
         t1 = time.perf_counter()
-        mirror = self._gagar_mirror
-        if not hasattr(self, "_gagar_pool"):
-            self._gagar_pool = {}
+        mirror = st.mirror
         if todo is not None and fast and changed:
             out = fast_apply(self.model_runner, mirror, changed, self._gagar_plan_for(mirror),
-                             self._gagar_pool, getattr(self, "_gagar_tiles", {}),
-                             getattr(self, "_gagar_patches", None), touched, self._gagar_stale)
+                             st.pool, st.tiles, st.patches, touched, st.stale)
         else:
             groups = {reload_group(n) for n in changed}
             tensors = {n: torch_tensor(t) for n, t in mirror.items() if reload_group(n) in groups}
@@ -117,16 +123,15 @@ class GagarWorkerExtension:
             out["reloaded"] = len(tensors)
             if todo is None and fast:        # traced now, with the full load, once
                 plan = self._gagar_plan_for(mirror)
-                self._gagar_tiles = tile_mirror(mirror, plan)
-                if getattr(self, "_gagar_patches_plan", None) is not plan:
+                st.tiles = tile_mirror(mirror, plan)
+                if st.patches_plan is not plan:
                     t2 = time.perf_counter()
-                    self._gagar_patches = patch_maps(self.model_runner, mirror, plan,
-                                                     self._gagar_pool, self._gagar_tiles)
-                    self._gagar_patches_plan = plan
+                    st.patches = patch_maps(self.model_runner, mirror, plan, st.pool, st.tiles)
+                    st.patches_plan = plan
                     out["probe_s"] = time.perf_counter() - t2
             elif todo is None:
-                self._gagar_tiles = {}
-        self._gagar_loaded = self._gagar_mirror_path = path
+                st.tiles = {}
+        st.loaded = st.mirror_path = path
         return {**out, "deltas": len(todo) if todo is not None else None, "changed": len(changed),
                 "read_s": t1 - t0, "reload_s": time.perf_counter() - t1}
 
@@ -135,25 +140,24 @@ class GagarWorkerExtension:
         engine only) up to date from the engine's kernel tensors."""
         from gagar_jax.rollout.vllm_patch import refresh
 
+        st = self._gagar_state()
         if names:          # before any delta is written into them
-            refresh(self.model_runner.model, self._gagar_patches["maps"], self._gagar_mirror,
-                    names)
-            self._gagar_stale -= names
+            refresh(self.model_runner.model, st.patches.maps, st.mirror, names)
+            st.stale -= names
 
-    def _gagar_plan_for(self, mirror: dict) -> dict:
+    def _gagar_plan_for(self, mirror: dict) -> FastApplyPlan:
         """The fast apply's plan (`plan_fast_apply`), traced once per engine; a model the
         trace fails on gets an empty plan (every change then goes to vLLM's reload)."""
         from gagar_jax.rollout.vllm_fast_apply import plan_fast_apply
 
-        plan = getattr(self, "_gagar_plan", None)
-        if plan is None or set(plan["names"]) != set(mirror):
+        st = self._gagar_state()
+        if st.plan is None or set(st.plan.names) != set(mirror):
             try:
                 plan = plan_fast_apply(self.model_runner.model, mirror)
             except Exception as e:  # any loader the trace cannot follow
-                plan = {"dest": {}, "feeds": {}, "program": {}, "layout": {}, "slow": [],
-                        "error": repr(e)}
-            self._gagar_plan = {**plan, "names": sorted(mirror)}
-        return self._gagar_plan
+                plan = FastApplyPlan(error=repr(e))
+            st.plan = dataclasses.replace(plan, names=sorted(mirror))
+        return st.plan
 
     def gagar_weights_digest(self) -> dict:
         """name -> sha1 of every parameter and buffer of the model, and of every packed linear's
@@ -165,7 +169,7 @@ class GagarWorkerExtension:
 
     def gagar_loaded(self) -> str:
         """The directory the last gagar reload read ("" before any)."""
-        return getattr(self, "_gagar_loaded", "")
+        return self._gagar_state().loaded
 
     def gagar_capture_routes(self, enable: bool = True) -> int:
         """Starts (or stops) recording the selected expert ids of every MoE layer.

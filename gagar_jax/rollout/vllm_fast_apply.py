@@ -15,12 +15,15 @@ does per layer. What the trace cannot follow goes to vLLM's reload (`reload_tens
 `gagar_weights_digest` hashes every tensor and packed linear's output: the fast apply equals a
 full reload in it (tests/test_vllm.py).
 
-Like the extension, it imports no JAX and vLLM only inside functions.
+Like the extension, it imports no JAX and vLLM only inside functions; the private torch and vLLM
+APIs it needs are `vllm_internals`'.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from gagar_jax.rollout import vllm_internals as internals
+from gagar_jax.rollout.vllm_plans import FastApplyPlan, PatchMaps
 from gagar_jax.rollout.vllm_reload import (
     expert_modules,
     process_module,
@@ -31,29 +34,12 @@ from gagar_jax.rollout.vllm_reload import (
 from gagar_jax.rollout.vllm_tiles import contiguous, retile
 
 
-def _layerwise() -> Any:
-    """vLLM's layerwise-reload helpers the fast apply shares with vLLM's own reload (0.32)."""
-    from types import SimpleNamespace
-
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    from vllm.model_executor.model_loader.reload import meta, utils
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-    return SimpleNamespace(info=get_layerwise_info, to_meta=meta.restore_layer_on_meta,
-                           skip=meta.SKIP_TENSORS,
-                           tensors=utils.get_layer_tensors, kernel=utils.get_layer_params_buffers,
-                           deferred=is_deferred_attention_layer)
-
-
-def _storage(t: Any) -> int:
-    return t.untyped_storage()._cdata
-
-
 def _unload(modules: dict, lw: Any) -> dict:
     """Puts `modules` (name -> module) back in checkpoint format on the meta device, as vLLM's
     reload does; returns name -> (their kernel tensors, non-persistent buffer names)."""
     saved = {}
     for name, m in modules.items():
-        saved[name] = (lw.kernel(m), set(m._non_persistent_buffers_set))
+        saved[name] = (lw.kernel(m), set(internals.non_persistent_buffers(m)))
         lw.to_meta(m, lw.info(m))
         for t in lw.tensors(m).values():     # a reload by vLLM leaves its loader wrappers on
             loader = getattr(t, "weight_loader", None)
@@ -71,7 +57,7 @@ def _place(m: Any, kernel: tuple, lw: Any, copy_back: set | None) -> None:
         for name, p in params.items():
             p.data.copy_(getattr(m, name))
         for name, b in buffers.items():
-            if name in m._buffers and (name not in non_persistent or name in copy_back):
+            if internals.has_buffer(m, name) and (name not in non_persistent or name in copy_back):
                 b.data.copy_(getattr(m, name))
     for name in lw.tensors(m):
         delattr(m, name)
@@ -86,14 +72,14 @@ def _view(t: Any, base: Any) -> tuple:
     return t.storage_offset() - base.storage_offset(), tuple(t.shape), tuple(t.stride())
 
 
-def plan_fast_apply(model: Any, tensors: dict) -> dict:
+def plan_fast_apply(model: Any, tensors: dict) -> FastApplyPlan:
     """The copies vLLM's loaders make for each checkpoint tensor, found once per engine by
     running the model's own `load_weights` over every tensor with every module in checkpoint
     format on the meta device (as vLLM's reload counts elements) and tracing every op on a
     module's tensors.
 
-    Returns {"dest": {name: [modules]}, "feeds": {module: [names]}, "program": {module:
-    [(attr, dst view, name, src view or fill value)]}, "slow": [modules]}. `slow` modules are
+    Returns the `FastApplyPlan` (`dest`: name -> modules, `feeds`: module -> names, `program`:
+    module -> [(attr, dst view, name, src view or fill value)], `slow`). `slow` modules are
     left to vLLM's reload: one written by anything but a copy of a view of the tensor being
     loaded or a fill (a loader that buffers or converts), or written in a kernel tensor vLLM
     does not restore
@@ -102,9 +88,8 @@ def plan_fast_apply(model: Any, tensors: dict) -> dict:
     weights), and every module fed by a name that also feeds one of those.
     """
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    lw = _layerwise()
+    lw = internals.layerwise()
     modules = dict(model.named_modules())
     shared, seen, real = set(), {}, {}
     for name, m in modules.items():
@@ -112,27 +97,27 @@ def plan_fast_apply(model: Any, tensors: dict) -> dict:
             if id(t) in seen:
                 shared.update((name, seen[id(t)]))
             seen.setdefault(id(t), name)
-            real[_storage(t)] = name
+            real[internals.storage_id(t)] = name
     saved = _unload(modules, lw)
-    owner = {_storage(t): (name, attr, t) for name, m in modules.items()
+    owner = {internals.storage_id(t): (name, attr, t) for name, m in modules.items()
              for attr, t in lw.tensors(m).items() if t.is_meta}
-    real.update({_storage(t): name for name, m in modules.items()
+    real.update({internals.storage_id(t): name for name, m in modules.items()
                  for t in lw.tensors(m).values() if not t.is_meta})
     dest, program, slow, impure, cur, layout = {}, {}, set(shared), set(), [None, None], {}
 
-    class Trace(TorchDispatchMode):
+    class Trace(internals.dispatch_mode()):
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                                kwargs: dict | None = None) -> Any:
             out = (kwargs or {}).get("out")
             first = out if isinstance(out, torch.Tensor) else (
                 args[0] if args and isinstance(args[0], torch.Tensor) else None)
-            key = _storage(first) if first is not None else None
+            key = internals.storage_id(first) if first is not None else None
             hit = owner.get(key)
             if hit is not None:
                 layout.setdefault(hit[0], {})[hit[1]] = (
                     tuple(hit[2].shape), tuple(hit[2].stride()), hit[2].dtype)
             if hit is not None and func is torch.ops.aten.copy_.default and cur[0] is not None \
-                    and _storage(args[1]) == _storage(cur[1]):
+                    and internals.storage_id(args[1]) == internals.storage_id(cur[1]):
                 dest.setdefault(cur[0], set()).add(hit[0])
                 program.setdefault(hit[0], []).append(
                     (hit[1], _view(first, hit[2]), cur[0], _view(args[1], cur[1])))
@@ -140,7 +125,8 @@ def plan_fast_apply(model: Any, tensors: dict) -> dict:
                 dest.setdefault(cur[0], set()).add(hit[0])     # padding rows (the vocab's)
                 program.setdefault(hit[0], []).append(
                     (hit[1], _view(first, hit[2]), None, float(args[1])))
-            elif (hit is not None or key in real) and (func._schema.is_mutable or out is not None):
+            elif (hit is not None or key in real) and (
+                    internals.is_mutating(func) or out is not None):
                 slow.add(hit[0] if hit is not None else real[key])
                 impure.add(cur[0])
             return func(*args, **(kwargs or {}))
@@ -163,7 +149,7 @@ def plan_fast_apply(model: Any, tensors: dict) -> dict:
         m = modules[name]
         params, buffers = lw.info(m).restore_metadata
         need = {a for a in params if a not in lw.skip} | {
-            a for a in buffers if a not in lw.skip and a not in m._non_persistent_buffers_set}
+            a for a in buffers if a not in lw.skip and a not in internals.non_persistent_buffers(m)}
         if lw.deferred(m) or not need <= {op[0] for op in ops}:
             slow.add(name)
     feeds = {}
@@ -176,14 +162,14 @@ def plan_fast_apply(model: Any, tensors: dict) -> dict:
         if not more:
             break
         slow |= more
-    return {"dest": {n: sorted(d) for n, d in dest.items()},
-            "feeds": {m: sorted(n) for m, n in feeds.items()}, "program": program,
-            "layout": layout, "slow": sorted(slow)}
+    return FastApplyPlan(dest={n: sorted(d) for n, d in dest.items()},
+                         feeds={m: sorted(n) for m, n in feeds.items()}, program=program,
+                         layout=layout, slow=sorted(slow))
 
 
-def fast_apply(model_runner: Any, mirror: dict, changed: set, plan: dict,
+def fast_apply(model_runner: Any, mirror: dict, changed: set, plan: FastApplyPlan,
                pool: dict | None = None, tiles: dict | None = None,
-               patches: dict | None = None, touched: dict | None = None,
+               patches: PatchMaps | None = None, touched: dict | None = None,
                stale: set | None = None) -> dict:
     """Brings the engine to the mirror (name -> Tensor, the new version) for the checkpoint
     tensors that `changed`. Those `patches` maps (`patch_maps`) are written element by element
@@ -206,11 +192,11 @@ def fast_apply(model_runner: Any, mirror: dict, changed: set, plan: dict,
 
     from gagar_jax.rollout.vllm_patch import patch, refresh
 
-    lw, pool, tiles = _layerwise(), {} if pool is None else pool, tiles or {}
-    maps = (patches or {}).get("maps", {})
+    lw, pool, tiles = internals.layerwise(), {} if pool is None else pool, tiles or {}
+    maps = patches.maps if patches is not None else {}
     retile(mirror, tiles, changed)
     model = model_runner.model
-    dest, slow = plan["dest"], set(plan["slow"])
+    dest, slow = plan.dest, set(plan.slow)
     is_fast = {n: bool(dest.get(n)) and not set(dest[n]) & slow for n in changed}
     patched = {n for n, ok in is_fast.items() if ok and n in maps}
     groups = {reload_group(n) for n, ok in is_fast.items() if not ok}
@@ -232,54 +218,53 @@ def fast_apply(model_runner: Any, mirror: dict, changed: set, plan: dict,
         for part in parts:
             out["tiled"] += _rebuild_part(model, part, mirror, plan, pool, lw, tiles, experts)
         out["repacked"] += sum(n in experts for n in rebuilt)
-        reprocess = sorted({m for n in patched for m in patches["reprocess"].get(n, ())})
+        reprocess = sorted({m for n in patched for m in patches.reprocess.get(n, ())})
         for name in reprocess:
             process_module(model.get_submodule(name))
     if parts or patched:
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if callable(getattr(model_runner, reset, None)):
                 getattr(model_runner, reset)()
-    fed = {n for m in rebuilt for n in plan["feeds"][m]}
+    fed = {n for m in rebuilt for n in plan.feeds[m]}
     return {**out, "rebuilt": rebuilt, "reloaded": out["tensors"] + len(fed),
             "patched": sorted({maps[n][0] for n in patched}), "patched_tensors": len(patched),
             "reprocessed": reprocess}
 
 
-def patch_maps(model_runner: Any, mirror: dict, plan: dict, pool: dict, tiles: dict) -> dict:
+def patch_maps(model_runner: Any, mirror: dict, plan: FastApplyPlan, pool: dict,
+               tiles: dict) -> PatchMaps:
     """The patch maps of every group of fast modules that qualifies (`vllm_patch.probe_part`),
     found once per engine after a full load; each probed group is rebuilt with the mirror's
-    weights afterwards (the engine is left as it was). Returns {"maps": {name: (module, attr,
-    base, pattern)}, "reprocess": {name: [modules]}, "parts": [groups patched], "bits":
-    {names whose kernel tensor holds their bits as they are}}; equal patterns are held once
-    (the experts of every layer share theirs)."""
+    weights afterwards (the engine is left as it was). Returns the `PatchMaps`; equal patterns
+    are held once (the experts of every layer share theirs)."""
     import torch
 
     from gagar_jax.rollout.vllm_patch import bit_copy, probe_part
 
-    lw, model = _layerwise(), model_runner.model
+    lw, model = internals.layerwise(), model_runner.model
     experts = _experts(model)
     sizes = {n: t.array.size for n, t in mirror.items()}
-    out, patterns = {"maps": {}, "reprocess": {}, "parts": [], "bits": set()}, {}
+    out, patterns = PatchMaps(), {}
     with torch.no_grad():
         for part in _components(plan):
             modules = {n: model.get_submodule(n) for n in part}
             held = sum(t.numel() for m in modules.values() for t in lw.tensors(m).values())
-            if held < sum(sizes[n] for m in part for n in plan["feeds"].get(m, ())):
+            if held < sum(sizes[n] for m in part for n in plan.feeds.get(m, ())):
                 continue       # a weight moved into a handle (oneDNN): no element to patch
             try:
                 got = probe_part(model, part, plan, sizes, lambda fill, part=part: _rebuild_part(
                     model, part, mirror, plan, pool, lw, {}, experts, fill), lw, patterns)
             except Exception as e:  # a processing the probe cannot run: rebuilt
                 got = None
-                out.setdefault("errors", {})[part[0]] = repr(e)
+                out.errors[part[0]] = repr(e)
             finally:
                 _rebuild_part(model, part, mirror, plan, pool, lw, tiles, experts)
             if got is not None:
-                out["maps"].update(got["maps"])
-                out["bits"] |= {n for n, (mod, attr, _, _) in got["maps"].items()
-                                if bit_copy(mirror[n], getattr(modules[mod], attr))}
-                out["reprocess"].update({n: got["reprocess"] for n in got["maps"]})
-                out["parts"].append(list(part))
+                out.maps.update(got.maps)
+                out.bits |= {n for n, (mod, attr, _, _) in got.maps.items()
+                             if bit_copy(mirror[n], getattr(modules[mod], attr))}
+                out.reprocess.update(got.reprocess)
+                out.parts.append(list(part))
     return out
 
 
@@ -288,8 +273,8 @@ def _experts(model: Any) -> dict:
     return {name: (mod, fused) for name, mod, fused in expert_modules(model)}
 
 
-def _rebuild_part(model: Any, part: tuple, mirror: dict, plan: dict, pool: dict, lw: Any,
-                  tiles: dict, experts: dict, fill: Any = None) -> int:
+def _rebuild_part(model: Any, part: tuple, mirror: dict, plan: FastApplyPlan, pool: dict,
+                  lw: Any, tiles: dict, experts: dict, fill: Any = None) -> int:
     """`_rebuild` of one group, then the re-pack of its fused experts (vLLM's reload skips it on
     CPU). Returns the number of tiles handed over."""
     handed = _rebuild(model, {n: model.get_submodule(n) for n in part}, mirror, plan, pool, lw,
@@ -301,10 +286,10 @@ def _rebuild_part(model: Any, part: tuple, mirror: dict, plan: dict, pool: dict,
     return handed
 
 
-def _components(plan: dict) -> list:
+def _components(plan: FastApplyPlan) -> list:
     """The fast modules in groups that must be loaded together (a tensor feeding several)."""
-    slow, group = set(plan["slow"]), {}
-    for mods in plan["dest"].values():
+    slow, group = set(plan.slow), {}
+    for mods in plan.dest.values():
         mods = [m for m in mods if m not in slow]
         merged = set(mods).union(*(group.get(m, ()) for m in mods))
         for m in merged:
@@ -312,7 +297,7 @@ def _components(plan: dict) -> list:
     return sorted({tuple(sorted(g)) for g in group.values()})
 
 
-def _rebuild(model: Any, modules: dict, mirror: dict, plan: dict, pool: dict, lw: Any,
+def _rebuild(model: Any, modules: dict, mirror: dict, plan: FastApplyPlan, pool: dict, lw: Any,
              tiles: dict, fill: Any = None) -> int:
     """One group of `fast_apply`: checkpoint format in the mirror's tiles (`tile_mirror`: the
     deltas already wrote there) or in buffers from `pool` (kept between modules and applies:
@@ -345,16 +330,16 @@ def _rebuild(model: Any, modules: dict, mirror: dict, plan: dict, pool: dict, lw
                     y.__class__, y.__dict__ = t.__class__, t.__dict__.copy()
                     setattr(m, attr, y)
             loaded[name] = fill(name, m) if fill is not None else _replay(
-                m, plan["program"][name], mirror, {a for mod, a in tiles if mod == name})
+                m, plan.program[name], mirror, {a for mod, a in tiles if mod == name})
         for name, m in modules.items():
             process_module(m)
             _place(m, saved.pop(name), lw, loaded[name])
     finally:
         for name, kernel in saved.items():    # only after a failure: the old weights back
             _place(modules[name], kernel, lw, None)
-    alone = torch._C._storage_Use_Count(torch.empty(1).untyped_storage()._cdata)
+    alone = internals.storage_use_count(torch.empty(1))
     for key, x in staged:
-        if torch._C._storage_Use_Count(x.untyped_storage()._cdata) == alone:
+        if internals.storage_use_count(x) == alone:
             pool.setdefault(key, []).append(x)
     return handed
 
@@ -407,15 +392,13 @@ def weights_digest(model: Any) -> dict:
         h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         return h.hexdigest()
 
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
     out = {n: sha(p) for n, p in model.named_parameters()}
     out.update({n: sha(b) for n, b in model.named_buffers()})
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, m in model.named_modules():
             fn, w = getattr(m, "cpu_linear", None), getattr(m, "weight", None)
-            shape = get_layerwise_info(m).restore_metadata[0].get("weight", w)
+            shape = internals.layerwise_info(m).restore_metadata[0].get("weight", w)
             if fn is None or w is None or shape is None:
                 continue
             x = torch.randn(5, shape.shape[-1], generator=gen).to(w.dtype)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from gagar_jax.rollout.vllm_plans import FastApplyPlan, PatchMaps
 from gagar_jax.rollout.vllm_reload import process_module, torch_tensor
 
 _EXACT = ("torch.bfloat16", "torch.float16", "torch.float32")   # 1..256 exact in each
@@ -62,15 +63,15 @@ def _kernel(modules: dict, lw: Any) -> dict:
             if str(t.dtype) in _EXACT and t.numel() and t.is_contiguous()}
 
 
-def probe_part(model: Any, part: tuple, plan: dict, sizes: dict, rebuild: Any,
-               lw: Any, patterns: dict | None = None) -> dict | None:
+def probe_part(model: Any, part: tuple, plan: FastApplyPlan, sizes: dict, rebuild: Any,
+               lw: Any, patterns: dict | None = None) -> PatchMaps | None:
     """The patch maps of one group of modules loaded together (`_components`), or None when
     it does not qualify. `sizes`: element count of every checkpoint tensor. `rebuild(fill)`
     runs the group's processing (the fast apply's rebuild and re-pack) with its loader-layout
     tensors filled by `fill(module name, module)`; the caller rebuilds the real weights
-    afterwards. `patterns` (hash -> array) shares equal patterns between calls. Returns
-    {"maps": {name: (module, attr, base, pattern or None: contiguous)}, "reprocess": [modules
-    to re-process in place after a patch]}."""
+    afterwards. `patterns` (hash -> array) shares equal patterns between calls. Returns the
+    group's `PatchMaps` (`maps`: name -> (module, attr, base, pattern or None: contiguous);
+    `reprocess`: name -> the modules to re-process in place after a patch)."""
     import torch
 
     modules = {n: model.get_submodule(n) for n in part}
@@ -78,8 +79,8 @@ def probe_part(model: Any, part: tuple, plan: dict, sizes: dict, rebuild: Any,
         return None               # `patch` writes through numpy: host memory only
     spans, n_ids = {}, 0          # (module, attr) -> (first id, storage span, dtype)
     for name in part:
-        loaded = {op[0] for op in plan["program"].get(name, ())}
-        for attr, (shape, stride, dtype) in sorted(plan["layout"].get(name, {}).items()):
+        loaded = {op[0] for op in plan.program.get(name, ())}
+        for attr, (shape, stride, dtype) in sorted(plan.layout.get(name, {}).items()):
             if attr in loaded:
                 spans[(name, attr)] = (n_ids, _storage_numel(shape, stride), dtype)
                 n_ids += spans[(name, attr)][1]
@@ -131,7 +132,7 @@ def probe_part(model: Any, part: tuple, plan: dict, sizes: dict, rebuild: Any,
     after = {key: t.detach().reshape(-1) for key, t in _kernel(modules, lw).items()}
     if any(key not in after or not torch.equal(after[key], t) for key, t in runs[-1].items()):
         return None
-    return {"maps": maps, "reprocess": reprocess}
+    return PatchMaps(maps=maps, reprocess={n: reprocess for n in maps})
 
 
 def _identity(runs: list, spans: dict, rand: list) -> dict | None:
@@ -207,7 +208,7 @@ def _decode(runs: list, digits: int, n_ids: int, rand: Any) -> dict | None:
     return where if (count <= 1).all() else None
 
 
-def _maps(part: tuple, plan: dict, sizes: dict, spans: dict, where: dict, n_ids: int,
+def _maps(part: tuple, plan: FastApplyPlan, sizes: dict, spans: dict, where: dict, n_ids: int,
           patterns: dict) -> dict | None:
     """name -> (module, attr, base, pattern) for every checkpoint tensor feeding the part,
     through the plan's copies (checkpoint element -> loader id) and the decoded positions
@@ -220,10 +221,10 @@ def _maps(part: tuple, plan: dict, sizes: dict, spans: dict, where: dict, n_ids:
             pos, ids = where[key]
             kernel_of[ids], owner[ids] = pos, i
     maps = {}
-    for name in sorted({n for m in part for n in plan["feeds"].get(m, ())}):
+    for name in sorted({n for m in part for n in plan.feeds.get(m, ())}):
         src, ids, into = [], [], set()
         for mod in part:
-            for attr, dst, n, view in plan["program"].get(mod, ()):
+            for attr, dst, n, view in plan.program.get(mod, ()):
                 if n == name:
                     into.add((mod, attr))
                     src.append(_view_index(view))

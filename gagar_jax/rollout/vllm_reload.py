@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gagar_jax.rollout import vllm_internals as internals
+
 
 def expert_modules(model: Any) -> list:
     """Modules holding packed fused experts (vLLM's RoutedExperts: w13_weight + a kernel)."""
@@ -25,15 +27,7 @@ def process_module(m: Any) -> None:
     """Runs a module's `process_weights_after_loading` as vLLM's reload does after loading it
     (online-quantization flag reset first, TP status reconciled after): the oneDNN handle,
     sgl packing or fused-experts layout made from its current tensors."""
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-    qm = getattr(m, "quant_method", None)
-    if isinstance(qm, QuantizeMethodBase):
-        if hasattr(m, "_already_called_process_weights_after_loading"):
-            delattr(m, "_already_called_process_weights_after_loading")
-        qm.process_weights_after_loading(m)
-        if hasattr(m, "update_param_tp_status"):
-            m.update_param_tp_status()
+    internals.process_weights(m)
 
 
 def reload_group(name: str) -> str:

@@ -9,10 +9,11 @@ JAX, no vLLM).
 """
 from __future__ import annotations
 
+from gagar_jax.rollout.vllm_plans import FastApplyPlan
 from gagar_jax.rollout.vllm_reload import torch_tensor
 
 
-def tile_mirror(mirror: dict, plan: dict) -> dict:
+def tile_mirror(mirror: dict, plan: FastApplyPlan) -> dict:
     """Moves the mirror's tensors into the loader layout: for each kernel tensor of a fast
     module that the plan's copies tile in order (a fused qkv or gate/up, an experts' w13 or w2,
     an embedding with its padding filled), one flat array of that layout holds them, and the
@@ -26,14 +27,14 @@ def tile_mirror(mirror: dict, plan: dict) -> dict:
     import numpy as np
     import torch
 
-    uses = Counter(op[2] for ops in plan["program"].values() for op in ops if op[2] is not None)
-    slow, tiles = set(plan["slow"]), {}
-    for module, program in plan["program"].items():
+    uses = Counter(op[2] for ops in plan.program.values() for op in ops if op[2] is not None)
+    slow, tiles = set(plan.slow), {}
+    for module, program in plan.program.items():
         by_attr = {}
         for op in program:
             by_attr.setdefault(op[0], []).append(op)
         for attr, ops in by_attr.items():
-            shape, stride, dtype = plan["layout"][module][attr]
+            shape, stride, dtype = plan.layout[module][attr]
             srcs = [mirror.get(op[2]) for op in ops if op[2] is not None]
             if module in slow or stride != contiguous(shape) or not srcs or None in srcs:
                 continue

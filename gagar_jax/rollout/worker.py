@@ -1,19 +1,21 @@
-"""The rollout worker: vLLM samples groups of the policy `latest` names, a grader grades them, and
-the groups go into the learner's spool as feed records (docs/rollout.md). Runs in .venv-vllm.
+"""The rollout worker: an engine samples groups of the policy `latest` names, a grader grades them,
+and the groups go into the learner's spool as feed records (docs/rollout.md). With the default
+engine (vLLM) it runs in .venv-vllm.
 
     PYTHONPATH=. .venv-vllm/bin/python -m gagar_jax.rollout.worker --workdir runs/loop \\
         --tasks gagar_jax.rollout.example_task:tasks \\
         --grader gagar_jax.rollout.example_task:grade --n 8 --temperature 1.0 --top-p 1.0
 
-Per task: one group of `--n` completions (one engine request each, so that the router hook's
-rows belong to one completion), each with its behaviour log-probs (`--logprobs-mode`) and the
-experts every generated token was routed to; the grader's verdicts; one record with
-`policy_version` = the version the engine serves and `sampling` = the sampling parameters,
-written as an atomic shard. Between groups the worker re-reads `latest` and reloads in place
-when it moved (`vllm_extension.reload_latest`), so every group comes from one policy version;
-once the learner publishes deltas (`train.publish_full_every` > 1) it applies the chain instead
-(`vllm_extension.apply_latest`: only the deltas after the version it holds), and an engine
-started while `latest` is a delta loads the chain's full base first.
+The worker talks to its engine through `gagar_jax.rollout.engine.Engine` only: `--engine
+module:factory` (default `gagar_jax.rollout.vllm_engine:make`, loaded by name, so this module
+imports no engine) builds it on the version `latest` names. Per task: one request for a group of
+`--n` completions sharing the prompt (sample j seeded `seed + j`), each with its behaviour
+log-probs (`--logprobs-mode`) and the experts every generated token was routed to; the grader's
+verdicts; one record with `policy_version` = the version the engine serves and `sampling` = the
+sampling parameters, written as an atomic shard. Between groups the worker re-reads `latest`
+and moves the engine to it when it moved (`Engine.sync`: a reload in place, or once the learner
+publishes deltas (`train.publish_full_every` > 1) only the deltas after the version it holds),
+so every group comes from one policy version.
 With `--mixed-per-version M` / `--groups-per-version G` it waits for a new version after M
 mixed / G groups at the current one (bounded staleness, and no flood of uniform groups once
 the policy solves the task: the learner trains `feed.groups_per_batch` mixed groups per step);
@@ -23,6 +25,7 @@ SIGTERM / SIGINT end it after the group in flight. Imports no JAX.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -35,15 +38,11 @@ from collections.abc import Callable
 from gagar_jax.rollout import delta
 from gagar_jax.rollout import engine as engine_lib
 from gagar_jax.rollout.feed_writer import SpoolWriter, group_record
-from gagar_jax.rollout.pointer import read_latest, read_manifest
-from gagar_jax.rollout.vllm_extension import apply_latest, reload_latest
+from gagar_jax.rollout.pointer import read_latest
+
+DEFAULT_ENGINE = "gagar_jax.rollout.vllm_engine:make"
 
 log = logging.getLogger("gagar_jax.rollout.worker")
-
-
-def is_delta(path: str) -> bool:
-    """Whether the published version `path` is a delta (its manifest's `kind`)."""
-    return (read_manifest(path) or {}).get("kind") == "delta"
 
 
 class UsageError(ValueError):
@@ -102,6 +101,7 @@ def run(args: argparse.Namespace) -> dict:
         raise UsageError(f"--n must be >= 1, got {args.n}")
     tasks = load_callable(args.tasks, "--tasks")(args.seed)
     grader = load_callable(args.grader, "--grader")
+    factory = load_callable(args.engine, "--engine")
     try:
         spec = engine_lib.SamplingSpec(temperature=args.temperature, top_p=args.top_p,
                                        top_k=args.top_k, max_tokens=args.max_tokens,
@@ -112,27 +112,31 @@ def run(args: argparse.Namespace) -> dict:
     ptr = wait_latest(args.workdir, stop, args.wait_s)
     if ptr is None:
         raise SystemExit(f"nothing published under {args.workdir} after {args.wait_s} s")
-    chained = is_delta(ptr["path"])       # a delta directory is no checkpoint: start on its base
-    llm = engine_lib.make_llm(delta.chain(ptr["path"])[0] if chained else ptr["path"],
-                              seed=args.seed, max_model_len=args.max_model_len,
-                              logprobs_mode=args.logprobs_mode)
-    if chained:
-        ptr = apply_latest(llm, args.workdir)
-    version, mixed_here, groups_here, capped_since = int(ptr["policy_version"]), 0, 0, None
+    options = engine_lib.EngineOptions(seed=args.seed, max_model_len=args.max_model_len,
+                                       logprobs_mode=args.logprobs_mode,
+                                       routing=not args.no_routing)
+    built = factory(ptr["path"], options)
+    try:
+        engine = engine_lib.check_engine(built, args.engine)
+    except TypeError as e:
+        raise UsageError(f"--engine {e}") from e
+    version, mixed_here, groups_here, capped_since = engine.version, 0, 0, None
     writer = SpoolWriter(args.spool or os.path.join(args.workdir, "spool"), args.writer_id)
     log_path = args.log or os.path.join(args.workdir, "rollout", f"{args.writer_id}.jsonl")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     counts = dict(groups=0, mixed=0, passes=0, completions=0, reloads=0, grader_errors=0)
-    with open(log_path, "a") as logf:
+    with open(log_path, "a") as logf, contextlib.closing(engine):    # close() on any exit
         while not stop.requested and (not args.max_groups or counts["groups"] < args.max_groups):
             ptr = read_latest(args.workdir)
             if ptr is not None and int(ptr["policy_version"]) != version:
                 t0 = time.perf_counter()
                 try:
-                    chained = chained or is_delta(ptr["path"])
-                    info = (apply_latest if chained else reload_latest)(llm, args.workdir)
+                    info = engine.sync(args.workdir)
                 except (FileNotFoundError, delta.ChainError) as e:   # pruned under us: again
                     log.warning("reload failed (%s); retrying", e)
+                    continue
+                if info is None:          # the same directory under another version number
+                    version = int(ptr["policy_version"])
                     continue
                 version = int(info["policy_version"])
                 mixed_here, groups_here, capped_since = 0, 0, None
@@ -155,16 +159,18 @@ def run(args: argparse.Namespace) -> dict:
                 continue
             task = next(tasks)
             t0 = time.perf_counter()
-            comps = [engine_lib.sample(llm, task["prompt"], spec, routing=not args.no_routing,
-                                       seed=args.seed * 1_000_003 + counts["completions"] + j)
-                     for j in range(args.n)]
+            [comps] = engine.generate([engine_lib.Request(
+                task["prompt"], spec, seed=args.seed * 1_000_003 + counts["completions"],
+                n=args.n)])
+            engine.cancel([c.sequence for c in comps])       # single turn: nothing continues
             counts["completions"] += args.n
             try:
                 verdicts, status, evidence = normalize_grades(
                     grader(task, [c.tokens for c in comps]), args.n)
                 rec = group_record(f"{args.writer_id}-{task['task_id']}-v{version}",
                                    task["task_id"], version, task["prompt"], comps, verdicts,
-                                   grader=args.grader, sampling=spec.record(), evidence=evidence,
+                                   grader=args.grader, sampling=spec.record(engine.name),
+                                   evidence=evidence,
                                    grading_ok=status == "ok")
             except Exception as e:  # a grader bug skips the group, loudly
                 counts["grader_errors"] += 1
@@ -193,6 +199,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", required=True, help="the learner's workdir (published/latest)")
     p.add_argument("--spool", default="",
                    help="the learner's feed.spool_dir (default WORKDIR/spool)")
+    p.add_argument("--engine", default=DEFAULT_ENGINE,
+                   help="module:factory(path, EngineOptions) -> an engine (rollout/engine.py)")
     p.add_argument("--tasks", default="gagar_jax.rollout.example_task:tasks",
                    help="module:function(seed) -> iterator of {'task_id', 'prompt'}")
     p.add_argument("--grader", default="gagar_jax.rollout.example_task:grade",

@@ -1,13 +1,15 @@
-"""vLLM side of tests/test_vllm.py (runs in .venv-vllm; no JAX): one engine, three weight sets.
+"""vLLM side of tests/test_vllm.py and tests/test_engine_conformance.py (runs in .venv-vllm; no
+JAX): one engine per family, three weight sets, then the conformance scenario on the same engine.
 
     .venv-vllm/bin/python tests/support/vllm_parity_driver.py SPEC.json OUT.json
 
-SPEC: {name: {"workdir", "step1", "step2", "prompt", "gen", "delta"?}}; `latest` names step2.
-Each engine starts on step 2 (a fresh load), then reloads step 1 in place, then `latest` (step 2)
-again. For each: the greedy tokens, their log-probs, the prompt log-probs and the captured
-routing [rows][L][K]. With "delta" ({"base", "delta", "full"}): then the chain's base and its
-delta applied (`gagar_apply_version`), against a full reload of the delta's step (answers and
-`gagar_weights_digest`).
+SPEC: {name: {"workdir", "step1", "step2", "prompt", "gen", "delta"?, "prompt_b"?}}; `latest`
+names step2. Each engine (`vllm_engine.make`) starts on step 2 (a fresh load), then reloads
+step 1 in place, then `latest` (step 2) again. For each: the greedy tokens, their log-probs, the
+prompt log-probs and the captured routing [rows][L][K]. With "delta" ({"base", "delta",
+"full"}): then the chain's base and its delta applied (`gagar_apply_version`), against a full
+reload of the delta's step (answers and `gagar_weights_digest`). With "prompt_b": then
+`engine_scenario.run` through the engine interface (it moves back to step 2 first).
 """
 import json
 import sys
@@ -16,7 +18,7 @@ import sys
 def greedy(llm, prompt, gen):
     from vllm import SamplingParams
 
-    from gagar_jax.rollout.engine import routes_array
+    from gagar_jax.rollout.vllm_engine import routes_array
     sp = SamplingParams(temperature=0.0, max_tokens=gen, logprobs=1, prompt_logprobs=1,
                         detokenize=False, ignore_eos=True)
     llm.collective_rpc("gagar_capture_routes", args=(True,))
@@ -32,10 +34,12 @@ def greedy(llm, prompt, gen):
 def one(spec):
     import time
 
-    from gagar_jax.rollout.engine import make_llm
+    from gagar_jax.rollout.engine import EngineOptions
+    from gagar_jax.rollout.vllm_engine import make
     from gagar_jax.rollout.vllm_extension import reload_latest
     t0 = time.perf_counter()
-    llm = make_llm(spec["step2"], max_model_len=64, seed=0)
+    engine = make(spec["step2"], EngineOptions(seed=0, max_model_len=64))
+    llm = engine.llm
     res = {"start_s": time.perf_counter() - t0}
     res["fresh"] = greedy(llm, spec["prompt"], spec["gen"])
     res["reload_info_1"] = llm.collective_rpc("gagar_reload_from", args=(spec["step1"],))[0]
@@ -48,7 +52,10 @@ def one(spec):
     res["reloaded"] = greedy(llm, spec["prompt"], spec["gen"])
     if "delta" in spec:
         res["delta"] = delta(llm, spec)
-    return llm, res
+    if "prompt_b" in spec:
+        import engine_scenario
+        res["scenario"] = engine_scenario.run(engine, spec)
+    return engine, res
 
 
 def delta(llm, spec):
@@ -92,19 +99,10 @@ def _against_full(llm, spec, full, key):
 def main(spec_path, out_path):
     """SPEC.json holds {name: spec}: the engines run one after the other in this process (one
     import of vLLM), each shut down before the next starts."""
-    import gc
-
-    from vllm.distributed.parallel_state import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-    )
     out = {}
     for name, spec in json.load(open(spec_path)).items():
-        llm, out[name] = one(spec)
-        del llm
-        gc.collect()
-        destroy_model_parallel()
-        destroy_distributed_environment()
+        engine, out[name] = one(spec)
+        engine.close()
     json.dump(out, open(out_path, "w"))
 
 
