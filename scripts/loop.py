@@ -12,7 +12,9 @@ import json
 import os
 import shutil
 
-from gagar_jax.run.loop import run_loop
+from gagar_jax.run.loop import LoopPaths, run_loop
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main():
@@ -29,7 +31,8 @@ def main():
     for name, seed, lr in runs:
         wd = os.path.abspath(os.path.join(args.workdir, name))
         shutil.rmtree(wd, ignore_errors=True)
-        r = results[name] = run_loop(wd, seed=seed, steps=args.steps, learning_rate=lr)
+        r = results[name] = run_loop(wd, LoopPaths.of_checkout(REPO), seed=seed,
+                                     steps=args.steps, learning_rate=lr)
         print(f"== {name}: {r['wall_s']} s, {r['groups_sampled']} groups sampled")
         print("step  staleness(mean/max)  |dlogp| learner-vs-engine (mean/max)  loss")
         for m in r["per_step"]:

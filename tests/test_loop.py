@@ -9,10 +9,11 @@ import json
 import os
 
 import pytest
+from support.paths import REPO
 from support.vllm_env import vllm_python
 
 from gagar_jax.feed import schema
-from gagar_jax.run.loop import run_loop
+from gagar_jax.run.loop import LoopPaths, run_loop
 
 STEPS = 6
 
@@ -22,7 +23,7 @@ def loop(tmp_path_factory):
     vllm_python()                   # fails (never skips) without .venv-vllm
     wd = str(tmp_path_factory.mktemp("loop") / "run")
     # delta publishing (a full version every 3 publishes): the worker applies the chains
-    return wd, run_loop(wd, seed=0, steps=STEPS, timeout_s=400,
+    return wd, run_loop(wd, LoopPaths.of_checkout(REPO), seed=0, steps=STEPS, timeout_s=400,
                         learner_args=("--config.train.publish_full_every=3",))
 
 

@@ -1,6 +1,9 @@
 """The closed loop on one machine: the learner and a vLLM rollout worker as two processes.
 
-    report = run_loop(workdir, seed=0, steps=40)        # `make loop`, scripts/loop.py
+    paths = LoopPaths.of_checkout(repo)                 # config, .venv-vllm, the source root
+    report = run_loop(workdir, paths, seed=0, steps=40) # `make loop`, scripts/loop.py
+
+A library: every path comes from the caller (`LoopPaths`), none from this file's location.
 
 1. The initial policy: a Transformer from the config's model section with `seed`, saved in
    float32 as `<workdir>/init` (the learner's `train.init_from`) and published as version 0
@@ -14,6 +17,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -23,11 +27,33 @@ import sys
 import time
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONFIG = os.path.join(REPO, "configs", "tiny_vllm.py")
-VLLM_PYTHON = os.path.join(REPO, ".venv-vllm", "bin", "python")
 STEP_KEYS = ("loss", "feed/staleness_mean", "feed/staleness_max", "rollout/logp_abs_diff_mean",
              "rollout/logp_abs_diff_max", "rollout/kl", "rollout/is_weight_mean", "groups")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPaths:
+    """Where the loop's pieces live.
+
+    Attributes:
+      config: the learner's config file (its model section also builds the initial policy).
+      vllm_python: the interpreter of the vLLM environment (`make vllm`), which runs the worker.
+      source_root: the directory holding the `gagar_jax` package: both processes run there and
+        import it from there (the vLLM environment does not install the package).
+    """
+
+    config: str
+    vllm_python: str
+    source_root: str
+
+    @classmethod
+    def of_checkout(cls, root: str, config: str = os.path.join("configs", "tiny_vllm.py")
+                    ) -> LoopPaths:
+        """The paths of a source checkout at `root` (`config` relative to it unless absolute)."""
+        root = os.path.abspath(root)
+        return cls(config=os.path.join(root, config),
+                   vllm_python=os.path.join(root, ".venv-vllm", "bin", "python"),
+                   source_root=root)
 
 
 def publish_initial(cfg: Any, workdir: str, seed: int) -> str:
@@ -45,25 +71,31 @@ def publish_initial(cfg: Any, workdir: str, seed: int) -> str:
     return init
 
 
-def _env(extra: dict) -> dict:
+def _env(source_root: str, extra: dict) -> dict:
     env = {**os.environ, **extra}
-    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = source_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
+                                       else "")
     return env
 
 
-def run_loop(workdir: str, *, seed: int = 0, steps: int = 40, learning_rate: float | None = None,
-             config: str = CONFIG, worker_args: tuple = (), learner_args: tuple = (),
-             timeout_s: float = 1800.0) -> dict:
+def run_loop(workdir: str, paths: LoopPaths, *, seed: int = 0, steps: int = 40,
+             learning_rate: float | None = None, worker_args: tuple = (),
+             learner_args: tuple = (), timeout_s: float = 1800.0) -> dict:
     """Runs learner and worker until the learner has trained `steps` steps; returns the report.
 
     Args:
       workdir: a fresh directory (the learner's workdir; the spool and the worker's log inside).
+      paths: the config, the vLLM interpreter and the source root (`LoopPaths`).
       learning_rate: overrides optim.learning_rate (0: the frozen-policy control).
       worker_args, learner_args: extra flags for the worker / `--config.KEY=VALUE` overrides.
+      timeout_s: the learner is killed after this long.
+    Returns:
+      `report(workdir, steps)` plus seed, learning_rate and wall_s (also loop_report.json).
     """
     from gagar_jax.config import load_config_file
-    if not os.access(VLLM_PYTHON, os.X_OK):
-        raise FileNotFoundError(f"{VLLM_PYTHON} is missing: run `make vllm`")
+    config = paths.config
+    if not os.access(paths.vllm_python, os.X_OK):
+        raise FileNotFoundError(f"{paths.vllm_python} is missing: run `make vllm`")
     os.makedirs(workdir, exist_ok=True)
     cfg = load_config_file(config)
     init = publish_initial(cfg, workdir, seed)
@@ -76,20 +108,20 @@ def run_loop(workdir: str, *, seed: int = 0, steps: int = 40, learning_rate: flo
                    f"--config.feed.spool_dir={spool}", *learner_args]
     if learning_rate is not None:
         learner_cmd.append(f"--config.optim.learning_rate={learning_rate}")
-    worker_cmd = [VLLM_PYTHON, "-m", "gagar_jax.rollout.worker", f"--workdir={workdir}",
+    worker_cmd = [paths.vllm_python, "-m", "gagar_jax.rollout.worker", f"--workdir={workdir}",
                   f"--spool={spool}", f"--seed={seed}",
                   f"--mixed-per-version={2 * cfg.feed.groups_per_batch}",
                   f"--groups-per-version={4 * cfg.feed.groups_per_batch}", "--stall-s=20",
                   f"--max-tokens={cfg.loss.max_response_len}", *worker_args]
     t0 = time.perf_counter()
-    worker = subprocess.Popen(worker_cmd, cwd=REPO, stdout=logs["worker"], stderr=subprocess.STDOUT,
-                              env=_env({"VLLM_CPU_KVCACHE_SPACE": "1",
-                                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                                        # beside the learner: no thread pinned to one core
-                                        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                                        "OMP_NUM_THREADS": "1"}))
-    learner = subprocess.Popen(learner_cmd, cwd=REPO, stdout=logs["learner"],
-                               stderr=subprocess.STDOUT, env=_env({"JAX_PLATFORMS": "cpu"}))
+    root = paths.source_root
+    worker_env = _env(root, {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                             # beside the learner: no thread pinned to one core
+                             "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
+    worker = subprocess.Popen(worker_cmd, cwd=root, stdout=logs["worker"],
+                              stderr=subprocess.STDOUT, env=worker_env)
+    learner = subprocess.Popen(learner_cmd, cwd=root, stdout=logs["learner"],
+                               stderr=subprocess.STDOUT, env=_env(root, {"JAX_PLATFORMS": "cpu"}))
     try:
         rc = learner.wait(timeout=timeout_s)
     finally:

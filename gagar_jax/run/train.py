@@ -33,18 +33,14 @@ from etils import epath
 from flax import nnx
 from ml_collections import ConfigDict
 
-from gagar_jax.algo.advantage import GroupOutcomes
-from gagar_jax.algo.step_metrics import StepMetrics
-from gagar_jax.batch import Batch
 from gagar_jax.config import ConfigError, TrainConfig
-from gagar_jax.distributed import is_primary
-from gagar_jax.feed.batcher import BatchInfo, Feed, make_source
+from gagar_jax.distributed import broadcast_from_process0, is_primary
+from gagar_jax.feed.batcher import Feed, make_source
 from gagar_jax.feed.config import FeedConfig
-from gagar_jax.feed.multihost import broadcast_from_process0
 from gagar_jax.feed.packing import global_shapes, make_global_batch
 from gagar_jax.run import init_weights, publish, resume, workdir_lock
 from gagar_jax.run import metrics as metrics_lib
-from gagar_jax.run.checkpoint import Checkpointer, NoReadableCheckpoint
+from gagar_jax.run.checkpoint import Checkpointer
 from gagar_jax.run.startup import check_hf_dir, check_layout, check_run
 from gagar_jax.run.step import StepConfig, init_train_state, make_train_step
 from gagar_jax.sharding import batch_shardings, make_mesh, process_row_block
@@ -112,61 +108,6 @@ class _Preemption:
 def _abstract(state: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         state, shardings)
-
-
-class _StepLog:
-    """Host-side bookkeeping of finished steps: ledger counts, audit log, metrics, summary."""
-
-    def __init__(self, feed: Feed, writer: metrics_lib.MetricsWriter,
-                 progress: metrics_lib.Progress, log_every: int):
-        self.feed, self.writer, self.progress, self.log_every = feed, writer, progress, log_every
-        self.losses, self.lam_means, self.lam_max = [], [], 0.0
-        self.tokens = 0
-        self.rates = []           # per-step tokens/s (the first one includes compilation)
-        self.skipped = 0
-        self.t_last = time.perf_counter()
-
-    def finish_step(self, step: int, info: BatchInfo, batch_np: Batch,
-                    device_metrics: StepMetrics) -> metrics_lib.HostMetrics:
-        host_metrics = jax.device_get(device_metrics)   # one transfer; to_host then copies nothing
-        m = metrics_lib.to_host(step, host_metrics)
-        a, audit, n = m.arrays, host_metrics.audit, info.num_groups
-        self.feed.record_trained(info.group_ids, audit.fallback_G[:n].tolist(),
-                                 audit.capped_G[:n].tolist())
-        self.writer.write_groups(metrics_lib.group_records(
-            step, info, GroupOutcomes.of_batch(batch_np), audit))
-        s = dict(m.scalars)
-        load_LxE = a.get("expert_load_LxE")
-        if load_LxE is not None and load_LxE.size:
-            # Balance per MoE layer: max and min expert load over the mean (1 = balanced).
-            ratio = load_LxE / np.maximum(load_LxE.mean(axis=-1, keepdims=True), 1e-12)
-            s["expert_load/max_over_mean"] = float(ratio.max())
-            s["expert_load/min_over_mean"] = float(ratio.min())
-        now = time.perf_counter()
-        tok_s = info.num_tokens / max(now - self.t_last, 1e-9)
-        self.t_last = now
-        self.tokens += info.num_tokens
-        self.rates.append(tok_s)
-        self.losses.append(s["loss"])
-        self.lam_means.append(s["lam_mean"])
-        self.lam_max = max(self.lam_max, s["lam_max"])
-        self.skipped += int(s["skipped"])
-        if not m.finite or s["skipped"] > 0:
-            log.warning("step %d: non-finite values %s; %d optimizer update(s) skipped",
-                        step, list(m.nonfinite), int(s["skipped"]))
-        if n:   # the batch was drawn at learner step `step - 1` (docs/feed.md, staleness)
-            stale = [step - 1 - v for v in info.policy_versions[:n]]
-            s["feed/staleness_mean"] = float(np.mean(stale))
-            s["feed/staleness_max"] = float(max(stale))
-        if step % self.log_every == 0:
-            self.writer.write(step, {**s, "feed/packing_efficiency": info.packing_efficiency,
-                                     "feed/ahead_of_learner": info.counts.get(
-                                         "ahead_of_learner", 0),
-                                     "perf/tokens_per_s": tok_s})
-        self.writer.flush()       # every step: a crash loses no finished step's lines
-        self.progress.update(1, tokens_per_s=tok_s, loss=s["loss"], lam=s["lam_mean"],
-                             groups=int(s["groups"]))
-        return m
 
 
 def run(cfg: Any, workdir: str, *, source: Any = None, start_fresh: bool = False
@@ -241,7 +182,7 @@ class _Run:
     publisher: publish.Publisher
     writer: metrics_lib.MetricsWriter
     progress: Any
-    steplog: _StepLog
+    steplog: metrics_lib.StepLog
     cfg_json: dict
     step: int
     start_step: int
@@ -299,45 +240,39 @@ def _setup(
     ckpt = res.ckpt = Checkpointer(str(wd / "checkpoints"),
                                    save_interval_steps=rc.train.checkpoint_every,
                                    max_to_keep=rc.train.keep_checkpoints)
-    latest = ckpt.latest_step()
-    fresh = latest is None
 
-    def check_outside():
-        # Outside weights apply to a fresh run only: a resume restores the checkpoint and
-        # never reads init_from / reference_from (they may be gone, or changed, by then).
+    def check_outside():      # what a fresh run reads: the outside weights
         for key, path in (("train.init_from", rc.train.init_from),
                           ("train.reference_from", rc.train.reference_from)):
             if path:
                 check_hf_dir(path, key, model_cfg, rc.feed)
 
-    if fresh:
-        check_outside()
-    else:   # a config of another train state: exit 2, before compiling or moving anything
-        resume.check_config(ckpt.saved_config(latest), cfg_json, latest, ckpt.directory)
+    has_ckpt = resume.check_launch(ckpt, cfg_json, check_outside)
     state, graphdef, shardings = init_train_state(rc.step, mesh, jax.random.PRNGKey(rc.seed))
-    restored = None
-    if not fresh:
-        try:
-            restored = ckpt.restore(_abstract(state, shardings))
-        except NoReadableCheckpoint as e:     # all damaged (moved aside): maybe a fresh start
-            log.warning("%s; every step was moved aside as unreadable", e)
-            fresh = True
-            check_outside()
+    restored = resume.restore_or_fresh(ckpt, _abstract(state, shardings), workdir,
+                                       has_checkpoint=has_ckpt, start_fresh=start_fresh,
+                                       check_fresh=check_outside)
+    fresh = restored is None
     if fresh:
-        # Never train from step 0 over the audit lines of damaged checkpoints' steps.
-        resume.guard_fresh_start(workdir, ckpt.directory, start_fresh=start_fresh)
         state = init_weights.outside_weights(state, rc.train, rc.step, shardings)
-    elif start_fresh:
-        log.info("--start_fresh ignored: checkpoint step %d resumed", restored.step)
     if source is None:  # SIGTERM must also end an idle wait on a live spool
         source = make_source(rc.feed, process_count=pcount, stop=lambda: preemption.requested)
+    # Weights published beyond the restored step (a kill after a publish, before the next
+    # checkpoint) are rollout engines' newest version: their groups are not from the future.
+    published = max(publish.published_steps(workdir), default=-1) if not fresh else -1
+    if pcount > 1:
+        published = int(broadcast_from_process0(published))
+    run: Optional[_Run] = None
     feed = Feed(rc.feed, workdir, vocab_size=model_cfg.vocab_size,
                 num_moe_layers=model_cfg.num_moe_layers, top_k=model_cfg.top_k,
                 num_experts=model_cfg.num_experts, source=source, process_index=pidx,
-                process_count=pcount, rows=rows, cols=cols)
-    # SIGTERM while a batch is still filling: keep its groups for the next run, never train an
-    # undersized batch (a preempted run must equal an uninterrupted one).
-    feed.stopped = lambda: preemption.requested
+                process_count=pcount, rows=rows, cols=cols, published_version=published,
+                # an idle feed: show the finished step now (`run` is built below)
+                on_idle=lambda: run.drain() if run is not None else None,
+                # SIGTERM while a batch is still filling: keep its groups for the next run,
+                # never train an undersized batch (a preempted run must equal an
+                # uninterrupted one).
+                stopped=lambda: preemption.requested)
     audit = None
     if restored is not None:
         state = restored.state
@@ -346,13 +281,7 @@ def _setup(
         log.info("resumed from checkpoint step %d in %s", restored.step, ckpt.directory)
         if audit is None:
             log.info("checkpoint has no audit-log positions: appending without truncating")
-
     step = int(jax.device_get(state.step))
-    # Weights published beyond the restored step (a kill after a publish, before the next
-    # checkpoint) are rollout engines' newest version: their groups are not from the future.
-    published = max(publish.published_steps(workdir), default=-1) if not fresh else -1
-    feed.published_version = (int(broadcast_from_process0(published)) if pcount > 1
-                              else published)
     publisher = publish.Publisher(workdir, keep=rc.train.keep_published,
                                   dtype=rc.train.publish_dtype, init_from=rc.train.init_from,
                                   min_positions=rc.feed.seq_len,
@@ -364,9 +293,8 @@ def _setup(
     progress = res.progress = metrics_lib.Progress(total=rc.train.steps, initial=step)
     run = _Run(rc=rc, workdir=wd, mesh=mesh, state=state, graphdef=graphdef, shardings=shardings,
                feed=feed, ckpt=ckpt, publisher=publisher, writer=writer, progress=progress,
-               steplog=_StepLog(feed, writer, progress, rc.train.log_every),
+               steplog=metrics_lib.StepLog(feed, writer, progress, rc.train.log_every),
                cfg_json=cfg_json, step=step, start_step=step)
-    feed.on_idle = run.drain        # an idle feed: show the finished step now
     return run
 
 
