@@ -70,6 +70,9 @@ def get_config() -> ml_collections.ConfigDict:
     t.checkpoint_every = 2          # orbax save interval, in steps
     t.keep_checkpoints = 3          # keep the last K checkpoints
     t.publish_every = 0             # publish HF-format weights every N steps (0 = never)
+    # with publish_every > 0: publish the initial policy as version 0 before a fresh run's first
+    # step, so rollout workers have weights to sample the first groups with (never on a resume)
+    t.publish_initial = True
     t.keep_published = 2            # keep the last K published weight sets
     t.publish_dtype = "bfloat16"    # published weights' dtype (router + its bias stay fp32 in MiMo)
     # K: every K-th publish is full, the K - 1 between are deltas (only the elements that changed

@@ -31,6 +31,8 @@ class TrainConfig:
     checkpoint_every: int      # orbax save interval in steps (0 = only at the end / on SIGTERM)
     keep_checkpoints: int      # keep the last K checkpoints
     publish_every: int         # publish HF weights every N steps (0 = never)
+    publish_initial: bool      # with publish_every > 0: publish the initial policy as version 0
+                               # before a fresh run's first step (rollout workers wait for it)
     keep_published: int        # keep the last K published weight sets
     publish_dtype: str         # dtype of published weights ("bfloat16" | "float32" | "float16")
     publish_full_every: int    # K: a full version every K publishes, deltas between (1 = no deltas)

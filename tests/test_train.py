@@ -21,6 +21,7 @@ from support.trainer_runs import (
     cmd,
     env,
     ledger_adds_up,
+    output_path,
     run,
     shared_reference,
     start,
@@ -54,6 +55,30 @@ def test_end_to_end_on_sample_feed(reference):
             assert abs(sum(adv)) < 1e-4
     assert os.path.isdir(workdir / "tensorboard")
     assert len(summary["params_sha256"]) == 64 and summary["params_l2"] > 0
+
+
+def test_cli_output_is_short_and_ends_with_the_summary_block(reference):
+    """Quiet by default: no orbax INFO lines, the progress bar is one line (carriage returns),
+    and the run ends with the plain summary block (its numbers from summary.json)."""
+    workdir, summary = reference
+    out = open(output_path(workdir)).read()
+    lines = out.splitlines()
+    assert len(lines) <= 40, out
+    assert not any(w in out for w in ("orbax", "Failed to get flag", "Traceback", "[process="))
+    block = out[out.index("gagar-train: done:"):].splitlines()
+    led = summary["ledger"]
+    assert block[0] == f"gagar-train: done: {STEPS} steps ({STEPS} this run)"
+    assert block[1].split()[:4] == ["groups", "received", f"{led['received']}:", "trained"]
+    assert f"trained {led['trained']}, uniform {led['filtered_uniform']}" in block[1]
+    assert f"quarantined {led['quarantined']} (dead-lettered {summary['dead_lettered']})" \
+        in block[1] and block[1].endswith("ledger balanced")
+    assert block[2] == (f"  tokens/s   {summary['tokens_per_s_steady']:,.0f} steady, "
+                        f"{summary['tokens_per_s']:,.0f} with compilation "
+                        f"({summary['wall_s']:.1f} s)")
+    assert f"workdir    {workdir}" in out and f"{workdir}/metrics.jsonl" in out
+    assert f"tensorboard --logdir {workdir}/tensorboard" in out
+    assert "published  none (train.publish_every = 0)" in out
+    assert block == lines[-len(block):]           # the block is the end of the output
 
 
 def test_sigkill_then_resume_is_bit_identical(reference, tmp_path):

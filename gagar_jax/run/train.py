@@ -4,8 +4,8 @@
 
 One step consumes one feed batch. The loop dispatches step N+1 before it reads step N's metrics
 (so the host never waits on the device for logging), saves the train state together with the
-feed position (exact resume), writes a checkpoint and exits 0 on SIGTERM (preemption), and ends
-when `train.steps` are done or a finite feed is exhausted.
+feed position (exact resume), writes a checkpoint and the summary on SIGTERM (preemption) or
+Ctrl-C (`preemption.py`), and ends when `train.steps` are done or a finite feed is exhausted.
 
 Before anything compiles, every cross-section rule is checked (`startup.py`; a `ConfigError`,
 exit 2 in the CLI). The checkpoint directory decides fresh run or resume first: `init_from` /
@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import signal
 import time
 from typing import Any, Optional
 
@@ -41,6 +40,7 @@ from gagar_jax.feed.packing import global_shapes, make_global_batch
 from gagar_jax.run import init_weights, publish, resume, workdir_lock
 from gagar_jax.run import metrics as metrics_lib
 from gagar_jax.run.checkpoint import Checkpointer
+from gagar_jax.run.preemption import Preemption
 from gagar_jax.run.startup import check_hf_dir, check_layout, check_run
 from gagar_jax.run.step import StepConfig, init_train_state, make_train_step
 from gagar_jax.sharding import batch_shardings, make_mesh, process_row_block
@@ -67,42 +67,6 @@ class RunConfig:
             raise
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ConfigError(f"bad config: {e}") from e
-
-
-class _Preemption:
-    """SIGTERM (preemption notice) -> a checkpoint at a step every process agrees on.
-
-    One process: a Python SIGTERM handler sets a flag the loop reads after every step. Several
-    processes: JAX's preemption sync manager (coordination service, no device collective that
-    could interleave with the in-flight train step) picks the step; it owns SIGTERM itself.
-    """
-
-    def __init__(self):
-        self.requested = False
-        self._old = None
-        self._multi = False
-
-    def __enter__(self):
-        self._multi = jax.process_count() > 1
-        if not self._multi:
-            try:
-                self._old = signal.signal(signal.SIGTERM, self._handle)
-            except ValueError:  # not the main thread: no handler
-                self._old = None
-        return self
-
-    def _handle(self, signum: int, frame: Any):
-        self.requested = True
-
-    def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
-
-    def agreed(self, step: int) -> bool:
-        if not self._multi:
-            return self.requested
-        from jax.experimental import multihost_utils
-        return multihost_utils.reached_preemption_sync_point(step)
 
 
 def _abstract(state: Any, shardings: Any) -> Any:
@@ -132,8 +96,8 @@ def run(cfg: Any, workdir: str, *, source: Any = None, start_fresh: bool = False
     # One learner per workdir (the CLI took the lock already, before JAX started).
     if is_primary():
         workdir_lock.acquire(workdir)
-    # SIGTERM at any point of the run becomes a checkpoint and a clean exit.
-    with _Preemption() as preemption:
+    # SIGTERM or Ctrl-C at any point of the run becomes a checkpoint and a clean exit.
+    with Preemption() as preemption:
         return _run(cfg, workdir, source, preemption, start_fresh)
 
 
@@ -157,7 +121,7 @@ class _Resources:
                 pass
 
 
-def _run(cfg: Any, workdir: str, source: Any, preemption: _Preemption,
+def _run(cfg: Any, workdir: str, source: Any, preemption: Preemption,
          start_fresh: bool) -> Optional[dict]:
     """`run` with the SIGTERM flag installed and background writers stopped on failure."""
     res = _Resources()
@@ -216,7 +180,7 @@ class _Run:
 
 
 def _setup(
-    cfg: ConfigDict, workdir: str, source: Any, preemption: _Preemption, res: _Resources,
+    cfg: ConfigDict, workdir: str, source: Any, preemption: Preemption, res: _Resources,
     start_fresh: bool = False,
 ) -> _Run:
     """Checks the config, builds the mesh, state, feed and writers; restores a checkpoint."""
@@ -298,14 +262,17 @@ def _setup(
     return run
 
 
-def _loop(run: _Run, preemption: _Preemption) -> bool:
+def _loop(run: _Run, preemption: Preemption) -> bool:
     """Trains until `train.steps`, the end of a finite feed or SIGTERM; True if preempted."""
     rc, step_fn, batch_sh = run.rc, None, None
     while run.step < rc.train.steps:
         item = run.feed.next_batch(run.step)
         if item is None:
-            log.info("SIGTERM while waiting for the feed after step %d" if preemption.requested
-                     else "feed exhausted after step %d", run.step)
+            if preemption.requested:
+                log.info("%s while waiting for the feed after step %d", preemption.signal_name,
+                         run.step)
+            else:
+                log.info("feed exhausted after step %d", run.step)
             break
         batch_np, info = item
         if step_fn is None:
@@ -323,13 +290,20 @@ def _loop(run: _Run, preemption: _Preemption) -> bool:
         if rc.train.publish_every and run.step % rc.train.publish_every == 0:
             run.publish()
         if preempted:
-            log.info("SIGTERM: checkpoint written at step %d; exiting", run.step)
+            log.info("%s: checkpoint written at step %d; exiting", preemption.signal_name,
+                     run.step)
             return True
     run.drain()
     return preemption.requested       # also while idle on a spool
 
 
-def _finish(run: _Run, preempted: bool, elapsed: float) -> dict:
+def _latest_pointer(workdir: epath.Path) -> Optional[str]:
+    """`<workdir>/published/latest` if weights were published (None otherwise)."""
+    pointer = publish.root_of(workdir) / publish.POINTER
+    return str(pointer) if pointer.exists() else None
+
+
+def _finish(run: _Run, preempted: bool, elapsed: float, stop_signal: Optional[str]) -> dict:
     """The final checkpoint, the writers closed, and the run summary (summary.json)."""
     jax.block_until_ready(run.state)  # before the collectives of the final save and hashes
     if run.step > run.start_step:  # end of run, or SIGTERM while idle (a saved step is kept)
@@ -343,6 +317,7 @@ def _finish(run: _Run, preempted: bool, elapsed: float) -> dict:
         "steps": run.step,
         "steps_this_run": run.step - run.start_step,
         "preempted": preempted,
+        "signal": stop_signal if preempted else None,     # SIGTERM | SIGINT (Ctrl-C)
         "tokens": log_.tokens,
         "tokens_per_s": log_.tokens / max(elapsed, 1e-9),          # compilation included
         "tokens_per_s_steady": float(np.median(log_.rates[1:])) if len(log_.rates) > 1 else None,
@@ -352,6 +327,8 @@ def _finish(run: _Run, preempted: bool, elapsed: float) -> dict:
         "lam_max": log_.lam_max,
         "skipped_updates": log_.skipped,
         "ledger": ledger.to_json(),
+        "dead_lettered": run.feed.dead_letter.count,
+        "published_latest": _latest_pointer(run.workdir),
     }
     summary["params_sha256"], summary["params_l2"] = metrics_lib.params_fingerprint(
         run.state.params)
@@ -361,10 +338,14 @@ def _finish(run: _Run, preempted: bool, elapsed: float) -> dict:
     return summary
 
 
-def _train(cfg: ConfigDict, workdir: str, source: Any, preemption: _Preemption,
+def _train(cfg: ConfigDict, workdir: str, source: Any, preemption: Preemption,
            res: _Resources, start_fresh: bool) -> Optional[dict]:
     """Setup, the loop, the summary; registers what it opens in `res`."""
     run = _setup(cfg, workdir, source, preemption, res, start_fresh)
+    if run.start_step == 0 and run.rc.train.publish_every and run.rc.train.publish_initial:
+        # Version 0 before the first step: that step needs groups that rollout workers can
+        # only sample from published weights (a resume has published already).
+        run.publish()
     t0 = time.perf_counter()
     preempted = _loop(run, preemption)
-    return _finish(run, preempted, time.perf_counter() - t0)
+    return _finish(run, preempted, time.perf_counter() - t0, preemption.signal_name)
