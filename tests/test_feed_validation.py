@@ -187,6 +187,20 @@ def test_fuzzed_records_never_crash_and_are_all_accounted(tmp_path_factory, data
         assert len(json.dumps(e)) < 3 * CFG.max_record_bytes     # entries are bounded
 
 
+def test_dead_letters_keep_the_group_id_whenever_it_parsed(tmp_path):
+    """A record rejected before validation (wrong shape, bad types) still names its group."""
+    records = [(b'{"group_id": "g-json", "trajectories": 5}', "json"),
+               (msgspec.msgpack.encode({"group_id": "g-msgpack", "policy_version": "x"}),
+                "msgpack"),
+               (b'{"group_id": 7}', "json"),                   # not a string: no id
+               (b'{"group_id": "g-cut", "traj', "json")]       # unparseable: no id
+    ledger = run_all(Feed(CFG, tmp_path, **MODEL, source=ListSource(records)))
+    entries = dead_letters(tmp_path)
+    assert [e["group_id"] for e in entries] == ["g-json", "g-msgpack", None, None]
+    assert [e["reason"] for e in entries][:2] == [Reason.SCHEMA, Reason.SCHEMA]
+    assert ledger.quarantined == 4 and ledger.balanced
+
+
 def test_non_object_payloads_from_iterators_are_dead_lettered(tmp_path):
     feed = Feed(CFG, tmp_path, **MODEL, source=IteratorSource([{"group_id": 3}, 42, b"\xff\xfe"]))
     ledger = run_all(feed)

@@ -209,6 +209,9 @@ def test_config_validation():
                 dict(routing_replay="r2"), dict(entropy_coef=-1.0)):
         with pytest.raises(ValueError):
             L.LossConfig(**bad)
+    # a rejection threshold without its option would reject nothing, silently
+    with pytest.raises(ValueError, match="rollout_rs_threshold='2.0' is set but loss.rollout_rs"):
+        L.LossConfig(recompute_old_logprobs=True, rollout_rs_threshold="2.0")
 
 
 @pytest.mark.parametrize("objective", ["gspo", "cispo"])

@@ -220,6 +220,9 @@ def test_cli_errors_are_one_line_exit_2(capsys, tmp_path):
          "are both set; the feed reads one source"),
         (["--config", cfg, "--workdir", str(tmp_path), f"--config.train.reference_from={other}"],
          "is never read with loss.kl_coef=0.0"),
+        (["--config", cfg, "--workdir", str(tmp_path), "--config.loss.rollout_rs_threshold=2.0",
+          "--config.loss.recompute_old_logprobs=true"],
+         "loss.rollout_rs_threshold='2.0' is set but loss.rollout_rs is not"),
     ]
     for args, needle in cases:
         code = cli.main(["gagar-train", *args])

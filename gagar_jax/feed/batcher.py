@@ -135,6 +135,8 @@ class Feed:
     # ---- intake -----------------------------------------------------------------------------
     def _reject(self, raw: RawRecord, reason: str, detail: str,
                 group_id: Optional[str] = None) -> None:
+        if group_id is None:     # the record failed before its group_id was read: try it alone
+            group_id = _peek_group_id(raw, self.cfg.max_record_bytes)
         self.ledger.quarantine(reason)
         self.dead_letter.write(reason, detail, raw.payload, raw.encoding, raw.origin, group_id)
 
@@ -409,6 +411,28 @@ dead-letter position."""
         dl = state["dead_letter"]
         self.dead_letter.restore(int(dl["length"]), int(dl["count"]), str(dl.get("segment", "")))
         self._write_ledger(force=True)
+
+
+class _GroupIdOnly(msgspec.Struct):
+    group_id: str
+
+
+def _peek_group_id(raw: RawRecord, max_bytes: int) -> Optional[str]:
+    """The record's `group_id` if it parses on its own (the rest may be what is wrong), so that
+    a dead letter names its group whenever it can; None otherwise."""
+    try:
+        if raw.encoding == "object":
+            payload = raw.payload
+            gid = payload.get("group_id") if isinstance(payload, dict) else getattr(
+                payload, "group_id", None)
+            return gid if isinstance(gid, str) else None
+        payload = raw.payload
+        if isinstance(payload, (bytes, bytearray, memoryview)) and len(payload) <= max_bytes:
+            decode = msgspec.json.decode if raw.encoding == "json" else msgspec.msgpack.decode
+            return decode(payload, type=_GroupIdOnly).group_id
+    except (msgspec.DecodeError, RecursionError, TypeError, ValueError):
+        pass
+    return None
 
 
 class _LedgerEvents(SourceEvents):
