@@ -192,6 +192,7 @@ class LossAux:
     clip_high_count: jax.Array     # tokens clipped above
     dual_clip_count: jax.Array     # tokens held by the dual clip
     approx_kl_sum: jax.Array       # k3 estimate of KL(old || current), summed over tokens
+    ppo_kl_sum: jax.Array          # k1 (old - current log-prob, verl's ppo_kl), summed
     entropy_sum: jax.Array         # policy entropy summed over trained tokens
     entropy_loss: jax.Array        # weighted (aggregated) entropy, before entropy_coef
 
@@ -325,6 +326,6 @@ def pg_loss(logprobs_BxS: jax.Array, entropy_BxS: jax.Array, inputs: LossInputs,
         loss=loss, pg_loss=pg_sum, kl_loss=kl_sum, tokens=jnp.sum(mask),
         clip_low_count=jnp.sum(terms.clip_low_BxS), clip_high_count=jnp.sum(terms.clip_high_BxS),
         dual_clip_count=jnp.sum(terms.dual_BxS),
-        approx_kl_sum=jnp.sum(mask * (jnp.expm1(lr) - lr)),
+        approx_kl_sum=jnp.sum(mask * (jnp.expm1(lr) - lr)), ppo_kl_sum=jnp.sum(mask * -lr),
         entropy_sum=jnp.sum(mask * sg(entropy_BxS)), entropy_loss=sg(ent_sum))
     return loss, aux
