@@ -322,10 +322,13 @@ class StepLog:
       feed: the run's `Feed` (trained groups go into its ledger).
       writer: the run's `MetricsWriter`; progress: its `Progress` bar.
       log_every: write metrics.jsonl every this many steps (groups.jsonl every step).
+      guard: optional per-step warnings (`guardrails.Guardrails`).
     """
 
-    def __init__(self, feed: Feed, writer: MetricsWriter, progress: Progress, log_every: int):
+    def __init__(self, feed: Feed, writer: MetricsWriter, progress: Progress, log_every: int,
+                 guard: Any = None):
         self.feed, self.writer, self.progress, self.log_every = feed, writer, progress, log_every
+        self.guard = guard
         self.losses, self.lam_means, self.lam_max = [], [], 0.0
         self.tokens = 0
         self.rates = []           # per-step tokens/s (the first one includes compilation)
@@ -367,6 +370,8 @@ class StepLog:
         if not m.finite or s["skipped"] > 0:
             LOG.warning("step %d: non-finite values %s; %d optimizer update(s) skipped",
                         step, list(m.nonfinite), int(s["skipped"]))
+        if self.guard is not None:
+            self.guard.check(step, s, quarantined=info.counts.get("quarantined", 0))
         if n:   # the batch was drawn at learner step `step - 1` (docs/feed.md, staleness)
             stale = [step - 1 - v for v in info.policy_versions[:n]]
             s["feed/staleness_mean"] = float(np.mean(stale))

@@ -40,6 +40,7 @@ from gagar_jax.feed.packing import global_shapes, make_global_batch
 from gagar_jax.run import init_weights, publish, resume, workdir_lock
 from gagar_jax.run import metrics as metrics_lib
 from gagar_jax.run.checkpoint import Checkpointer
+from gagar_jax.run.guardrails import Guardrails
 from gagar_jax.run.preemption import Preemption
 from gagar_jax.run.startup import check_hf_dir, check_layout, check_run
 from gagar_jax.run.step import StepConfig, init_train_state, make_train_step
@@ -257,7 +258,8 @@ def _setup(
     progress = res.progress = metrics_lib.Progress(total=rc.train.steps, initial=step)
     run = _Run(rc=rc, workdir=wd, mesh=mesh, state=state, graphdef=graphdef, shardings=shardings,
                feed=feed, ckpt=ckpt, publisher=publisher, writer=writer, progress=progress,
-               steplog=metrics_lib.StepLog(feed, writer, progress, rc.train.log_every),
+               steplog=metrics_lib.StepLog(feed, writer, progress, rc.train.log_every,
+                                           Guardrails(log.warning, fresh=fresh)),
                cfg_json=cfg_json, step=step, start_step=step)
     return run
 
