@@ -9,6 +9,9 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.debug_checks = False          # chex conservation asserts inside the jitted step
+    # "" | grpo | dapo | drgrpo | gspo | cispo: sets docs/loss.md's recipe keys (explicit
+    # --config.KEY=VALUE overrides keep theirs)
+    c.recipe = ""
 
     m = c.model = ml_collections.ConfigDict()
     m.vocab_size = 256

@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     import ml_collections
 
 
+# verl's key names (actor_rollout_ref.actor.*) accepted for the loss section's own keys.
+VERL_LOSS_ALIASES = {"clip_ratio_low": "clip_low", "clip_ratio_high": "clip_high",
+                     "clip_ratio_c": "dual_clip", "loss_agg_mode": "aggregation"}
+
+
 class ConfigError(ValueError):
     """A config file, key or value the user gave is wrong; the message names it."""
 

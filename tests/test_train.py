@@ -255,7 +255,8 @@ def test_cli_overrides_reach_the_run(tmp_path, monkeypatch):
                      "--config.feed.path=data/other.jsonl", "--start_fresh"])
     assert code == 0
     assert seen == {"steps": 7, "path": "data/other.jsonl", "seed": 3, "workdir": str(tmp_path),
-                    "start_fresh": True}
+                    "start_fresh": True,
+                    "explicit": {"train.steps", "seed", "feed.path"}}   # a recipe keeps them
 
 
 def test_cli_from_another_directory_finds_the_default_feed_and_splits_layer_types(

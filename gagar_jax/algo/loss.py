@@ -32,7 +32,7 @@ from gagar_jax.algo.advantage import (
 )
 from gagar_jax.algo.aggregation import AGGREGATIONS, aggregation_weights
 from gagar_jax.batch import Batch
-from gagar_jax.config import section_dict
+from gagar_jax.config import VERL_LOSS_ALIASES, section_dict
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ROUTING_REPLAYS = ("r3", "r2")
@@ -158,9 +158,17 @@ class LossConfig:
         """Builds the frozen config from the `loss` section (ConfigDict or dict).
 
         The router loss weights live in the model section (`router_aux_loss_coef`,
-        `router_z_loss_coef`); pass it as `model` to pick them up.
+        `router_z_loss_coef`); pass it as `model` to pick them up. verl's names of four keys
+        (`config.VERL_LOSS_ALIASES`: clip_ratio_low / high / c, loss_agg_mode) are accepted.
         """
-        d = section_dict(section, cls, "loss")
+        d = dict(section.to_dict() if hasattr(section, "to_dict") else section)
+        for verl, ours in VERL_LOSS_ALIASES.items():
+            if verl in d:
+                if ours in d and d[ours] != d[verl]:
+                    raise ValueError(f"loss.{verl} (verl's name of loss.{ours}) = {d[verl]!r} "
+                                     f"and loss.{ours} = {d[ours]!r}: give one")
+                d[ours] = d.pop(verl)
+        d = section_dict(d, cls, "loss")
         if model is not None:
             d.setdefault("router_aux_coef", float(model.router_aux_loss_coef))
             d.setdefault("router_z_coef", float(model.router_z_loss_coef))

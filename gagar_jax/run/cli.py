@@ -289,6 +289,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _error(_load_failure(path, e))
         return 0
 
+    from gagar_jax.config import ConfigError
+    from gagar_jax.run import recipes
+    try:
+        argv = recipes.alias_overrides(argv)     # verl's key names
+    except ConfigError as e:
+        return _error(str(e))
     fv = _define_flags(argv)
     try:
         fv(argv)
@@ -335,7 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             lock_error = workdir_lock.agree(lock_error, jax.process_index())
         if lock_error:
             return _error(lock_error)
-        summary = train.run(cfg, fv.workdir, start_fresh=fv.start_fresh)
+        summary = train.run(cfg, fv.workdir, start_fresh=fv.start_fresh,
+                            explicit=recipes.explicit_keys(argv))
     except ConfigError as e:
         return _error(str(e))
     except FileNotFoundError as e:

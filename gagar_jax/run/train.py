@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import jax
@@ -37,7 +38,7 @@ from gagar_jax.distributed import broadcast_from_process0, is_primary
 from gagar_jax.feed.batcher import Feed, make_source
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.packing import global_shapes, make_global_batch
-from gagar_jax.run import init_weights, publish, resume, workdir_lock
+from gagar_jax.run import init_weights, publish, recipes, resume, workdir_lock
 from gagar_jax.run import metrics as metrics_lib
 from gagar_jax.run.checkpoint import Checkpointer
 from gagar_jax.run.guardrails import Guardrails
@@ -75,8 +76,8 @@ def _abstract(state: Any, shardings: Any) -> Any:
                         state, shardings)
 
 
-def run(cfg: Any, workdir: str, *, source: Any = None, start_fresh: bool = False
-        ) -> Optional[dict]:
+def run(cfg: Any, workdir: str, *, source: Any = None, start_fresh: bool = False,
+        explicit: Iterable[str] = ()) -> Optional[dict]:
     """Trains until `train.steps` or the end of a finite feed; returns the run summary.
 
     Args:
@@ -88,12 +89,15 @@ def run(cfg: Any, workdir: str, *, source: Any = None, start_fresh: bool = False
       start_fresh: when no readable checkpoint is left (damaged ones moved aside) but audit
         lines of earlier steps exist, train from step 0 with them moved aside instead of
         raising `resume.ResumeRefused` (`resume.guard_fresh_start`).
+      explicit: config keys the user set themselves; a `recipe` (`recipes.py`) sets the others
+        of its row.
     Returns:
       The summary dict (also written to `workdir/summary.json` by process 0).
     Raises:
       ConfigError: a config mistake (also a checkpoint of another train state on resume).
       resume.ResumeRefused: see `start_fresh`.
     """
+    recipes.apply(cfg, explicit)     # before anything reads the config
     # One learner per workdir (the CLI took the lock already, before JAX started).
     if is_primary():
         workdir_lock.acquire(workdir)
