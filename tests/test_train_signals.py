@@ -67,6 +67,8 @@ def test_ctrl_c_while_training_then_sigterm_while_idle_checkpoint_and_resume(tmp
     sent = _signal_when(start(), lambda: "waiting for the feed" in stderr.read_text(), stderr)
     second = json.load(open(tmp_path / "summary.json"))
     assert second["preempted"] and second["signal"] == "SIGTERM"
+    # the resume is quiet: none of orbax's INFO lines ("Missing metrics for step N", ...)
+    assert not any(w in stderr.read_text() for w in ("Missing metrics", "orbax", "[process="))
     assert second["steps"] > first["steps"]
     steps = [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
     assert sorted(steps) == [first["steps"], second["steps"]]   # each stop saved its last step
