@@ -161,4 +161,5 @@ def get_config() -> ml_collections.ConfigDict:
     f.max_record_bytes = 4_000_000  # largest encoded record
     f.max_group_trajectories = 16   # most trajectories per group
     f.routing_replay = False        # always carry routed_experts_BxSxLxK (-1 where not recorded)
+    f.filter_uniform = True         # drop all-pass / all-fail groups (DAPO's dynamic sampling)
     return c

@@ -105,6 +105,12 @@ def test_dynamic_sampling_after_hack_zeroing_and_infra_exclusion(tmp_path):
                            "filtered_stale": 0, "quarantined": 0, "ahead_of_learner": 0}
     led = json.loads((tmp_path / "ledger.json").read_text())
     assert led["filtered_uniform"] == 4 and led["balanced"]
+    # feed.filter_uniform = False: the uniform groups train too (their advantages are 0)
+    cfg = FeedConfig(**{**CFG.__dict__, "filter_uniform": False})
+    feed = Feed(cfg, tmp_path / "all", **MODEL, source=IteratorSource(groups))
+    infos = [i for _, i in drain(feed)]
+    assert [g for i in infos for g in i.group_ids] == [g.group_id for g in groups]
+    assert feed.finish().filtered_uniform == 0 and feed.ledger.balanced
 
 
 def test_keeps_pulling_until_groups_per_batch_mixed_groups(tmp_path):

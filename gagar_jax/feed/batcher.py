@@ -235,7 +235,7 @@ class Feed:
             return None
         self.seen_group_ids[group_id] = pg.policy_version
         pg.origin = raw.origin
-        if not pg.mixed:
+        if not pg.mixed and self.cfg.filter_uniform:
             self.ledger.filtered_uniform += 1
             return None
         return pg

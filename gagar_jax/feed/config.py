@@ -50,6 +50,9 @@ class FeedConfig:
       max_record_bytes: largest accepted encoded record.
       max_group_trajectories: most trajectories per group.
       routing_replay: put a routed_experts_BxSxLxK array (-1 where absent) in every batch.
+      filter_uniform: drop groups whose valid members all pass or all fail (dynamic sampling:
+        their advantages are 0); False trains them too (their tokens then carry advantage 0:
+        they take batch slots and, under token-mean aggregation, the loss's denominator).
     """
 
     path: str = ""
@@ -72,6 +75,7 @@ class FeedConfig:
     max_record_bytes: int = 4_000_000
     max_group_trajectories: int = 16
     routing_replay: bool = False
+    filter_uniform: bool = True
 
     def __post_init__(self):
         if self.seq_len > 0 and self.tokens_per_batch:
