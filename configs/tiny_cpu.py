@@ -107,6 +107,9 @@ def get_config() -> ml_collections.ConfigDict:
     lo.max_response_len = 128       # constant normalizer of seq-mean-token-sum-norm (Dr. GRPO)
     lo.lam_cap = 1.5                # Gagar lambda cap (>= 1)
     lo.mode = "sum_preserving"      # sum_preserving | downweight_only | binary
+    # divide a group's outcome advantages by its rewards' std (+1e-6) first: verl's
+    # norm_adv_by_std_in_grpo, for plain GRPO baselines (off: Dr. GRPO, SPEC rule 4)
+    lo.norm_adv_by_std = False
     # learner recomputes pre-update log-probs as the ratio denominator
     lo.recompute_old_logprobs = False
     lo.policy_loss = "ppo"          # ppo | gspo | cispo (verl's vanilla / gspo / cispo)

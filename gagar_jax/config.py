@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 # verl's key names (actor_rollout_ref.actor.*) accepted for the loss section's own keys.
 VERL_LOSS_ALIASES = {"clip_ratio_low": "clip_low", "clip_ratio_high": "clip_high",
-                     "clip_ratio_c": "dual_clip", "loss_agg_mode": "aggregation"}
+                     "clip_ratio_c": "dual_clip", "loss_agg_mode": "aggregation",
+                     "norm_adv_by_std_in_grpo": "norm_adv_by_std"}
 
 
 class ConfigError(ValueError):

@@ -24,6 +24,8 @@ def _cell(text: str):
         return ...
     if word == "None":
         return None
+    if word in ("True", "False"):
+        return word == "True"
     try:
         return float(word)
     except ValueError:

@@ -54,6 +54,9 @@ class LossConfig:
       max_response_len: the constant normalizer of `seq-mean-token-sum-norm`.
       lam_cap: Gagar's lambda cap (>= 1).
       mode: sum_preserving | downweight_only | binary.
+      norm_adv_by_std: divide each group's outcome advantages by its rewards' standard deviation
+        (+1e-6) before the redistribution (verl's norm_adv_by_std_in_grpo, plain GRPO
+        baselines; SPEC section 2 rule 4); off by default (Dr. GRPO).
       router_aux_coef, router_z_coef: weights of the MoE load-balancing and router z losses.
       recompute_old_logprobs: the learner recomputes pre-update log-probs once per batch and uses
         them as the ratio denominator; the feed's log-probs then only drive the TIS weight.
@@ -78,6 +81,7 @@ class LossConfig:
     max_response_len: int = 1024
     lam_cap: float = 1.5
     mode: str = "sum_preserving"
+    norm_adv_by_std: bool = False
     router_aux_coef: float = 0.0
     router_z_coef: float = 0.0
     recompute_old_logprobs: bool = False
@@ -250,7 +254,8 @@ def prepare_batch(batch: Batch, cfg: LossConfig, *, mini_batches: int = 1,
         raise ValueError("learner_old_logprobs_BxS must be given iff cfg.recompute_old_logprobs")
     if (cfg.kl_coef > 0) != (ref_logprobs_BxS is not None):
         raise ValueError("ref_logprobs_BxS must be given iff cfg.kl_coef > 0")
-    adv_out = advantages_of(GroupOutcomes.of_batch(batch), lam_cap=cfg.lam_cap, mode=cfg.mode)
+    adv_out = advantages_of(GroupOutcomes.of_batch(batch), lam_cap=cfg.lam_cap, mode=cfg.mode,
+                            std_norm=cfg.norm_adv_by_std)
     traj, T = batch.traj_index_BxS, batch.num_trajectories
     # Invalid trajectories (infra errors) take no part in the loss at all, KL included.
     valid_BxS = batch.valid_T[traj].astype(jnp.float32)
