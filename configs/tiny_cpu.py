@@ -160,7 +160,11 @@ def get_config() -> ml_collections.ConfigDict:
     f.staleness_from = "oldest"
     f.max_future_versions = 0       # quarantine groups ahead of the learner by more versions
     f.max_traj_tokens = 128         # longest trajectory (<= seq_len)
-    f.truncate_long = False         # truncate longer trajectories instead of rejecting the group
+    # a trajectory longer than max_traj_tokens or marked `truncated` by its producer:
+    # reject (its group) | drop (from the loss, kept in its group's statistics) | truncate
+    f.overlong = "reject"
+    f.overlong_buffer_len = 0       # DAPO soft overlong penalty: buffer tokens (0 = off) ...
+    f.overlong_penalty_factor = 1.0  # ... and the penalty at max_traj_tokens (an adjustment)
     f.max_record_bytes = 4_000_000  # largest encoded record
     f.max_group_trajectories = 16   # most trajectories per group
     f.routing_replay = False        # always carry routed_experts_BxSxLxK (-1 where not recorded)
