@@ -96,8 +96,11 @@ def test_verl_key_names_are_aliases():
     assert recipes.alias_overrides(["x", "--config.loss.clip_ratio_low=0.1",
                                     "--config.loss.loss_agg_mode=token-mean"]) == [
         "x", "--config.loss.clip_low=0.1", "--config.loss.aggregation=token-mean"]
-    with pytest.raises(ConfigError, match="given twice"):
+    with pytest.raises(ConfigError, match="given under both its names"):
         recipes.alias_overrides(["--config.loss.clip_ratio_c=3", "--config.loss.dual_clip=4"])
+    # a key repeated under one name is an ordinary override (the last wins)
+    assert recipes.alias_overrides(["--config.train.steps=4", "--config.train.steps=1"]) == [
+        "--config.train.steps=4", "--config.train.steps=1"]
     assert recipes.explicit_keys(["--config.loss.clip_ratio_high=0.3", "--workdir=w"]) == {
         "loss.clip_high"}
     # in a config's loss section (a file may use verl's names)

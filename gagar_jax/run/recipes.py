@@ -52,19 +52,20 @@ ALIASES: Mapping[str, str] = {f"loss.{verl}": f"loss.{ours}" for verl, ours in
 
 def alias_overrides(argv: Sequence[str]) -> list:
     """`--config.loss.clip_ratio_low=X` (verl's name) -> `--config.loss.clip_low=X`; the rest
-    unchanged. Both names of one key is an error."""
-    out, seen = [], {}
+    unchanged (a key repeated under one name: the last wins, as always). One key under both
+    names is an error."""
+    out, spelled = [], {}       # our key -> {the names it was given under: the argument}
     for arg in argv:
         name, eq, value = arg.partition("=")
         key = name[len("--config."):] if name.startswith("--config.") else None
-        if key in ALIASES:
-            arg = f"--config.{ALIASES[key]}{eq}{value}"
-            key = ALIASES[key]
         if key is not None:
-            if key in seen and seen[key] != arg:
-                raise ConfigError(f"{key} is given twice (once under verl's name): {seen[key]} "
-                                  f"and {arg}")
-            seen[key] = arg
+            ours = ALIASES.get(key, key)
+            spelled.setdefault(ours, {})[key] = arg
+            if len(spelled[ours]) > 1:
+                first, second = spelled[ours].values()
+                raise ConfigError(f"{ours} is given under both its names (verl's and ours): "
+                                  f"{first} and {second}")
+            arg = f"--config.{ours}{eq}{value}"
         out.append(arg)
     return out
 
