@@ -244,10 +244,12 @@ def test_overlong_policy_reject_drop_truncate(tmp_path):
     assert [t.reward for t in pg.trajectories] == [1.0, 0.0, 0.0]
     # through a batch: the dropped members count in p (1 pass of 3: A = +2/3, -1/3) and carry
     # no loss token
+    import jax
+
     from gagar_jax.algo.advantage import GroupOutcomes, advantages_of
     batch, info = Feed(FeedConfig(**{**base, "overlong": "drop", "groups_per_batch": 1}),
                        tmp_path, **MODEL, source=IteratorSource([g])).next_batch(0)
-    out = advantages_of(GroupOutcomes.of_batch(batch))
+    out = jax.jit(advantages_of)(GroupOutcomes.of_batch(batch))   # one compile, not per op
     np.testing.assert_allclose(np.asarray(out.outcome_advantages)[:3], [2 / 3, -1 / 3, -1 / 3],
                                rtol=1e-6)
     per_traj = np.bincount(batch.traj_index_BxS.reshape(-1),
