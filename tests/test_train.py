@@ -43,6 +43,10 @@ def test_end_to_end_on_sample_feed(reference):
     lines = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
     assert all(m["mixed_groups"] >= 1 and m["lam_max"] <= 1.5 for m in lines)
+    # The sample feed is scored by the initial policy (scripts/make_sample_feed.py
+    # --rescore-config): step 1 is on-policy, as a real run's first step.
+    assert lines[0]["approx_kl"] < 0.05 and abs(lines[0]["ppo_kl"]) < 0.05
+    assert lines[0]["clip_frac_low"] + lines[0]["clip_frac_high"] < 0.05
     # The sample feed's versions never run ahead of the learner (feed.max_future_versions).
     assert all(m["feed/ahead_of_learner"] == 0 for m in lines)
     assert summary["ledger"]["ahead_of_learner"] == 0
