@@ -64,7 +64,7 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 # The closed loop on CPU: learner + vLLM rollout worker, 3 seeds and their lr-0 controls
-# (docs/rollout.md, "The loop"); about 5 minutes on two cores.
+# (docs/rollout.md, "The loop"); about 12 minutes on two cores (708 s measured).
 loop: $(STAMP) $(VLLM_STAMP)
 	$(PY) scripts/loop.py --workdir runs/loop --seeds 0 1 2 --control --steps 40
 

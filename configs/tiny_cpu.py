@@ -9,6 +9,9 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.debug_checks = False          # chex conservation asserts inside the jitted step
+    # "" | grpo | dapo | drgrpo | gspo | cispo: sets docs/loss.md's recipe keys (explicit
+    # --config.KEY=VALUE overrides keep theirs)
+    c.recipe = ""
 
     m = c.model = ml_collections.ConfigDict()
     m.vocab_size = 256
@@ -70,6 +73,9 @@ def get_config() -> ml_collections.ConfigDict:
     t.checkpoint_every = 2          # orbax save interval, in steps
     t.keep_checkpoints = 3          # keep the last K checkpoints
     t.publish_every = 0             # publish HF-format weights every N steps (0 = never)
+    # with publish_every > 0: publish the initial policy as version 0 before a fresh run's first
+    # step, so rollout workers have weights to sample the first groups with (never on a resume)
+    t.publish_initial = True
     t.keep_published = 2            # keep the last K published weight sets
     t.publish_dtype = "bfloat16"    # published weights' dtype (router + its bias stay fp32 in MiMo)
     # K: every K-th publish is full, the K - 1 between are deltas (only the elements that changed
@@ -101,6 +107,9 @@ def get_config() -> ml_collections.ConfigDict:
     lo.max_response_len = 128       # constant normalizer of seq-mean-token-sum-norm (Dr. GRPO)
     lo.lam_cap = 1.5                # Gagar lambda cap (>= 1)
     lo.mode = "sum_preserving"      # sum_preserving | downweight_only | binary
+    # divide a group's outcome advantages by its rewards' std (+1e-6) first: verl's
+    # norm_adv_by_std_in_grpo, for plain GRPO baselines (off: Dr. GRPO, SPEC rule 4)
+    lo.norm_adv_by_std = False
     # learner recomputes pre-update log-probs as the ratio denominator
     lo.recompute_old_logprobs = False
     lo.policy_loss = "ppo"          # ppo | gspo | cispo (verl's vanilla / gspo / cispo)
@@ -151,8 +160,13 @@ def get_config() -> ml_collections.ConfigDict:
     f.staleness_from = "oldest"
     f.max_future_versions = 0       # quarantine groups ahead of the learner by more versions
     f.max_traj_tokens = 128         # longest trajectory (<= seq_len)
-    f.truncate_long = False         # truncate longer trajectories instead of rejecting the group
+    # a trajectory longer than max_traj_tokens or marked `truncated` by its producer:
+    # reject (its group) | drop (from the loss, kept in its group's statistics) | truncate
+    f.overlong = "reject"
+    f.overlong_buffer_len = 0       # DAPO soft overlong penalty: buffer tokens (0 = off) ...
+    f.overlong_penalty_factor = 1.0  # ... and the penalty at max_traj_tokens (an adjustment)
     f.max_record_bytes = 4_000_000  # largest encoded record
     f.max_group_trajectories = 16   # most trajectories per group
     f.routing_replay = False        # always carry routed_experts_BxSxLxK (-1 where not recorded)
+    f.filter_uniform = True         # drop all-pass / all-fail groups (DAPO's dynamic sampling)
     return c

@@ -19,6 +19,12 @@ if TYPE_CHECKING:
     import ml_collections
 
 
+# verl's key names (actor_rollout_ref.actor.*) accepted for the loss section's own keys.
+VERL_LOSS_ALIASES = {"clip_ratio_low": "clip_low", "clip_ratio_high": "clip_high",
+                     "clip_ratio_c": "dual_clip", "loss_agg_mode": "aggregation",
+                     "norm_adv_by_std_in_grpo": "norm_adv_by_std"}
+
+
 class ConfigError(ValueError):
     """A config file, key or value the user gave is wrong; the message names it."""
 
@@ -31,6 +37,8 @@ class TrainConfig:
     checkpoint_every: int      # orbax save interval in steps (0 = only at the end / on SIGTERM)
     keep_checkpoints: int      # keep the last K checkpoints
     publish_every: int         # publish HF weights every N steps (0 = never)
+    publish_initial: bool      # with publish_every > 0: publish the initial policy as version 0
+                               # before a fresh run's first step (rollout workers wait for it)
     keep_published: int        # keep the last K published weight sets
     publish_dtype: str         # dtype of published weights ("bfloat16" | "float32" | "float16")
     publish_full_every: int    # K: a full version every K publishes, deltas between (1 = no deltas)

@@ -1,11 +1,13 @@
-"""Multi-host helpers, in one place: which process leads, a barrier, the coordination service's
-key-value store, whether a path is on an object store, and listing one afresh.
+"""Multi-host helpers, in one place: which process leads, a barrier, process 0's value broadcast
+to all, the coordination service's key-value store, whether a path is on an object store, and
+listing one afresh.
 
 Nothing here imports JAX at module import: the workdir lock uses this module before JAX starts
 (`run/workdir_lock.py`), and the rollout side runs where JAX is not installed.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -49,6 +51,17 @@ def barrier(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
+
+
+def broadcast_from_process0(obj: Any) -> Any:
+    """Every process gets process 0's JSON-able `obj` (so all processes see one spool listing)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
+    buf = np.zeros(n, np.uint8)
+    buf[:min(n, data.size)] = data[:n]
+    return json.loads(bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))))
 
 
 def kv_client() -> Any:

@@ -12,7 +12,9 @@ import json
 import os
 import shutil
 
-from gagar_jax.run.loop import run_loop
+from gagar_jax.run.loop import LoopPaths, format_version, run_loop
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main():
@@ -29,7 +31,10 @@ def main():
     for name, seed, lr in runs:
         wd = os.path.abspath(os.path.join(args.workdir, name))
         shutil.rmtree(wd, ignore_errors=True)
-        r = results[name] = run_loop(wd, seed=seed, steps=args.steps, learning_rate=lr)
+        print(f"== {name}", flush=True)
+        r = results[name] = run_loop(wd, LoopPaths.of_checkout(REPO), seed=seed,
+                                     steps=args.steps, learning_rate=lr,
+                                     on_version=lambda v: print(format_version(v), flush=True))
         print(f"== {name}: {r['wall_s']} s, {r['groups_sampled']} groups sampled")
         print("step  staleness(mean/max)  |dlogp| learner-vs-engine (mean/max)  loss")
         for m in r["per_step"]:
@@ -38,9 +43,11 @@ def main():
                   f"               {m.get('rollout/logp_abs_diff_mean', 0):.4f}/"
                   f"{m.get('rollout/logp_abs_diff_max', 0):.4f}"
                   f"                      {m.get('loss', 0):+.4f}")
+        # A learning seed should rise beyond noise; the lr-0 control should stay within it.
+        noise = "within noise" if r["within_noise"] else "beyond noise"
         print(f"pass rate early {r['early']:.3f} (n={r['n_early']}) -> late {r['late']:.3f} "
-              f"(n={r['n_late']}); doubled and rose >= 0.3: {r['doubled_and_rose']}; within "
-              f"noise (3 se = {3 * r['se']:.3f}): {r['within_noise']}; ledger balanced: "
+              f"(n={r['n_late']}): rise {r['rise']:+.3f}, {noise} (3 se = {3 * r['se']:.3f}); "
+              f"doubled and rose >= 0.3: {r['doubled_and_rose']}; ledger balanced: "
               f"{r['ledger_balanced']}")
     summary = {k: {f: v[f] for f in ("seed", "learning_rate", "early", "late", "rise",
                                      "doubled_and_rose", "within_noise", "ledger_balanced",

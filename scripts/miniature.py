@@ -340,7 +340,8 @@ def closed_loop(a) -> int:
     overrides = _feed_overrides(a) + a.set + [
         f"feed.spool_dir={os.path.join(a.workdir, 'spool')}", "feed.spool_create=true",
         f"train.steps={a.train_steps}",
-        f"train.init_from={v0['path']}"]
+        f"train.init_from={v0['path']}",
+        "train.publish_initial=false"]      # version 0 is the warm start published above
     trainer = [sys.executable, "-m", "gagar_jax.run.cli", "--config", CONFIG, "--workdir", a.workdir
                ] + [f"--config.{o}" for o in overrides]
     prod = subprocess.Popen(me, cwd=REPO, env=dict(env, XLA_FLAGS=""))

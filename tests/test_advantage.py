@@ -543,3 +543,64 @@ def test_struct_form_equals_the_documented_signature():
     check_invariants_of(a, o)
     with pytest.raises(ValueError, match="group_ids"):
         advantages_of(o.replace(group_ids_T=o.group_ids_T[:5]))
+
+
+# -- opt-in: std-normalised outcome advantages (verl's norm_adv_by_std_in_grpo, SPEC rule 4) --
+
+
+def _std_scales(b):
+    """Per group 1 / (std + 1e-6) of the valid members' hack-zeroed rewards, n - 1 as torch's
+    std, by a plain loop (1 where the group is not mixed)."""
+    scales = np.ones(G)
+    for g in range(G):
+        idx = [i for i in range(T) if b["valid"][i] and b["group_ids"][i] == g]
+        r = np.array([0.0 if b["hacked"][i] else b["rewards"][i] for i in idx])
+        if len(r) and 0 < r.sum() < len(r):
+            scales[g] = 1.0 / (np.std(r, ddof=1) + 1e-6)
+    return scales
+
+
+def test_std_norm_by_hand():
+    # The group of six: p = 1/2, std (n - 1) = sqrt(6 * 1/4 / 5) = 0.5477, A = +-0.5 / 0.5477.
+    b = hand_example()
+    out = jax.tree.map(np.asarray, _jitted_std("sum_preserving")(*args(b)))
+    s = 1.0 / (np.sqrt(1.5 / 5) + 1e-6)
+    np.testing.assert_allclose(out.outcome_advantages[:6], [0.5 * s] * 3 + [-0.5 * s] * 3,
+                               rtol=1e-6)
+    # lambda = k / sum f is unchanged (3 / 2.05), the redistribution scales with A
+    np.testing.assert_allclose(out.lam[0], 3 / 2.05, rtol=1e-6)
+    np.testing.assert_allclose(out.redistributed_advantages[:6],
+                               s * np.array([1.5 / 2.05, 1.275 / 2.05, 0.3 / 2.05, -0.5, -0.5,
+                                             -0.5]), rtol=1e-6)
+
+
+@functools.cache
+def _std_checker(mode):
+    def check(out, *inputs):
+        adv.check_invariants(out, *inputs, num_groups=G, lam_cap=CAP, mode=mode, atol=2e-5,
+                             std_norm=True)
+    return chex.chexify(jax.jit(check), async_check=False)
+
+
+@functools.cache
+def _jitted_std(mode):
+    return jax.jit(functools.partial(adv.gagar_advantages, num_groups=G, lam_cap=CAP, mode=mode,
+                                     std_norm=True))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_std_norm_is_a_positive_per_group_scale_and_the_checks_hold(seed):
+    b = random_batch(300 + seed)
+    b["adjustments"] = np.zeros(T, np.float32)         # rule 9's part is not scaled
+    scale_T = np.where(b["valid"] & (b["group_ids"] >= 0) & (b["group_ids"] < G),
+                       _std_scales(b)[np.clip(b["group_ids"], 0, G - 1)], 1.0)
+    for mode in adv.MODES:
+        out = jax.tree.map(np.asarray, _jitted_std(mode)(*args(b)))
+        plain = run(b, mode)
+        for name in ("outcome_advantages", "redistributed_advantages", "advantages"):
+            np.testing.assert_allclose(getattr(out, name), getattr(plain, name) * scale_T,
+                                       rtol=2e-5, atol=2e-5, err_msg=name)
+        for name in ("lam", "capped", "mixed", "fallback"):
+            np.testing.assert_array_equal(getattr(out, name), getattr(plain, name), err_msg=name)
+        if mode == "sum_preserving":            # every invariant, on the scaled A
+            _std_checker(mode)(out, *args(b))

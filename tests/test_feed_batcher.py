@@ -105,6 +105,12 @@ def test_dynamic_sampling_after_hack_zeroing_and_infra_exclusion(tmp_path):
                            "filtered_stale": 0, "quarantined": 0, "ahead_of_learner": 0}
     led = json.loads((tmp_path / "ledger.json").read_text())
     assert led["filtered_uniform"] == 4 and led["balanced"]
+    # feed.filter_uniform = False: the uniform groups train too (their advantages are 0)
+    cfg = FeedConfig(**{**CFG.__dict__, "filter_uniform": False})
+    feed = Feed(cfg, tmp_path / "all", **MODEL, source=IteratorSource(groups))
+    infos = [i for _, i in drain(feed)]
+    assert [g for i in infos for g in i.group_ids] == [g.group_id for g in groups]
+    assert feed.finish().filtered_uniform == 0 and feed.ledger.balanced
 
 
 def test_keeps_pulling_until_groups_per_batch_mixed_groups(tmp_path):
@@ -277,22 +283,37 @@ def test_feed_config_rejects_bad_values():
 
 
 def test_committed_sample_feed_matches_its_documented_command(tmp_path):
+    """docs/feed.md's command regenerates data/sample_feed.jsonl: every field exactly, the
+    re-scored log-probs within float rounding (XLA:CPU's reduction order differs between CPU
+    kinds and device counts), and the routed experts the policy chose."""
     # docs/feed.md:
-    #   python scripts/make_sample_feed.py --out data/sample_feed.jsonl --groups 96 --seed 0
+    #   python scripts/make_sample_feed.py --out data/sample_feed.jsonl --groups 96 --seed 0 \
+    #       --rescore-config configs/tiny_cpu.py
+    import os
     import subprocess
+
+    import msgspec
     out = tmp_path / "s.jsonl"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "make_sample_feed.py"),
-            "--out",
-            str(out),
-            "--groups",
-            "96",
-            "--seed",
-            "0",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    assert out.read_bytes() == (ROOT / "data" / "sample_feed.jsonl").read_bytes()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # one device, as `make`
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_sample_feed.py"), "--out",
+                    str(out), "--groups", "96", "--seed", "0", "--rescore-config",
+                    str(ROOT / "configs" / "tiny_cpu.py")], check=True, capture_output=True,
+                   env=env)
+    made = [schema.decode(x, "json") for x in out.read_bytes().splitlines()]
+    shipped = [schema.decode(x, "json")
+               for x in (ROOT / "data" / "sample_feed.jsonl").read_bytes().splitlines()]
+    assert len(made) == len(shipped) == 96
+    routed = diff = 0
+    for g, h in zip(made, shipped, strict=True):
+        for t, u in zip(g.trajectories, h.trajectories, strict=True):
+            np.testing.assert_allclose(t.logprobs, u.logprobs, atol=1e-4)
+            assert all(lp == 0.0 for lp, m in zip(u.logprobs, u.loss_mask, strict=True)
+                       if not m)
+            if u.routed_experts is not None:
+                routed += 1
+                diff += int(t.routed_experts != u.routed_experts)
+        strip = lambda grp: msgspec.structs.replace(grp, trajectories=[
+            msgspec.structs.replace(t, logprobs=None, routed_experts=None)
+            for t in grp.trajectories])
+        assert strip(g) == strip(h)
+    assert routed > 0 and diff <= routed // 20     # a near-tie may route differently

@@ -125,7 +125,7 @@ def test_example_producer_feeds_the_learner(tmp_path):
 
 def test_spool_with_the_multihost_listing_agreement(tmp_path):
     # Single process: the broadcast returns process 0's (our own) view unchanged.
-    from gagar_jax.feed.multihost import broadcast_from_process0
+    from gagar_jax.distributed import broadcast_from_process0
     view = {"names": ["0002.jsonl", "0010.arrayrecord"], "done": False, "timed_out": True}
     assert broadcast_from_process0(view) == view
     publish(tmp_path, "0001.jsonl", synthetic.make_groups(2, seed=0))

@@ -104,8 +104,8 @@ def test_truncate_long_option(tmp_path):
     first = gs[0].trajectories[0]
     seg = (batch.traj_index_BxS == 0) & (batch.segment_ids_BxS > 0)
     np.testing.assert_array_equal(batch.tokens_BxS[seg], first.tokens[:64])
-    strict = Feed(FeedConfig(**{**cfg.__dict__, "truncate_long": False}), tmp_path / "s", **MODEL,
-                  source=IteratorSource(gs))
+    strict = Feed(FeedConfig(**{**cfg.__dict__, "truncate_long": False, "overlong": "reject"}),
+                  tmp_path / "s", **MODEL, source=IteratorSource(gs))
     assert strict.next_batch(0) is None
     assert {e["reason"] for e in dead_letters(tmp_path / "s")} == {Reason.TOO_LONG}
 
@@ -187,9 +187,96 @@ def test_fuzzed_records_never_crash_and_are_all_accounted(tmp_path_factory, data
         assert len(json.dumps(e)) < 3 * CFG.max_record_bytes     # entries are bounded
 
 
+def test_dead_letters_keep_the_group_id_whenever_it_parsed(tmp_path):
+    """A record rejected before validation (wrong shape, bad types) still names its group."""
+    records = [(b'{"group_id": "g-json", "trajectories": 5}', "json"),
+               (msgspec.msgpack.encode({"group_id": "g-msgpack", "policy_version": "x"}),
+                "msgpack"),
+               (b'{"group_id": 7}', "json"),                   # not a string: no id
+               (b'{"group_id": "g-cut", "traj', "json")]       # unparseable: no id
+    ledger = run_all(Feed(CFG, tmp_path, **MODEL, source=ListSource(records)))
+    entries = dead_letters(tmp_path)
+    assert [e["group_id"] for e in entries] == ["g-json", "g-msgpack", None, None]
+    assert [e["reason"] for e in entries][:2] == [Reason.SCHEMA, Reason.SCHEMA]
+    assert ledger.quarantined == 4 and ledger.balanced
+
+
 def test_non_object_payloads_from_iterators_are_dead_lettered(tmp_path):
     feed = Feed(CFG, tmp_path, **MODEL, source=IteratorSource([{"group_id": 3}, 42, b"\xff\xfe"]))
     ledger = run_all(feed)
     assert ledger.quarantined == 3 and ledger.balanced
     reasons = [e["reason"] for e in dead_letters(tmp_path)]
     assert reasons == [Reason.SCHEMA, Reason.SCHEMA, Reason.UNPARSEABLE]
+
+
+def _overlong_group():
+    """Three members: a 12-token pass, a 20-token fail (over max_traj_tokens 16), and a
+    10-token fail its producer marked truncated."""
+    def traj(tid, n, outcome, **kw):
+        mask = [0] * 4 + [1] * (n - 4)
+        return schema.Trajectory(trajectory_id=tid, tokens=list(range(1, n + 1)), loss_mask=mask,
+                                 logprobs=[-0.5 * m for m in mask], outcome=outcome, **kw)
+    return schema.Group(schema_version=1, group_id="g", task_id="t", policy_version=0,
+                        grading=schema.Grading(status="ok"),
+                        trajectories=[traj("ok", 12, "pass"), traj("long", 20, "fail"),
+                                      traj("cut", 10, "fail", truncated=True)])
+
+
+def test_overlong_policy_reject_drop_truncate(tmp_path):
+    from gagar_jax.feed.validate import ModelShape, Rejected, validate_group
+    g, shape = _overlong_group(), ModelShape(**MODEL)
+    base = {**CFG.__dict__, "max_traj_tokens": 16}
+    # reject (the default): the group goes, for the long member as for the truncated one
+    for group, why in ((g, "20 tokens > max_traj_tokens 16"),
+                       (msgspec.structs.replace(g, trajectories=[g.trajectories[0],
+                                                                 g.trajectories[2]]),
+                        "truncated by its producer")):
+        try:
+            validate_group(group, FeedConfig(**base), shape)
+            raise AssertionError("not rejected")
+        except Rejected as e:
+            assert e.reason == Reason.TOO_LONG and why in e.detail
+    # drop: both overlong members stay in the group (its statistics: 1 pass of 3), with no
+    # token left in the loss; the long one is cut to what the learner takes
+    pg = validate_group(g, FeedConfig(**{**base, "overlong": "drop"}), shape)
+    assert [t.length for t in pg.trajectories] == [12, 16, 10] and pg.mixed
+    assert [int(t.loss_mask.sum()) for t in pg.trajectories] == [8, 0, 0]
+    assert [t.reward for t in pg.trajectories] == [1.0, 0.0, 0.0]
+    # through a batch: the dropped members count in p (1 pass of 3: A = +2/3, -1/3) and carry
+    # no loss token
+    import jax
+
+    from gagar_jax.algo.advantage import GroupOutcomes, advantages_of
+    batch, info = Feed(FeedConfig(**{**base, "overlong": "drop", "groups_per_batch": 1}),
+                       tmp_path, **MODEL, source=IteratorSource([g])).next_batch(0)
+    out = jax.jit(advantages_of)(GroupOutcomes.of_batch(batch))   # one compile, not per op
+    np.testing.assert_allclose(np.asarray(out.outcome_advantages)[:3], [2 / 3, -1 / 3, -1 / 3],
+                               rtol=1e-6)
+    per_traj = np.bincount(batch.traj_index_BxS.reshape(-1),
+                           weights=batch.loss_mask_BxS.reshape(-1), minlength=3)[:3]
+    np.testing.assert_array_equal(per_traj, [8, 0, 0])
+    # truncate: cut and trained; the producer-truncated one is trained as sent
+    pg = validate_group(g, FeedConfig(**{**base, "overlong": "truncate"}), shape)
+    assert [t.length for t in pg.trajectories] == [12, 16, 10]
+    assert [int(t.loss_mask.sum()) for t in pg.trajectories] == [8, 12, 6]
+    # the former switch still means truncate
+    assert FeedConfig(**{**base, "truncate_long": True}).overlong == "truncate"
+
+
+def test_dapo_soft_overlong_penalty_is_an_adjustment_by_hand():
+    from gagar_jax.feed.validate import ModelShape, overlong_penalty, validate_group
+    cfg = FeedConfig(**{**CFG.__dict__, "max_traj_tokens": 16, "overlong": "truncate",
+                        "overlong_buffer_len": 8, "overlong_penalty_factor": 0.5})
+    # 0 up to 16 - 8 = 8 tokens, then (8 - n) / 8 * 0.5, and -0.5 from 16 on or if truncated
+    assert [overlong_penalty(n, False, cfg) for n in (4, 8, 10, 12, 15, 16, 30)] == [
+        0.0, 0.0, -0.125, -0.25, -0.4375, -0.5, -0.5]
+    assert overlong_penalty(4, True, cfg) == -0.5
+    off = FeedConfig(**{**CFG.__dict__, "max_traj_tokens": 16})
+    assert overlong_penalty(30, True, off) == 0.0
+    g = _overlong_group()
+    g = msgspec.structs.replace(g, trajectories=[
+        msgspec.structs.replace(t, adjustment=0.1) for t in g.trajectories])
+    pg = validate_group(g, cfg, ModelShape(**MODEL))
+    # added to the record's own adjustment (rule 9: centred per group, out of the redistribution)
+    np.testing.assert_allclose([t.adjustment for t in pg.trajectories],
+                               [0.1 - 0.25, 0.1 - 0.5, 0.1 - 0.5])

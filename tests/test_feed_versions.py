@@ -86,8 +86,8 @@ def test_groups_from_the_future_are_counted_warned_once_and_quarantined(
     items = [_mixed("ok3", 3), _mixed("a4", 4), _mixed("b4", 4), _mixed("old1", 1),
              _mixed("p5", 5, policy_version_spans=[[0, 1], [5, 5]]), _mixed("f9", 9)]
     logs = []
-    feed = Feed(cfg, tmp_path, **MODEL, source=IteratorSource(items), log=logs.append)
-    feed.published_version = published
+    feed = Feed(cfg, tmp_path, **MODEL, source=IteratorSource(items), log=logs.append,
+                published_version=published)
     _, info = feed.next_batch(3)
     ledger = feed.finish()
     newest = max(3, published)

@@ -1,33 +1,56 @@
-"""The closed loop, short: the learner and the vLLM rollout worker as two processes (make loop).
+"""The closed loop, short: the learner and the vLLM rollout worker as two processes, started by
+the loop's entry point (`gagar-loop`, gagar_jax/run/loop_cli.py on run/loop.py).
 
-Six learner steps on the example task (configs/tiny_vllm.py; gagar_jax/run/loop.py), publishing
-deltas between full versions (the worker applies them in place). The full
-loop (3 seeds, 40 steps, a frozen control) is `make loop`; docs/rollout.md has its numbers.
+Six learner steps on the example task (configs/tiny_vllm.py), publishing deltas between full
+versions (the worker applies them in place); the learner publishes version 0 itself
+(`train.publish_initial`). The full loop (3 seeds, 40 steps, a frozen control) is `make loop`;
+docs/rollout.md has its numbers.
 """
+import contextlib
 import glob
+import io
 import json
 import os
+import re
 
 import pytest
 from support.vllm_env import vllm_python
 
 from gagar_jax.feed import schema
-from gagar_jax.run.loop import run_loop
+from gagar_jax.run import loop_cli
 
 STEPS = 6
 
 
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory):
-    vllm_python()                   # fails (never skips) without .venv-vllm
+    py = vllm_python()              # fails (never skips) without .venv-vllm
     wd = str(tmp_path_factory.mktemp("loop") / "run")
-    # delta publishing (a full version every 3 publishes): the worker applies the chains
-    return wd, run_loop(wd, seed=0, steps=STEPS, timeout_s=400,
-                        learner_args=("--config.train.publish_full_every=3",))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        # delta publishing (a full version every 3 publishes): the worker applies the chains
+        code = loop_cli.main(["--workdir", wd, f"--steps={STEPS}", "--seed=0",
+                              f"--vllm-python={py}", "--timeout-s=400",
+                              "--config.train.publish_full_every=3"])
+    assert code == 0, out.getvalue()
+    with open(os.path.join(wd, "loop_report.json")) as f:
+        return wd, json.load(f), out.getvalue()
+
+
+def test_the_entry_point_prints_a_line_per_policy_version(loop):
+    wd, rep, out = loop
+    lines = [ln for ln in out.splitlines() if ln.startswith("version")]
+    shown = [int(re.match(r"version +(\d+):", ln).group(1)) for ln in lines]
+    # every version the worker sampled from, once each, in order (the last when the loop ended)
+    assert shown == sorted(int(v) for v in rep["pass_rate_by_version"])
+    for ln, v in zip(lines, shown, strict=True):
+        rate = float(re.search(r"pass rate ([\d.]+) over", ln).group(1))
+        assert abs(rate - rep["pass_rate_by_version"][str(v)]) <= 6e-4, ln
+    assert out.splitlines()[-1].startswith(f"gagar-loop: {rep['steps_trained']} steps")
 
 
 def test_ledger_balances_and_every_step_reports_staleness_and_mismatch(loop):
-    wd, rep = loop
+    wd, rep, _ = loop
     led = rep["ledger"]
     assert rep["ledger_balanced"] and led["finished"] and led["quarantined"] == 0
     assert led["received"] == led["trained"] + led["filtered_uniform"] + led["filtered_stale"] \
@@ -46,7 +69,7 @@ def test_ledger_balances_and_every_step_reports_staleness_and_mismatch(loop):
 
 
 def test_records_carry_version_sampling_and_routing(loop):
-    wd, rep = loop
+    wd, rep, _ = loop
     shards = sorted(glob.glob(os.path.join(wd, "spool", "*.jsonl")))
     assert shards and not glob.glob(os.path.join(wd, "spool", ".*"))
     groups = [schema.decode(line, "json") for s in shards for line in open(s, "rb")]

@@ -65,6 +65,11 @@ def test_objective_matches_verl_loop(objective, agg):
     np.testing.assert_allclose(loss, want, rtol=2e-5, atol=1e-7)
     np.testing.assert_allclose(grad, dwant, rtol=2e-4, atol=1e-6)
     clipfrac = float(met["clip_frac_low"] + met["clip_frac_high"])
+    assert float(met["pg_clipfrac"]) == pytest.approx(clipfrac, abs=1e-7)   # verl's name
+    # ppo_kl is k1, mean(old - current) over trained tokens, beside our k3 approx_kl
+    want_k1 = float(np.sum((old - logp) * mask) / np.sum(mask))
+    assert float(met["ppo_kl"]) == pytest.approx(want_k1, rel=1e-5, abs=1e-7)
+    assert float(met["ppo_kl"]) == pytest.approx(m["actor/ppo_kl"], rel=1e-5, abs=1e-7)
     if objective != "cispo":
         assert clipfrac == pytest.approx(m["actor/pg_clipfrac"], abs=1e-6)
         assert 0 < clipfrac < 1
@@ -209,6 +214,9 @@ def test_config_validation():
                 dict(routing_replay="r2"), dict(entropy_coef=-1.0)):
         with pytest.raises(ValueError):
             L.LossConfig(**bad)
+    # a rejection threshold without its option would reject nothing, silently
+    with pytest.raises(ValueError, match="rollout_rs_threshold='2.0' is set but loss.rollout_rs"):
+        L.LossConfig(recompute_old_logprobs=True, rollout_rs_threshold="2.0")
 
 
 @pytest.mark.parametrize("objective", ["gspo", "cispo"])

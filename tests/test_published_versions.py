@@ -92,6 +92,10 @@ def test_a_resume_republishes_into_a_new_directory_while_latest_stays_complete(t
     pub = tmp_path / "published"
     first3 = pointer.read_latest(str(tmp_path))["path"]
     assert os.path.basename(first3) == "step_00000003"
+    # train.publish_initial (on by default with publish_every > 0): the initial policy was
+    # published as version 0 before step 1 of the fresh run
+    assert sorted(os.listdir(pub)) == ["latest", "step_00000000", "step_00000003"]
+    assert pointer.read_manifest(str(pub / "step_00000000"))["seq"] == 1
     before = {f: open(os.path.join(first3, f), "rb").read() for f in os.listdir(first3)}
     # A SIGKILL after step 3 was published, before checkpoint 3: the resume trains step 3 again.
     shutil.rmtree(tmp_path / "checkpoints" / "3")
@@ -111,10 +115,11 @@ def test_a_resume_republishes_into_a_new_directory_while_latest_stays_complete(t
     # is deterministic, so the re-published weights are the same bytes.
     assert {f: open(os.path.join(first3, f), "rb").read() for f in os.listdir(first3)} == before
     manifest = pointer.read_manifest(again["path"])
-    assert manifest["previous"] == "step_00000003" and manifest["seq"] == 2
+    assert manifest["previous"] == "step_00000003" and manifest["seq"] == 3
     for f in before:
         if f != publish.MANIFEST:
             assert open(os.path.join(again["path"], f), "rb").read() == before[f], f
+    # the resume did not publish version 0 again (no step_00000000.a1); keep 2 collected it
     assert sorted(os.listdir(pub)) == ["latest", "step_00000003", "step_00000003.a1"]
 
 

@@ -21,6 +21,7 @@ from support.trainer_runs import (
     cmd,
     env,
     ledger_adds_up,
+    output_path,
     run,
     shared_reference,
     start,
@@ -42,6 +43,10 @@ def test_end_to_end_on_sample_feed(reference):
     lines = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
     assert all(m["mixed_groups"] >= 1 and m["lam_max"] <= 1.5 for m in lines)
+    # The sample feed is scored by the initial policy (scripts/make_sample_feed.py
+    # --rescore-config): step 1 is on-policy, as a real run's first step.
+    assert lines[0]["approx_kl"] < 0.05 and abs(lines[0]["ppo_kl"]) < 0.05
+    assert lines[0]["clip_frac_low"] + lines[0]["clip_frac_high"] < 0.05
     # The sample feed's versions never run ahead of the learner (feed.max_future_versions).
     assert all(m["feed/ahead_of_learner"] == 0 for m in lines)
     assert summary["ledger"]["ahead_of_learner"] == 0
@@ -54,6 +59,30 @@ def test_end_to_end_on_sample_feed(reference):
             assert abs(sum(adv)) < 1e-4
     assert os.path.isdir(workdir / "tensorboard")
     assert len(summary["params_sha256"]) == 64 and summary["params_l2"] > 0
+
+
+def test_cli_output_is_short_and_ends_with_the_summary_block(reference):
+    """Quiet by default: no orbax INFO lines, the progress bar is one line (carriage returns),
+    and the run ends with the plain summary block (its numbers from summary.json)."""
+    workdir, summary = reference
+    out = open(output_path(workdir)).read()
+    lines = out.splitlines()
+    assert len(lines) <= 40, out
+    assert not any(w in out for w in ("orbax", "Failed to get flag", "Traceback", "[process="))
+    block = out[out.index("gagar-train: done:"):].splitlines()
+    led = summary["ledger"]
+    assert block[0] == f"gagar-train: done: {STEPS} steps ({STEPS} this run)"
+    assert block[1].split()[:4] == ["groups", "received", f"{led['received']}:", "trained"]
+    assert f"trained {led['trained']}, uniform {led['filtered_uniform']}" in block[1]
+    assert f"quarantined {led['quarantined']} (dead-lettered {summary['dead_lettered']})" \
+        in block[1] and block[1].endswith("ledger balanced")
+    assert block[2] == (f"  tokens/s   {summary['tokens_per_s_steady']:,.0f} steady, "
+                        f"{summary['tokens_per_s']:,.0f} with compilation "
+                        f"({summary['wall_s']:.1f} s)")
+    assert f"workdir    {workdir}" in out and f"{workdir}/metrics.jsonl" in out
+    assert f"tensorboard --logdir {workdir}/tensorboard" in out
+    assert "published  none (train.publish_every = 0)" in out
+    assert block == lines[-len(block):]           # the block is the end of the output
 
 
 def test_sigkill_then_resume_is_bit_identical(reference, tmp_path):
@@ -195,6 +224,9 @@ def test_cli_errors_are_one_line_exit_2(capsys, tmp_path):
          "are both set; the feed reads one source"),
         (["--config", cfg, "--workdir", str(tmp_path), f"--config.train.reference_from={other}"],
          "is never read with loss.kl_coef=0.0"),
+        (["--config", cfg, "--workdir", str(tmp_path), "--config.loss.rollout_rs_threshold=2.0",
+          "--config.loss.recompute_old_logprobs=true"],
+         "loss.rollout_rs_threshold='2.0' is set but loss.rollout_rs is not"),
     ]
     for args, needle in cases:
         code = cli.main(["gagar-train", *args])
@@ -227,7 +259,8 @@ def test_cli_overrides_reach_the_run(tmp_path, monkeypatch):
                      "--config.feed.path=data/other.jsonl", "--start_fresh"])
     assert code == 0
     assert seen == {"steps": 7, "path": "data/other.jsonl", "seed": 3, "workdir": str(tmp_path),
-                    "start_fresh": True}
+                    "start_fresh": True,
+                    "explicit": {"train.steps", "seed", "feed.path"}}   # a recipe keeps them
 
 
 def test_cli_from_another_directory_finds_the_default_feed_and_splits_layer_types(

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 MODES = ("sum_preserving", "downweight_only", "binary")
+STD_EPS = 1e-6     # verl's epsilon of norm_adv_by_std_in_grpo
 
 
 @flax.struct.dataclass
@@ -135,11 +136,14 @@ def _validated(o: GroupOutcomes, lam_cap: float, mode: str) -> GroupOutcomes:
                            adjustments=o.adjustments_T)
 
 
-def group_stats(o: GroupOutcomes, *, use_factors: bool = True) -> GroupStats:
+def group_stats(o: GroupOutcomes, *, use_factors: bool = True,
+                std_norm: bool = False) -> GroupStats:
     """Rules 1-5: exclusion, hack zeroing, mixed groups, outcome advantages, grading fallback.
 
     Inputs are validated arrays (see `validate_inputs`). With `use_factors=False` (binary mode)
-    no factor is read and no group falls back.
+    no factor is read and no group falls back. With `std_norm` the outcome advantage of a mixed
+    group is divided by its rewards' standard deviation plus STD_EPS (verl's
+    norm_adv_by_std_in_grpo; SPEC rule 4): a positive per-group scale.
     """
     G = o.num_groups
     group_ids, valid, hacked, rewards = o.group_ids_T, o.valid_T, o.hacked_T, o.rewards_T
@@ -154,6 +158,10 @@ def group_stats(o: GroupOutcomes, *, use_factors: bool = True) -> GroupStats:
     p = k / jnp.maximum(n, 1.0)
     in_mixed = member & mixed[gid]
     A = jnp.where(in_mixed, passed.astype(jnp.float32) - p[gid], 0.0)
+    if std_norm:
+        # torch.std as verl takes it (n - 1): sum_i (r_i - p)^2 = n p (1 - p) for 0/1 rewards.
+        std = jnp.sqrt(n * p * (1.0 - p) / jnp.maximum(n - 1.0, 1.0))
+        A = A / (std[gid] + STD_EPS)
     if use_factors:
         # Select before computing: a failure's factor (maybe NaN) never enters arithmetic.
         f_sel = jnp.where(passed, factors.astype(jnp.float32), 1.0)
@@ -189,10 +197,10 @@ def _redistribute(st: GroupStats, *, num_groups: int, lam_cap: float, mode: str)
     return A2, lam.astype(jnp.float32), capped
 
 
-def _advantages(x: GroupOutcomes, *, lam_cap: float, mode: str):
+def _advantages(x: GroupOutcomes, *, lam_cap: float, mode: str, std_norm: bool = False):
     """The computation behind `gagar_advantages` on validated arrays; also returns the stats."""
     G = x.num_groups
-    st = group_stats(x, use_factors=mode != "binary")
+    st = group_stats(x, use_factors=mode != "binary", std_norm=std_norm)
     A2, lam, capped = _redistribute(st, num_groups=G, lam_cap=float(lam_cap), mode=mode)
     gid, in_mixed = st.gid_T, st.member_T & st.mixed_G[st.gid_T]
     final = A2
@@ -218,7 +226,8 @@ def gagar_advantages(rewards: jax.typing.ArrayLike, group_ids: jax.typing.ArrayL
                      factors: jax.typing.ArrayLike, valid: jax.typing.ArrayLike,
                      hacked: jax.typing.ArrayLike, grading_ok: jax.typing.ArrayLike, *,
                      num_groups: int, lam_cap: float = 1.5, mode: str = "sum_preserving",
-                     adjustments: Optional[jax.Array] = None) -> AdvantageOutput:
+                     adjustments: Optional[jax.Array] = None,
+                     std_norm: bool = False) -> AdvantageOutput:
     """Gagar advantages of one batch of groups (docs/advantage.md section 1).
 
     Args:
@@ -233,26 +242,29 @@ def gagar_advantages(rewards: jax.typing.ArrayLike, group_ids: jax.typing.ArrayL
       mode: "sum_preserving" (Gagar), "downweight_only" (ablation) or "binary" (Dr. GRPO).
       adjustments: optional f32[T] additive reward adjustments, centred per group and added
         after the redistribution (rule 9).
+      std_norm: static; divide each mixed group's outcome advantages by the standard deviation
+        of its rewards plus STD_EPS (verl's norm_adv_by_std_in_grpo, for plain GRPO baselines).
 
     Returns:
       AdvantageOutput; `advantages` is what the loss broadcasts to tokens.
     """
     x = validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok,
                         num_groups=num_groups, lam_cap=lam_cap, mode=mode, adjustments=adjustments)
-    return _advantages(x, lam_cap=lam_cap, mode=mode)[0]
+    return _advantages(x, lam_cap=lam_cap, mode=mode, std_norm=std_norm)[0]
 
 
 def advantages_of(outcomes: GroupOutcomes, *, lam_cap: float = 1.5,
-                  mode: str = "sum_preserving") -> AdvantageOutput:
+                  mode: str = "sum_preserving", std_norm: bool = False) -> AdvantageOutput:
     """`gagar_advantages` on a `GroupOutcomes` struct (G = `outcomes.num_groups`)."""
-    return _advantages(_validated(outcomes, lam_cap, mode), lam_cap=lam_cap, mode=mode)[0]
+    return _advantages(_validated(outcomes, lam_cap, mode), lam_cap=lam_cap, mode=mode,
+                       std_norm=std_norm)[0]
 
 
 def equivalent_rewards(rewards: jax.typing.ArrayLike, group_ids: jax.typing.ArrayLike,
                        factors: jax.typing.ArrayLike, valid: jax.typing.ArrayLike,
                        hacked: jax.typing.ArrayLike, grading_ok: jax.typing.ArrayLike, *,
                        num_groups: int, lam_cap: float = 1.5,
-                       mode: str = "sum_preserving") -> jax.Array:
+                       mode: str = "sum_preserving", std_norm: bool = False) -> jax.Array:
     """The shaped reward r' whose per-group mean-centring reproduces A' (INV-8).
 
     The centring identity needs A' to have zero group mean: it holds in sum_preserving and
@@ -266,7 +278,7 @@ def equivalent_rewards(rewards: jax.typing.ArrayLike, group_ids: jax.typing.Arra
     """
     x = validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok,
                         num_groups=num_groups, lam_cap=lam_cap, mode=mode)
-    out, st = _advantages(x, lam_cap=lam_cap, mode=mode)
+    out, st = _advantages(x, lam_cap=lam_cap, mode=mode, std_norm=std_norm)
     in_mixed = st.member_T & st.mixed_G[st.gid_T]
     return jnp.where(in_mixed, st.p_G[st.gid_T] + out.redistributed_advantages,
                      out.effective_rewards)
@@ -307,7 +319,8 @@ def check_invariants(out: AdvantageOutput, rewards: jax.typing.ArrayLike,
                      group_ids: jax.typing.ArrayLike, factors: jax.typing.ArrayLike,
                      valid: jax.typing.ArrayLike, hacked: jax.typing.ArrayLike,
                      grading_ok: jax.typing.ArrayLike, *, num_groups: int, lam_cap: float = 1.5,
-                     mode: str = "sum_preserving", atol: float = 1e-5) -> None:
+                     mode: str = "sum_preserving", atol: float = 1e-5,
+                     std_norm: bool = False) -> None:
     """Asserts the input contract and the identities that hold for `mode` (chex value asserts).
 
     Runs eagerly, or inside jit when the jitted function is wrapped in `chex.chexify` (the loss
@@ -318,20 +331,22 @@ def check_invariants(out: AdvantageOutput, rewards: jax.typing.ArrayLike,
     Args:
       out: the AdvantageOutput to check.
       rewards, group_ids, factors, valid, hacked, grading_ok: the inputs it was computed from.
-      num_groups, lam_cap, mode: as passed to `gagar_advantages`.
+      num_groups, lam_cap, mode, std_norm: as passed to `gagar_advantages`.
       atol: absolute tolerance.
     """
     x = validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok,
                         num_groups=num_groups, lam_cap=lam_cap, mode=mode)
-    check_invariants_of(out, x, lam_cap=lam_cap, mode=mode, atol=atol)
+    check_invariants_of(out, x, lam_cap=lam_cap, mode=mode, atol=atol, std_norm=std_norm)
 
 
 def check_invariants_of(out: AdvantageOutput, outcomes: GroupOutcomes, *, lam_cap: float = 1.5,
-                        mode: str = "sum_preserving", atol: float = 1e-5) -> None:
-    """`check_invariants` on a `GroupOutcomes` struct."""
+                        mode: str = "sum_preserving", atol: float = 1e-5,
+                        std_norm: bool = False) -> None:
+    """`check_invariants` on a `GroupOutcomes` struct (the invariants are stated on A, the
+    std-normalised outcome advantage under `std_norm`)."""
     x = _validated(outcomes, lam_cap, mode)
     G = x.num_groups
-    st = group_stats(x, use_factors=mode != "binary")
+    st = group_stats(x, use_factors=mode != "binary", std_norm=std_norm)
     gid, member, passed, A, f = st.gid_T, st.member_T, st.pass_T, st.A_T, st.f_T
     seg = lambda v: segment_sum(v, gid, G)
     close = lambda a, b, tol: jnp.abs(a - b) <= tol
@@ -344,7 +359,7 @@ def check_invariants_of(out: AdvantageOutput, outcomes: GroupOutcomes, *, lam_ca
             ~x.valid_T | ((g >= 0) & (g < G)),
         "advantages are finite": jnp.isfinite(out.advantages) & jnp.isfinite(A1),
         "mixed flags follow 0 < k < n": out.mixed == st.mixed_G,
-        "outcome advantages are r - p": close(out.outcome_advantages, A, atol),
+        "outcome advantages are r - p (/ std + eps)": close(out.outcome_advantages, A, atol),
         "zero advantage outside mixed groups": in_mixed | ((out.advantages == 0) & (A1 == 0)),
         "INV-7 lambda <= lambda_max": out.lam <= lam_cap,
         "lambda = 1, not capped, no fallback outside mixed groups":

@@ -32,7 +32,7 @@ from gagar_jax.algo.advantage import (
 )
 from gagar_jax.algo.aggregation import AGGREGATIONS, aggregation_weights
 from gagar_jax.batch import Batch
-from gagar_jax.config import section_dict
+from gagar_jax.config import VERL_LOSS_ALIASES, section_dict
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ROUTING_REPLAYS = ("r3", "r2")
@@ -54,6 +54,9 @@ class LossConfig:
       max_response_len: the constant normalizer of `seq-mean-token-sum-norm`.
       lam_cap: Gagar's lambda cap (>= 1).
       mode: sum_preserving | downweight_only | binary.
+      norm_adv_by_std: divide each group's outcome advantages by its rewards' standard deviation
+        (+1e-6) before the redistribution (verl's norm_adv_by_std_in_grpo, plain GRPO
+        baselines; SPEC section 2 rule 4); off by default (Dr. GRPO).
       router_aux_coef, router_z_coef: weights of the MoE load-balancing and router z losses.
       recompute_old_logprobs: the learner recomputes pre-update log-probs once per batch and uses
         them as the ratio denominator; the feed's log-probs then only drive the TIS weight.
@@ -78,6 +81,7 @@ class LossConfig:
     max_response_len: int = 1024
     lam_cap: float = 1.5
     mode: str = "sum_preserving"
+    norm_adv_by_std: bool = False
     router_aux_coef: float = 0.0
     router_z_coef: float = 0.0
     recompute_old_logprobs: bool = False
@@ -158,9 +162,17 @@ class LossConfig:
         """Builds the frozen config from the `loss` section (ConfigDict or dict).
 
         The router loss weights live in the model section (`router_aux_loss_coef`,
-        `router_z_loss_coef`); pass it as `model` to pick them up.
+        `router_z_loss_coef`); pass it as `model` to pick them up. verl's names of four keys
+        (`config.VERL_LOSS_ALIASES`: clip_ratio_low / high / c, loss_agg_mode) are accepted.
         """
-        d = section_dict(section, cls, "loss")
+        d = dict(section.to_dict() if hasattr(section, "to_dict") else section)
+        for verl, ours in VERL_LOSS_ALIASES.items():
+            if verl in d:
+                if ours in d and d[ours] != d[verl]:
+                    raise ValueError(f"loss.{verl} (verl's name of loss.{ours}) = {d[verl]!r} "
+                                     f"and loss.{ours} = {d[ours]!r}: give one")
+                d[ours] = d.pop(verl)
+        d = section_dict(d, cls, "loss")
         if model is not None:
             d.setdefault("router_aux_coef", float(model.router_aux_loss_coef))
             d.setdefault("router_z_coef", float(model.router_z_loss_coef))
@@ -192,6 +204,7 @@ class LossAux:
     clip_high_count: jax.Array     # tokens clipped above
     dual_clip_count: jax.Array     # tokens held by the dual clip
     approx_kl_sum: jax.Array       # k3 estimate of KL(old || current), summed over tokens
+    ppo_kl_sum: jax.Array          # k1 (old - current log-prob, verl's ppo_kl), summed
     entropy_sum: jax.Array         # policy entropy summed over trained tokens
     entropy_loss: jax.Array        # weighted (aggregated) entropy, before entropy_coef
 
@@ -241,7 +254,8 @@ def prepare_batch(batch: Batch, cfg: LossConfig, *, mini_batches: int = 1,
         raise ValueError("learner_old_logprobs_BxS must be given iff cfg.recompute_old_logprobs")
     if (cfg.kl_coef > 0) != (ref_logprobs_BxS is not None):
         raise ValueError("ref_logprobs_BxS must be given iff cfg.kl_coef > 0")
-    adv_out = advantages_of(GroupOutcomes.of_batch(batch), lam_cap=cfg.lam_cap, mode=cfg.mode)
+    adv_out = advantages_of(GroupOutcomes.of_batch(batch), lam_cap=cfg.lam_cap, mode=cfg.mode,
+                            std_norm=cfg.norm_adv_by_std)
     traj, T = batch.traj_index_BxS, batch.num_trajectories
     # Invalid trajectories (infra errors) take no part in the loss at all, KL included.
     valid_BxS = batch.valid_T[traj].astype(jnp.float32)
@@ -319,6 +333,6 @@ def pg_loss(logprobs_BxS: jax.Array, entropy_BxS: jax.Array, inputs: LossInputs,
         loss=loss, pg_loss=pg_sum, kl_loss=kl_sum, tokens=jnp.sum(mask),
         clip_low_count=jnp.sum(terms.clip_low_BxS), clip_high_count=jnp.sum(terms.clip_high_BxS),
         dual_clip_count=jnp.sum(terms.dual_BxS),
-        approx_kl_sum=jnp.sum(mask * (jnp.expm1(lr) - lr)),
+        approx_kl_sum=jnp.sum(mask * (jnp.expm1(lr) - lr)), ppo_kl_sum=jnp.sum(mask * -lr),
         entropy_sum=jnp.sum(mask * sg(entropy_BxS)), entropy_loss=sg(ent_sum))
     return loss, aux

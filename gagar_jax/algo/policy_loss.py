@@ -139,7 +139,9 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
       traj_index_BxS, num_trajectories: packed trajectories; default one sequence per row.
     Returns:
       (loss, metrics) with metrics a dict of scalars: pg_loss, clip_frac_low, clip_frac_high,
-      dual_clip_frac (fractions of trained tokens) and approx_kl (k3 of KL(old || current)).
+      dual_clip_frac (fractions of trained tokens), approx_kl (k3 of KL(old || current)), and
+      under verl's names pg_clipfrac (= clip_frac_low + clip_frac_high) and ppo_kl (k1: the
+      mean of old - current log-probs).
     """
     traj, T = rows_as_sequences(mask, traj_index_BxS, num_trajectories)
     mask = mask.astype(jnp.float32)
@@ -153,5 +155,7 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
     metrics = dict(pg_loss=loss, clip_frac_low=jnp.sum(terms.clip_low_BxS) / n,
                    clip_frac_high=jnp.sum(terms.clip_high_BxS) / n,
                    dual_clip_frac=jnp.sum(terms.dual_BxS) / n,
-                   approx_kl=jnp.sum(mask * (jnp.expm1(lr) - lr)) / n)
+                   approx_kl=jnp.sum(mask * (jnp.expm1(lr) - lr)) / n,
+                   pg_clipfrac=(jnp.sum(terms.clip_low_BxS) + jnp.sum(terms.clip_high_BxS)) / n,
+                   ppo_kl=jnp.sum(mask * -lr) / n)
     return loss, metrics

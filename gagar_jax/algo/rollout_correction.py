@@ -58,6 +58,10 @@ def rs_options(rollout_rs: str | None, threshold: Any) -> tuple:
     threshold is used for every option, otherwise one per option.
     """
     if rollout_rs is None:
+        if threshold is not None:   # a threshold alone would silently reject nothing
+            raise ValueError(f"loss.rollout_rs_threshold={threshold!r} is set but loss.rollout_rs "
+                             "is not: set the rejection option too (e.g. \"seq_mean_k1\"), or "
+                             "unset the threshold")
         return ()
     opts = [o.strip() for o in str(rollout_rs).split(",") if o.strip()]
     bad = [o for o in opts if o not in RS_OPTIONS]

@@ -51,11 +51,12 @@ class StepMetrics:
     """One train step's metrics (device arrays; `metrics.to_host` flattens them).
 
     Loss terms and grad_norm average over the step's optimizer updates; clip fractions, approx_kl
-    (k3 of KL(old || current)) and entropy are per trained token over all updates; learning_rate
-    is the last update's. Credits sum over groups; lam_mean / lam_max are over mixed groups.
-    entropy_loss is the aggregated entropy (the bonus before entropy_coef), mean over updates;
-    `rollout` the learner-vs-rollout diagnostics of the batch (rollout_correction.py; zeros and
-    IS weight 1 without recompute_old_logprobs), written as `rollout/<name>`.
+    (k3 of KL(old || current)), ppo_kl (k1) and entropy are per trained token over all updates;
+    learning_rate is the last update's. Credits sum over groups; lam_mean / lam_max are over
+    mixed groups. entropy_loss is the aggregated entropy (the bonus before entropy_coef), mean
+    over updates; `rollout` the learner-vs-rollout diagnostics of the batch
+    (rollout_correction.py; zeros and IS weight 1 without recompute_old_logprobs), written as
+    `rollout/<name>`.
     """
     loss: jax.Array
     pg_loss: jax.Array
@@ -66,6 +67,8 @@ class StepMetrics:
     clip_frac_high: jax.Array
     dual_clip_frac: jax.Array
     approx_kl: jax.Array
+    pg_clipfrac: jax.Array        # verl's name: clip_frac_low + clip_frac_high
+    ppo_kl: jax.Array             # verl's name: k1, mean of old - current log-prob per token
     entropy: jax.Array
     entropy_loss: jax.Array
     grad_norm: jax.Array
@@ -111,6 +114,8 @@ def step_metrics(batch: Batch, inputs: loss_lib.LossInputs, adv: AdvantageOutput
         clip_frac_high=jnp.sum(a.clip_high_count) / tok,
         dual_clip_frac=jnp.sum(a.dual_clip_count) / tok,
         approx_kl=jnp.sum(a.approx_kl_sum) / tok,
+        pg_clipfrac=(jnp.sum(a.clip_low_count) + jnp.sum(a.clip_high_count)) / tok,
+        ppo_kl=jnp.sum(a.ppo_kl_sum) / tok,
         entropy=jnp.sum(a.entropy_sum) / tok,
         entropy_loss=jnp.mean(a.entropy_loss),
         grad_norm=jnp.mean(stats.grad_norm),

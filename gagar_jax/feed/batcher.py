@@ -72,6 +72,13 @@ class Feed:
         payloads of its rows that did not decode) to the failures every process acts on;
         default: `merge_failures` of all processes' (one small all-gather per batch when
         process_count > 1), so a group is quarantined on every process or on none.
+      on_idle: called while the source waits for records (the trainer reads back the finished
+        step then, so its lines appear without waiting for the next batch).
+      stopped: True once a stop (SIGTERM) was asked for: a source that ends then ends no feed,
+        and a batch still filling keeps its groups buffered instead of being trained undersized.
+      published_version: the newest policy version published in the workdir before this
+        process started (-1: none). After a resume from an older checkpoint it can be ahead of
+        the step, and groups generated with it are not from the future.
     """
 
     def __init__(self, cfg: FeedConfig, workdir: epath.PathLike, *, vocab_size: int,
@@ -79,7 +86,9 @@ class Feed:
                  source: Any = None, factor_table: Any = None, process_index: int = 0,
                  process_count: int = 1, rows: Optional[slice] = None,
                  cols: Optional[slice] = None, log: Callable[[str], None] = LOG.info,
-                 agree: Optional[Callable[[dict], dict]] = None):
+                 agree: Optional[Callable[[dict], dict]] = None,
+                 on_idle: Callable[[], None] = lambda: None,
+                 stopped: Callable[[], bool] = lambda: False, published_version: int = -1):
         self.cfg = cfg
         self.shape = ModelShape(vocab_size, num_moe_layers, top_k, num_experts)
         if cfg.routing_replay and not (num_moe_layers and top_k):
@@ -100,17 +109,11 @@ class Feed:
         # group_id -> policy_version, for the duplicate check; see `_forget_old_ids`.
         self.seen_group_ids: dict = {}
         self.exhausted = False
-        self.on_idle: Callable[[], None] = lambda: None   # the trainer drains finished steps
-        # True once a stop (SIGTERM) was asked for: a source that ends then ends no feed, and a
-        # batch still filling keeps its groups buffered instead of being trained undersized.
-        self.stopped: Callable[[], bool] = lambda: False
+        self.on_idle, self.stopped = on_idle, stopped
         self.agree = agree or (agree_across_processes if process_count > 1 else
                                (lambda failures: failures))
         self._busy = False            # inside next_batch: the ledger is mid-update
-        # The newest policy version published in the workdir before this process started
-        # (the trainer sets it; -1: none). After a resume from an older checkpoint it can be
-        # ahead of the step, and groups generated with it are not from the future.
-        self.published_version = -1
+        self.published_version = published_version
         self._warn = warner(log)
         self._warned_versions: set = set()    # future versions already warned about
         self._ledger_written = -math.inf
@@ -131,6 +134,8 @@ class Feed:
     # ---- intake -----------------------------------------------------------------------------
     def _reject(self, raw: RawRecord, reason: str, detail: str,
                 group_id: Optional[str] = None) -> None:
+        if group_id is None:     # the record failed before its group_id was read: try it alone
+            group_id = _peek_group_id(raw, self.cfg.max_record_bytes)
         self.ledger.quarantine(reason)
         self.dead_letter.write(reason, detail, raw.payload, raw.encoding, raw.origin, group_id)
 
@@ -229,7 +234,7 @@ class Feed:
             return None
         self.seen_group_ids[group_id] = pg.policy_version
         pg.origin = raw.origin
-        if not pg.mixed:
+        if not pg.mixed and self.cfg.filter_uniform:
             self.ledger.filtered_uniform += 1
             return None
         return pg
@@ -402,6 +407,28 @@ dead-letter position."""
         dl = state["dead_letter"]
         self.dead_letter.restore(int(dl["length"]), int(dl["count"]), str(dl.get("segment", "")))
         self._write_ledger(force=True)
+
+
+class _GroupIdOnly(msgspec.Struct):
+    group_id: str
+
+
+def _peek_group_id(raw: RawRecord, max_bytes: int) -> Optional[str]:
+    """The record's `group_id` if it parses on its own (the rest may be what is wrong), so that
+    a dead letter names its group whenever it can; None otherwise."""
+    try:
+        if raw.encoding == "object":
+            payload = raw.payload
+            gid = payload.get("group_id") if isinstance(payload, dict) else getattr(
+                payload, "group_id", None)
+            return gid if isinstance(gid, str) else None
+        payload = raw.payload
+        if isinstance(payload, (bytes, bytearray, memoryview)) and len(payload) <= max_bytes:
+            decode = msgspec.json.decode if raw.encoding == "json" else msgspec.msgpack.decode
+            return decode(payload, type=_GroupIdOnly).group_id
+    except (msgspec.DecodeError, RecursionError, TypeError, ValueError):
+        pass
+    return None
 
 
 class _LedgerEvents(SourceEvents):

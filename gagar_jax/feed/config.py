@@ -9,6 +9,9 @@ from gagar_jax.config import section_dict
 STALENESS_FROM = ("oldest", "newest", "mean")
 
 
+OVERLONG_POLICIES = ("reject", "drop", "truncate")
+
+
 @dataclasses.dataclass(frozen=True)
 class FeedConfig:
     """Static batch shapes, limits and the source of the feed.
@@ -46,10 +49,23 @@ class FeedConfig:
         `from_the_future`; groups ahead by less are trained. Either way they are counted
         (`ahead_of_learner`) and warned about once per version. 0: none is trained.
       max_traj_tokens: longest accepted trajectory (<= seq_len).
-      truncate_long: cut longer trajectories to `max_traj_tokens` instead of rejecting them.
+      overlong: the policy for a trajectory longer than `max_traj_tokens`, or marked
+        `truncated` by its producer, defined once (docs/feed.md, "Overlong trajectories"):
+        reject (its group is quarantined as trajectory_too_long, as before) | drop (cut to
+        `max_traj_tokens` with every token's loss_mask 0: out of the
+        loss, still in its group's statistics, DAPO's overlong filter) | truncate (cut to
+        `max_traj_tokens` and trained).
+      truncate_long: the former switch, kept for old configs: True = overlong "truncate".
+      overlong_buffer_len, overlong_penalty_factor: DAPO's soft overlong penalty, added to the
+        trajectory's adjustment (SPEC rule 9, outside the redistribution): 0 up to
+        max_traj_tokens - buffer tokens, then falling linearly to -factor at max_traj_tokens
+        (and -factor beyond, or for a `truncated` one); buffer 0 = off.
       max_record_bytes: largest accepted encoded record.
       max_group_trajectories: most trajectories per group.
       routing_replay: put a routed_experts_BxSxLxK array (-1 where absent) in every batch.
+      filter_uniform: drop groups whose valid members all pass or all fail (dynamic sampling:
+        their advantages are 0); False trains them too (their tokens then carry advantage 0:
+        they take batch slots and, under token-mean aggregation, the loss's denominator).
     """
 
     path: str = ""
@@ -68,12 +84,25 @@ class FeedConfig:
     staleness_from: str = "oldest"
     max_future_versions: int = 0
     max_traj_tokens: int = 128
+    overlong: str = "reject"
     truncate_long: bool = False
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
     max_record_bytes: int = 4_000_000
     max_group_trajectories: int = 16
     routing_replay: bool = False
+    filter_uniform: bool = True
 
     def __post_init__(self):
+        if self.overlong not in OVERLONG_POLICIES:
+            raise ValueError(f"feed.overlong must be one of {OVERLONG_POLICIES}, "
+                             f"got {self.overlong!r}")
+        if self.truncate_long and self.overlong == "reject":   # the former switch
+            object.__setattr__(self, "overlong", "truncate")
+        if not 0 <= self.overlong_buffer_len < max(self.max_traj_tokens, 1) or (
+                self.overlong_penalty_factor < 0):
+            raise ValueError("feed.overlong_buffer_len must be in [0, max_traj_tokens) and "
+                             "feed.overlong_penalty_factor >= 0")
         if self.seq_len > 0 and self.tokens_per_batch:
             rows, rest = divmod(int(self.tokens_per_batch), int(self.seq_len))
             if rest or rows <= 0:

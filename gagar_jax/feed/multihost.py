@@ -1,8 +1,9 @@
-"""Agreement between the processes of a multi-host learner: every process reads the same
-records and must act on them alike (the same spool listing, the same quarantined groups).
+"""Agreement between the processes of a multi-host learner on the records they read: every
+process must act on them alike (the same quarantined groups).
 
 Each helper is one small collective over JSON-able values; with one process they return their
-input unchanged.
+input unchanged. The broadcast of process 0's value (the spool listing) is a ground helper:
+`gagar_jax.distributed.broadcast_from_process0`.
 """
 from __future__ import annotations
 
@@ -10,16 +11,6 @@ import json
 from typing import Any
 
 import numpy as np
-
-
-def broadcast_from_process0(obj: Any) -> Any:
-    """Every process gets process 0's JSON-able `obj` (so all processes see one spool listing)."""
-    from jax.experimental import multihost_utils
-    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-    n = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
-    buf = np.zeros(n, np.uint8)
-    buf[:min(n, data.size)] = data[:n]
-    return json.loads(bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))))
 
 
 def allgather_from_processes(obj: Any) -> list:

@@ -100,6 +100,9 @@ class Trajectory(msgspec.Struct, omit_defaults=True):
     # Absent: every token from the group's policy_version.
     policy_versions: Optional[Union[list[int], PackedArray]] = None
     policy_version_spans: Optional[list[list[int]]] = None
+    # The producer cut this trajectory short (its token budget, the engine's context): the
+    # learner's overlong policy (`feed.overlong`) treats it as a trajectory too long to take.
+    truncated: bool = False
 
 
 class Group(msgspec.Struct, omit_defaults=True):

@@ -17,9 +17,8 @@ from typing import Any, Optional
 
 from etils import epath
 
-from gagar_jax.distributed import is_remote, list_names
+from gagar_jax.distributed import broadcast_from_process0, is_remote, list_names
 from gagar_jax.feed.config import FeedConfig
-from gagar_jax.feed.multihost import broadcast_from_process0
 from gagar_jax.feed.shards import (
     ARRAYRECORD_SUFFIXES,
     DONE_MARKER,

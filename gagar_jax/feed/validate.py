@@ -30,7 +30,7 @@ class Reason:
     TOKEN_OUT_OF_VOCAB = packed.VOCAB
     NON_FINITE = packed.NON_FINITE               # NaN/inf log-prob or adjustment
     BAD_QUALITY = "bad_quality"                  # tier without rank, tier and factor together
-    TOO_LONG = "trajectory_too_long"             # over max_traj_tokens (truncate_long=False)
+    TOO_LONG = "trajectory_too_long"             # over max_traj_tokens (feed.overlong reject)
     NO_GENERATED_TOKENS = "no_generated_tokens"  # a valid trajectory with no loss_mask=1 token
     ROUTED_EXPERTS = packed.SHAPE                # routed_experts does not match the model
     BAD_ENCODING = packed.ENCODING               # a compact array that cannot be read
@@ -323,10 +323,13 @@ def _trajectory(traj: schema.Trajectory, limits: FeedConfig, shape: ModelShape, 
     versions = _versions(traj, n, mask, group_version, where)
     keep = min(n, limits.max_traj_tokens)
     routed = _routed(traj, mask, shape, where, keep)
+    adjustment = float(traj.adjustment) + overlong_penalty(n, bool(traj.truncated), limits)
+    dropped = limits.overlong == "drop" and (n > keep or traj.truncated)
+    if limits.overlong == "reject" and (n > keep or traj.truncated):
+        raise Rejected(Reason.TOO_LONG, f"{where}: " + (
+            "truncated by its producer" if n <= keep else
+            f"{n} tokens > max_traj_tokens {limits.max_traj_tokens}") + " (feed.overlong reject)")
     if n > keep:
-        if not limits.truncate_long:
-            raise Rejected(Reason.TOO_LONG,
-                           f"{where}: {n} tokens > max_traj_tokens {limits.max_traj_tokens}")
         n = keep
         mask = mask[:n]
         tokens = tokens if tokens is None else tokens[:n]
@@ -335,6 +338,8 @@ def _trajectory(traj: schema.Trajectory, limits: FeedConfig, shape: ModelShape, 
         versions = versions if versions is None else versions[:n]
     if not mask.any():
         raise Rejected(Reason.NO_GENERATED_TOKENS, f"{where}: no loss_mask=1 token")
+    if dropped:        # out of the loss, still a member of its group's statistics
+        mask, routed = np.zeros_like(mask), None       # no loss token: nothing to replay
     return ParsedTrajectory(
         trajectory_id=traj.trajectory_id,
         tokens=(packed.LazyArray(traj.tokens, "tokens", n, shape.vocab_size) if compact_tokens
@@ -343,7 +348,19 @@ def _trajectory(traj: schema.Trajectory, limits: FeedConfig, shape: ModelShape, 
         logprobs=(packed.LazyArray(traj.logprobs, "logprobs", n) if compact_logprobs
                   else logprobs.astype(np.float32)),
         routed=routed, reward=1.0 if traj.outcome == "pass" else 0.0, hacked=bool(traj.hacked),
-        tier=tier, rank=rank, factor=factor, adjustment=float(traj.adjustment), versions=versions)
+        tier=tier, rank=rank, factor=factor, adjustment=adjustment, versions=versions)
+
+
+def overlong_penalty(n: int, truncated: bool, limits: FeedConfig) -> float:
+    """DAPO's soft overlong penalty of a trajectory of `n` tokens (0 when off): 0 up to
+    `max_traj_tokens - overlong_buffer_len`, then linear down to `-overlong_penalty_factor` at
+    `max_traj_tokens`, and that beyond it or for one its producer `truncated`."""
+    buffer, limit = limits.overlong_buffer_len, limits.max_traj_tokens
+    if not buffer:
+        return 0.0
+    if truncated or n >= limit:
+        return -float(limits.overlong_penalty_factor)
+    return float(min(0.0, (limit - buffer - n) / buffer) * limits.overlong_penalty_factor)
 
 
 def validate_group(group: schema.Group, limits: FeedConfig, shape: ModelShape) -> ParsedGroup:

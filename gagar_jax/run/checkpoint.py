@@ -223,7 +223,7 @@ class Checkpointer:
         if not force and not self.should_save(step):
             return False
         if step in self._manager.all_steps():
-            log.info("checkpoint for step %d already exists; not saving again", step)
+            log.debug("checkpoint for step %d already exists; not saving again", step)
             return False
         items = dict(state=ocp.args.StandardSave(state), feed=ocp.args.JsonSave(feed_json),
                      config=ocp.args.JsonSave(config_json))

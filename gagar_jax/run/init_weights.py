@@ -5,6 +5,7 @@ its own shards of a Hugging Face directory, straight into the training sharding.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
@@ -14,6 +15,12 @@ from gagar_jax.config import ConfigError, TrainConfig
 from gagar_jax.hf import api as hf
 from gagar_jax.run.startup import ARCHITECTURE_FIELDS
 from gagar_jax.run.step import StepConfig
+
+log = logging.getLogger(__name__)
+
+
+def _count(params: Any) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))
 
 
 def load_hf_params(path: str, step_cfg: StepConfig, like: Any, shardings: Any,
@@ -60,11 +67,15 @@ def outside_weights(state: Any, train: TrainConfig, step_cfg: StepConfig, shardi
                                        shardings.params, with_router_bias=True)
         bias = jax.device_put(bias, shardings.router_bias)  # MiMo: e_score_correction_bias
         state = state.replace(params=params, router_bias=bias)
+        log.info("train.init_from: loaded %s (%s parameters)", train.init_from,
+                 f"{_count(params):,}")
     if state.ref_params is None or not (train.init_from or train.reference_from):
         return state      # the jitted init gave the reference buffers of its own already
     ref, ref_bias = state.params, state.router_bias
     if train.reference_from:
         ref, ref_bias = load_hf_params(train.reference_from, step_cfg, state.params,
                                         shardings.params, with_router_bias=True)
+        log.info("train.reference_from: loaded %s (%s parameters)", train.reference_from,
+                 f"{_count(ref):,}")
     return state.replace(ref_params=own_copy(ref, shardings.params),
                          ref_router_bias=own_copy(ref_bias, shardings.router_bias))

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
@@ -30,12 +32,15 @@ import numpy as np
 from etils import epath
 
 from gagar_jax.algo.advantage import GroupOutcomes
-from gagar_jax.algo.step_metrics import GroupAudit
+from gagar_jax.algo.step_metrics import GroupAudit, StepMetrics
 from gagar_jax.audit_file import AuditFile, AuditPosition
+from gagar_jax.batch import Batch
 from gagar_jax.distributed import is_primary, is_remote
-from gagar_jax.feed.batcher import BatchInfo
+from gagar_jax.feed.batcher import BatchInfo, Feed
 from gagar_jax.run.fingerprint import params_fingerprint, params_l2, params_sha256  # noqa: F401
 from gagar_jax.sharding import leaf_path
+
+LOG = logging.getLogger("gagar_jax.run.train")   # the loop's warnings, under its name
 
 # -- device -> host -----------------------------------------------------------------------------
 
@@ -305,6 +310,81 @@ class Progress:
 
     def close(self) -> None:
         self._bar.close()
+
+
+# -- finished steps -----------------------------------------------------------------------------
+
+
+class StepLog:
+    """Host-side bookkeeping of finished steps: ledger counts, audit log, metrics, summary.
+
+    Args:
+      feed: the run's `Feed` (trained groups go into its ledger).
+      writer: the run's `MetricsWriter`; progress: its `Progress` bar.
+      log_every: write metrics.jsonl every this many steps (groups.jsonl every step).
+      guard: optional per-step warnings (`guardrails.Guardrails`).
+    """
+
+    def __init__(self, feed: Feed, writer: MetricsWriter, progress: Progress, log_every: int,
+                 guard: Any = None):
+        self.feed, self.writer, self.progress, self.log_every = feed, writer, progress, log_every
+        self.guard = guard
+        self.losses, self.lam_means, self.lam_max = [], [], 0.0
+        self.tokens = 0
+        self.rates = []           # per-step tokens/s (the first one includes compilation)
+        self.skipped = 0
+        self.t_last = time.perf_counter()
+
+    def finish_step(self, step: int, info: BatchInfo, batch_np: Batch,
+                    device_metrics: StepMetrics) -> HostMetrics:
+        """Reads back one finished step: ledger, groups.jsonl, metrics.jsonl, progress bar.
+
+        Args:
+          step: the finished step; info, batch_np: its feed batch; device_metrics: its metrics.
+        Returns:
+          The step's `HostMetrics`.
+        """
+        host_metrics = jax.device_get(device_metrics)   # one transfer; to_host then copies nothing
+        m = to_host(step, host_metrics)
+        a, audit, n = m.arrays, host_metrics.audit, info.num_groups
+        self.feed.record_trained(info.group_ids, audit.fallback_G[:n].tolist(),
+                                 audit.capped_G[:n].tolist())
+        self.writer.write_groups(group_records(
+            step, info, GroupOutcomes.of_batch(batch_np), audit))
+        s = dict(m.scalars)
+        load_LxE = a.get("expert_load_LxE")
+        if load_LxE is not None and load_LxE.size:
+            # Balance per MoE layer: max and min expert load over the mean (1 = balanced).
+            ratio = load_LxE / np.maximum(load_LxE.mean(axis=-1, keepdims=True), 1e-12)
+            s["expert_load/max_over_mean"] = float(ratio.max())
+            s["expert_load/min_over_mean"] = float(ratio.min())
+        now = time.perf_counter()
+        tok_s = info.num_tokens / max(now - self.t_last, 1e-9)
+        self.t_last = now
+        self.tokens += info.num_tokens
+        self.rates.append(tok_s)
+        self.losses.append(s["loss"])
+        self.lam_means.append(s["lam_mean"])
+        self.lam_max = max(self.lam_max, s["lam_max"])
+        self.skipped += int(s["skipped"])
+        if not m.finite or s["skipped"] > 0:
+            LOG.warning("step %d: non-finite values %s; %d optimizer update(s) skipped",
+                        step, list(m.nonfinite), int(s["skipped"]))
+        if self.guard is not None:
+            self.guard.check(step, s, quarantined=info.counts.get("quarantined", 0))
+        if n:   # the batch was drawn at learner step `step - 1` (docs/feed.md, staleness)
+            stale = [step - 1 - v for v in info.policy_versions[:n]]
+            s["feed/staleness_mean"] = float(np.mean(stale))
+            s["feed/staleness_max"] = float(max(stale))
+        if step % self.log_every == 0:
+            self.writer.write(step, {**s, "feed/packing_efficiency": info.packing_efficiency,
+                                     "feed/ahead_of_learner": info.counts.get(
+                                         "ahead_of_learner", 0),
+                                     "perf/tokens_per_s": tok_s})
+        self.writer.flush()       # every step: a crash loses no finished step's lines
+        self.progress.update(1, tokens_per_s=tok_s, loss=s["loss"], lam=s["lam_mean"],
+                             groups=int(s["groups"]))
+        return m
 
 
 def _summary_writer_cls():

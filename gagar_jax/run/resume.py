@@ -1,7 +1,13 @@
 """Resuming a workdir: the saved config against the new one, and fresh starts after damage.
 
+    has_ckpt = check_launch(ckpt, cfg_json, check_fresh)     # before anything compiles
+    restored = restore_or_fresh(ckpt, abstract_state, workdir, ...)   # None: a fresh run
     check_config(saved_cfg, new_cfg, step)       # ConfigError on a structural change; logs the rest
     guard_fresh_start(workdir, ckpt_dir, ...)    # no readable checkpoint: refuse, or move aside
+
+The checkpoint directory decides fresh run or resume first (`check_launch`): outside weights
+(`init_from` / `reference_from`) are checked and applied on a fresh run only; a resume restores
+the checkpoint and never reads them (they may be gone, or changed, by then).
 
 A checkpoint that does not match the config is not corrupt. A *structural* difference, one that
 changes the saved train state's tree (model shapes and dtypes, the model family, the optimizer
@@ -21,7 +27,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from etils import epath
@@ -30,6 +36,7 @@ from gagar_jax.audit_file import AuditFile
 from gagar_jax.config import ConfigError
 from gagar_jax.distributed import barrier, is_primary, is_remote
 from gagar_jax.model.config import ModelConfig
+from gagar_jax.run.checkpoint import Checkpointer, NoReadableCheckpoint, Restored
 from gagar_jax.run.startup import ARCHITECTURE_FIELDS
 
 log = logging.getLogger(__name__)
@@ -200,3 +207,53 @@ def guard_fresh_start(workdir: str, ckpt_dir: str, *, start_fresh: bool) -> None
         log.warning("--start_fresh: no readable checkpoint; moved %s to %s; training from step 0",
                     ", ".join(names + [f"checkpoints/{n}" for n in damaged]), aside)
     barrier("gagar_fresh_start")
+
+
+def check_launch(ckpt: Checkpointer, cfg_json: Mapping[str, Any],
+                 check_fresh: Callable[[], None]) -> bool:
+    """Fresh run or resume, decided before anything compiles or moves.
+
+    Args:
+      ckpt: the run's checkpointer; cfg_json: the new run's config dict.
+      check_fresh: checks what a fresh run reads (outside weights); called on a fresh run only.
+    Returns:
+      Whether a checkpoint exists to resume (its config was checked against the new one).
+    Raises:
+      ConfigError: the checkpoint holds a train state of another shape (`check_config`).
+    """
+    latest = ckpt.latest_step()
+    if latest is None:
+        check_fresh()
+        return False
+    check_config(ckpt.saved_config(latest), cfg_json, latest, ckpt.directory)
+    return True
+
+
+def restore_or_fresh(ckpt: Checkpointer, abstract_state: Any, workdir: str, *,
+                     has_checkpoint: bool, start_fresh: bool,
+                     check_fresh: Callable[[], None]) -> Optional[Restored]:
+    """Restores the latest readable checkpoint, or clears the way for a fresh run.
+
+    Args:
+      ckpt: the run's checkpointer; abstract_state: the train state's shapes and shardings.
+      workdir: the run directory; has_checkpoint: `check_launch`'s answer.
+      start_fresh: `--start_fresh` (see `guard_fresh_start`); ignored when a step restores.
+      check_fresh: as in `check_launch`, called when every checkpoint proved unreadable.
+    Returns:
+      The restored checkpoint, or None for a fresh run (the caller applies outside weights).
+    Raises:
+      ResumeRefused: no readable checkpoint left over earlier audit lines, without start_fresh.
+    """
+    restored = None
+    if has_checkpoint:
+        try:
+            restored = ckpt.restore(abstract_state)
+        except NoReadableCheckpoint as e:     # all damaged (moved aside): maybe a fresh start
+            log.warning("%s; every step was moved aside as unreadable", e)
+            check_fresh()
+    if restored is None:
+        # Never train from step 0 over the audit lines of damaged checkpoints' steps.
+        guard_fresh_start(workdir, ckpt.directory, start_fresh=start_fresh)
+    elif start_fresh:
+        log.info("--start_fresh ignored: checkpoint step %d resumed", restored.step)
+    return restored

@@ -310,7 +310,7 @@ def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef,
     inputs, adv = prep.inputs, prep.adv
     if cfg.debug_checks:
         check_invariants_of(adv, GroupOutcomes.of_batch(batch), lam_cap=cfg.loss.lam_cap,
-                            mode=cfg.loss.mode)
+                            mode=cfg.loss.mode, std_norm=cfg.loss.norm_adv_by_std)
         chex.assert_trees_all_equal(
             jnp.all(jnp.isfinite(inputs.weight_BxS)), jnp.array(True),
             custom_message="loss weights are finite")

@@ -4,8 +4,8 @@
 
 One step consumes one feed batch. The loop dispatches step N+1 before it reads step N's metrics
 (so the host never waits on the device for logging), saves the train state together with the
-feed position (exact resume), writes a checkpoint and exits 0 on SIGTERM (preemption), and ends
-when `train.steps` are done or a finite feed is exhausted.
+feed position (exact resume), writes a checkpoint and the summary on SIGTERM (preemption) or
+Ctrl-C (`preemption.py`), and ends when `train.steps` are done or a finite feed is exhausted.
 
 Before anything compiles, every cross-section rule is checked (`startup.py`; a `ConfigError`,
 exit 2 in the CLI). The checkpoint directory decides fresh run or resume first: `init_from` /
@@ -23,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import signal
 import time
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import jax
@@ -33,18 +33,16 @@ from etils import epath
 from flax import nnx
 from ml_collections import ConfigDict
 
-from gagar_jax.algo.advantage import GroupOutcomes
-from gagar_jax.algo.step_metrics import StepMetrics
-from gagar_jax.batch import Batch
 from gagar_jax.config import ConfigError, TrainConfig
-from gagar_jax.distributed import is_primary
-from gagar_jax.feed.batcher import BatchInfo, Feed, make_source
+from gagar_jax.distributed import broadcast_from_process0, is_primary
+from gagar_jax.feed.batcher import Feed, make_source
 from gagar_jax.feed.config import FeedConfig
-from gagar_jax.feed.multihost import broadcast_from_process0
 from gagar_jax.feed.packing import global_shapes, make_global_batch
-from gagar_jax.run import init_weights, publish, resume, workdir_lock
+from gagar_jax.run import init_weights, publish, recipes, resume, workdir_lock
 from gagar_jax.run import metrics as metrics_lib
-from gagar_jax.run.checkpoint import Checkpointer, NoReadableCheckpoint
+from gagar_jax.run.checkpoint import Checkpointer
+from gagar_jax.run.guardrails import Guardrails
+from gagar_jax.run.preemption import Preemption
 from gagar_jax.run.startup import check_hf_dir, check_layout, check_run
 from gagar_jax.run.step import StepConfig, init_train_state, make_train_step
 from gagar_jax.sharding import batch_shardings, make_mesh, process_row_block
@@ -73,104 +71,13 @@ class RunConfig:
             raise ConfigError(f"bad config: {e}") from e
 
 
-class _Preemption:
-    """SIGTERM (preemption notice) -> a checkpoint at a step every process agrees on.
-
-    One process: a Python SIGTERM handler sets a flag the loop reads after every step. Several
-    processes: JAX's preemption sync manager (coordination service, no device collective that
-    could interleave with the in-flight train step) picks the step; it owns SIGTERM itself.
-    """
-
-    def __init__(self):
-        self.requested = False
-        self._old = None
-        self._multi = False
-
-    def __enter__(self):
-        self._multi = jax.process_count() > 1
-        if not self._multi:
-            try:
-                self._old = signal.signal(signal.SIGTERM, self._handle)
-            except ValueError:  # not the main thread: no handler
-                self._old = None
-        return self
-
-    def _handle(self, signum: int, frame: Any):
-        self.requested = True
-
-    def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
-
-    def agreed(self, step: int) -> bool:
-        if not self._multi:
-            return self.requested
-        from jax.experimental import multihost_utils
-        return multihost_utils.reached_preemption_sync_point(step)
-
-
 def _abstract(state: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         state, shardings)
 
 
-class _StepLog:
-    """Host-side bookkeeping of finished steps: ledger counts, audit log, metrics, summary."""
-
-    def __init__(self, feed: Feed, writer: metrics_lib.MetricsWriter,
-                 progress: metrics_lib.Progress, log_every: int):
-        self.feed, self.writer, self.progress, self.log_every = feed, writer, progress, log_every
-        self.losses, self.lam_means, self.lam_max = [], [], 0.0
-        self.tokens = 0
-        self.rates = []           # per-step tokens/s (the first one includes compilation)
-        self.skipped = 0
-        self.t_last = time.perf_counter()
-
-    def finish_step(self, step: int, info: BatchInfo, batch_np: Batch,
-                    device_metrics: StepMetrics) -> metrics_lib.HostMetrics:
-        host_metrics = jax.device_get(device_metrics)   # one transfer; to_host then copies nothing
-        m = metrics_lib.to_host(step, host_metrics)
-        a, audit, n = m.arrays, host_metrics.audit, info.num_groups
-        self.feed.record_trained(info.group_ids, audit.fallback_G[:n].tolist(),
-                                 audit.capped_G[:n].tolist())
-        self.writer.write_groups(metrics_lib.group_records(
-            step, info, GroupOutcomes.of_batch(batch_np), audit))
-        s = dict(m.scalars)
-        load_LxE = a.get("expert_load_LxE")
-        if load_LxE is not None and load_LxE.size:
-            # Balance per MoE layer: max and min expert load over the mean (1 = balanced).
-            ratio = load_LxE / np.maximum(load_LxE.mean(axis=-1, keepdims=True), 1e-12)
-            s["expert_load/max_over_mean"] = float(ratio.max())
-            s["expert_load/min_over_mean"] = float(ratio.min())
-        now = time.perf_counter()
-        tok_s = info.num_tokens / max(now - self.t_last, 1e-9)
-        self.t_last = now
-        self.tokens += info.num_tokens
-        self.rates.append(tok_s)
-        self.losses.append(s["loss"])
-        self.lam_means.append(s["lam_mean"])
-        self.lam_max = max(self.lam_max, s["lam_max"])
-        self.skipped += int(s["skipped"])
-        if not m.finite or s["skipped"] > 0:
-            log.warning("step %d: non-finite values %s; %d optimizer update(s) skipped",
-                        step, list(m.nonfinite), int(s["skipped"]))
-        if n:   # the batch was drawn at learner step `step - 1` (docs/feed.md, staleness)
-            stale = [step - 1 - v for v in info.policy_versions[:n]]
-            s["feed/staleness_mean"] = float(np.mean(stale))
-            s["feed/staleness_max"] = float(max(stale))
-        if step % self.log_every == 0:
-            self.writer.write(step, {**s, "feed/packing_efficiency": info.packing_efficiency,
-                                     "feed/ahead_of_learner": info.counts.get(
-                                         "ahead_of_learner", 0),
-                                     "perf/tokens_per_s": tok_s})
-        self.writer.flush()       # every step: a crash loses no finished step's lines
-        self.progress.update(1, tokens_per_s=tok_s, loss=s["loss"], lam=s["lam_mean"],
-                             groups=int(s["groups"]))
-        return m
-
-
-def run(cfg: Any, workdir: str, *, source: Any = None, start_fresh: bool = False
-        ) -> Optional[dict]:
+def run(cfg: Any, workdir: str, *, source: Any = None, start_fresh: bool = False,
+        explicit: Iterable[str] = ()) -> Optional[dict]:
     """Trains until `train.steps` or the end of a finite feed; returns the run summary.
 
     Args:
@@ -182,17 +89,20 @@ def run(cfg: Any, workdir: str, *, source: Any = None, start_fresh: bool = False
       start_fresh: when no readable checkpoint is left (damaged ones moved aside) but audit
         lines of earlier steps exist, train from step 0 with them moved aside instead of
         raising `resume.ResumeRefused` (`resume.guard_fresh_start`).
+      explicit: config keys the user set themselves; a `recipe` (`recipes.py`) sets the others
+        of its row.
     Returns:
       The summary dict (also written to `workdir/summary.json` by process 0).
     Raises:
       ConfigError: a config mistake (also a checkpoint of another train state on resume).
       resume.ResumeRefused: see `start_fresh`.
     """
+    recipes.apply(cfg, explicit)     # before anything reads the config
     # One learner per workdir (the CLI took the lock already, before JAX started).
     if is_primary():
         workdir_lock.acquire(workdir)
-    # SIGTERM at any point of the run becomes a checkpoint and a clean exit.
-    with _Preemption() as preemption:
+    # SIGTERM or Ctrl-C at any point of the run becomes a checkpoint and a clean exit.
+    with Preemption() as preemption:
         return _run(cfg, workdir, source, preemption, start_fresh)
 
 
@@ -216,7 +126,7 @@ class _Resources:
                 pass
 
 
-def _run(cfg: Any, workdir: str, source: Any, preemption: _Preemption,
+def _run(cfg: Any, workdir: str, source: Any, preemption: Preemption,
          start_fresh: bool) -> Optional[dict]:
     """`run` with the SIGTERM flag installed and background writers stopped on failure."""
     res = _Resources()
@@ -241,7 +151,7 @@ class _Run:
     publisher: publish.Publisher
     writer: metrics_lib.MetricsWriter
     progress: Any
-    steplog: _StepLog
+    steplog: metrics_lib.StepLog
     cfg_json: dict
     step: int
     start_step: int
@@ -275,7 +185,7 @@ class _Run:
 
 
 def _setup(
-    cfg: ConfigDict, workdir: str, source: Any, preemption: _Preemption, res: _Resources,
+    cfg: ConfigDict, workdir: str, source: Any, preemption: Preemption, res: _Resources,
     start_fresh: bool = False,
 ) -> _Run:
     """Checks the config, builds the mesh, state, feed and writers; restores a checkpoint."""
@@ -299,45 +209,39 @@ def _setup(
     ckpt = res.ckpt = Checkpointer(str(wd / "checkpoints"),
                                    save_interval_steps=rc.train.checkpoint_every,
                                    max_to_keep=rc.train.keep_checkpoints)
-    latest = ckpt.latest_step()
-    fresh = latest is None
 
-    def check_outside():
-        # Outside weights apply to a fresh run only: a resume restores the checkpoint and
-        # never reads init_from / reference_from (they may be gone, or changed, by then).
+    def check_outside():      # what a fresh run reads: the outside weights
         for key, path in (("train.init_from", rc.train.init_from),
                           ("train.reference_from", rc.train.reference_from)):
             if path:
                 check_hf_dir(path, key, model_cfg, rc.feed)
 
-    if fresh:
-        check_outside()
-    else:   # a config of another train state: exit 2, before compiling or moving anything
-        resume.check_config(ckpt.saved_config(latest), cfg_json, latest, ckpt.directory)
+    has_ckpt = resume.check_launch(ckpt, cfg_json, check_outside)
     state, graphdef, shardings = init_train_state(rc.step, mesh, jax.random.PRNGKey(rc.seed))
-    restored = None
-    if not fresh:
-        try:
-            restored = ckpt.restore(_abstract(state, shardings))
-        except NoReadableCheckpoint as e:     # all damaged (moved aside): maybe a fresh start
-            log.warning("%s; every step was moved aside as unreadable", e)
-            fresh = True
-            check_outside()
+    restored = resume.restore_or_fresh(ckpt, _abstract(state, shardings), workdir,
+                                       has_checkpoint=has_ckpt, start_fresh=start_fresh,
+                                       check_fresh=check_outside)
+    fresh = restored is None
     if fresh:
-        # Never train from step 0 over the audit lines of damaged checkpoints' steps.
-        resume.guard_fresh_start(workdir, ckpt.directory, start_fresh=start_fresh)
         state = init_weights.outside_weights(state, rc.train, rc.step, shardings)
-    elif start_fresh:
-        log.info("--start_fresh ignored: checkpoint step %d resumed", restored.step)
     if source is None:  # SIGTERM must also end an idle wait on a live spool
         source = make_source(rc.feed, process_count=pcount, stop=lambda: preemption.requested)
+    # Weights published beyond the restored step (a kill after a publish, before the next
+    # checkpoint) are rollout engines' newest version: their groups are not from the future.
+    published = max(publish.published_steps(workdir), default=-1) if not fresh else -1
+    if pcount > 1:
+        published = int(broadcast_from_process0(published))
+    run: Optional[_Run] = None
     feed = Feed(rc.feed, workdir, vocab_size=model_cfg.vocab_size,
                 num_moe_layers=model_cfg.num_moe_layers, top_k=model_cfg.top_k,
                 num_experts=model_cfg.num_experts, source=source, process_index=pidx,
-                process_count=pcount, rows=rows, cols=cols)
-    # SIGTERM while a batch is still filling: keep its groups for the next run, never train an
-    # undersized batch (a preempted run must equal an uninterrupted one).
-    feed.stopped = lambda: preemption.requested
+                process_count=pcount, rows=rows, cols=cols, published_version=published,
+                # an idle feed: show the finished step now (`run` is built below)
+                on_idle=lambda: run.drain() if run is not None else None,
+                # SIGTERM while a batch is still filling: keep its groups for the next run,
+                # never train an undersized batch (a preempted run must equal an
+                # uninterrupted one).
+                stopped=lambda: preemption.requested)
     audit = None
     if restored is not None:
         state = restored.state
@@ -346,13 +250,7 @@ def _setup(
         log.info("resumed from checkpoint step %d in %s", restored.step, ckpt.directory)
         if audit is None:
             log.info("checkpoint has no audit-log positions: appending without truncating")
-
     step = int(jax.device_get(state.step))
-    # Weights published beyond the restored step (a kill after a publish, before the next
-    # checkpoint) are rollout engines' newest version: their groups are not from the future.
-    published = max(publish.published_steps(workdir), default=-1) if not fresh else -1
-    feed.published_version = (int(broadcast_from_process0(published)) if pcount > 1
-                              else published)
     publisher = publish.Publisher(workdir, keep=rc.train.keep_published,
                                   dtype=rc.train.publish_dtype, init_from=rc.train.init_from,
                                   min_positions=rc.feed.seq_len,
@@ -364,20 +262,23 @@ def _setup(
     progress = res.progress = metrics_lib.Progress(total=rc.train.steps, initial=step)
     run = _Run(rc=rc, workdir=wd, mesh=mesh, state=state, graphdef=graphdef, shardings=shardings,
                feed=feed, ckpt=ckpt, publisher=publisher, writer=writer, progress=progress,
-               steplog=_StepLog(feed, writer, progress, rc.train.log_every),
+               steplog=metrics_lib.StepLog(feed, writer, progress, rc.train.log_every,
+                                           Guardrails(log.warning, fresh=fresh)),
                cfg_json=cfg_json, step=step, start_step=step)
-    feed.on_idle = run.drain        # an idle feed: show the finished step now
     return run
 
 
-def _loop(run: _Run, preemption: _Preemption) -> bool:
+def _loop(run: _Run, preemption: Preemption) -> bool:
     """Trains until `train.steps`, the end of a finite feed or SIGTERM; True if preempted."""
     rc, step_fn, batch_sh = run.rc, None, None
     while run.step < rc.train.steps:
         item = run.feed.next_batch(run.step)
         if item is None:
-            log.info("SIGTERM while waiting for the feed after step %d" if preemption.requested
-                     else "feed exhausted after step %d", run.step)
+            if preemption.requested:
+                log.info("%s while waiting for the feed after step %d", preemption.signal_name,
+                         run.step)
+            else:
+                log.info("feed exhausted after step %d", run.step)
             break
         batch_np, info = item
         if step_fn is None:
@@ -395,13 +296,20 @@ def _loop(run: _Run, preemption: _Preemption) -> bool:
         if rc.train.publish_every and run.step % rc.train.publish_every == 0:
             run.publish()
         if preempted:
-            log.info("SIGTERM: checkpoint written at step %d; exiting", run.step)
+            log.info("%s: checkpoint written at step %d; exiting", preemption.signal_name,
+                     run.step)
             return True
     run.drain()
     return preemption.requested       # also while idle on a spool
 
 
-def _finish(run: _Run, preempted: bool, elapsed: float) -> dict:
+def _latest_pointer(workdir: epath.Path) -> Optional[str]:
+    """`<workdir>/published/latest` if weights were published (None otherwise)."""
+    pointer = publish.root_of(workdir) / publish.POINTER
+    return str(pointer) if pointer.exists() else None
+
+
+def _finish(run: _Run, preempted: bool, elapsed: float, stop_signal: Optional[str]) -> dict:
     """The final checkpoint, the writers closed, and the run summary (summary.json)."""
     jax.block_until_ready(run.state)  # before the collectives of the final save and hashes
     if run.step > run.start_step:  # end of run, or SIGTERM while idle (a saved step is kept)
@@ -415,6 +323,7 @@ def _finish(run: _Run, preempted: bool, elapsed: float) -> dict:
         "steps": run.step,
         "steps_this_run": run.step - run.start_step,
         "preempted": preempted,
+        "signal": stop_signal if preempted else None,     # SIGTERM | SIGINT (Ctrl-C)
         "tokens": log_.tokens,
         "tokens_per_s": log_.tokens / max(elapsed, 1e-9),          # compilation included
         "tokens_per_s_steady": float(np.median(log_.rates[1:])) if len(log_.rates) > 1 else None,
@@ -424,6 +333,8 @@ def _finish(run: _Run, preempted: bool, elapsed: float) -> dict:
         "lam_max": log_.lam_max,
         "skipped_updates": log_.skipped,
         "ledger": ledger.to_json(),
+        "dead_lettered": run.feed.dead_letter.count,
+        "published_latest": _latest_pointer(run.workdir),
     }
     summary["params_sha256"], summary["params_l2"] = metrics_lib.params_fingerprint(
         run.state.params)
@@ -433,10 +344,14 @@ def _finish(run: _Run, preempted: bool, elapsed: float) -> dict:
     return summary
 
 
-def _train(cfg: ConfigDict, workdir: str, source: Any, preemption: _Preemption,
+def _train(cfg: ConfigDict, workdir: str, source: Any, preemption: Preemption,
            res: _Resources, start_fresh: bool) -> Optional[dict]:
     """Setup, the loop, the summary; registers what it opens in `res`."""
     run = _setup(cfg, workdir, source, preemption, res, start_fresh)
+    if run.start_step == 0 and run.rc.train.publish_every and run.rc.train.publish_initial:
+        # Version 0 before the first step: that step needs groups that rollout workers can
+        # only sample from published weights (a resume has published already).
+        run.publish()
     t0 = time.perf_counter()
     preempted = _loop(run, preemption)
-    return _finish(run, preempted, time.perf_counter() - t0)
+    return _finish(run, preempted, time.perf_counter() - t0, preemption.signal_name)

@@ -29,7 +29,8 @@ EXTERNAL = {
     "checkpoints/", "published/", "workdir/summary.json",
     "config.json", "generation_config.json", "model.safetensors.index.json", "gagar_publish.json",
     # example names in prose, and metric names written like paths
-    "name.jsonl", "feed/ahead_of_learner", "rollout/kl",
+    "name.jsonl", "feed/ahead_of_learner", "rollout/kl", "rollout/masked_token_frac",
+    "rollout/logp_abs_diff_mean",
 }
 # Config sections (`model.attention`, `feed.batch_groups`): `x.y` with these is a setting.
 CONFIG_SECTIONS = {"model", "train", "feed", "loss", "optim", "mesh", "sim", "rollout", "config"}

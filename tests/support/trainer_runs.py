@@ -42,10 +42,18 @@ def cmd(workdir, *extra) -> list:
     ]
 
 
+def output_path(workdir) -> str:
+    """Where `run` keeps what the CLI printed (stderr, then stdout): beside the workdir."""
+    return os.path.join(os.path.dirname(os.path.abspath(workdir)),
+                        os.path.basename(os.path.abspath(workdir)) + ".cli_output.txt")
+
+
 def run(workdir, *extra, devices: int = 8, timeout: int = 600) -> dict:
     proc = subprocess.run(cmd(workdir, *extra), cwd=REPO, env=env(devices), capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(output_path(workdir), "w") as f:
+        f.write(proc.stderr + proc.stdout)
     with open(os.path.join(workdir, "summary.json")) as f:
         return json.load(f)
 

@@ -1,0 +1,81 @@
+"""`gagar-loop`: the learner plus N vLLM rollout workers on one machine, one command.
+
+    gagar-loop --workdir runs/loop [--workers 1] [--steps 40] [--seed 0]
+               [--tasks module:factory] [--grader module:factory] [--config FILE]
+               [--config.KEY=VALUE ...]       (passed to the learner)
+
+Prints a line per policy version while it runs (pass rate, groups, the staleness the learner
+trained at), then the report (`run/loop.py`). The learner runs in this interpreter's
+environment (.venv), the workers in the vLLM one (`--vllm-python`, default
+`<source root>/.venv-vllm/bin/python`, built by `make vllm`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from gagar_jax.run import loop
+
+# The checkout this package was imported from (an entry point may know where it is installed;
+# the library takes every path as an argument): the workers import the package from there too.
+SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _args(argv: Sequence[str]) -> tuple[argparse.Namespace, list]:
+    p = argparse.ArgumentParser(prog="gagar-loop", description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", required=True, help="a fresh directory for this loop")
+    p.add_argument("--config", default=os.path.join(SOURCE_ROOT, "configs", "tiny_vllm.py"),
+                   help="the learner's config (default configs/tiny_vllm.py)")
+    p.add_argument("--workers", type=int, default=1, help="rollout worker processes")
+    p.add_argument("--steps", type=int, default=40, help="learner steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--learning-rate", type=float, default=None,
+                   help="override optim.learning_rate (0: a frozen-policy control)")
+    p.add_argument("--tasks", default="", help="the workers' tasks, module:factory "
+                   "(default gagar_jax.rollout.example_task:tasks)")
+    p.add_argument("--grader", default="", help="the workers' grader, module:factory "
+                   "(default gagar_jax.rollout.example_task:grade)")
+    p.add_argument("--vllm-python", default=os.path.join(SOURCE_ROOT, ".venv-vllm", "bin",
+                                                         "python"))
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="kill the learner after this")
+    a, rest = p.parse_known_args(list(argv))
+    bad = [x for x in rest if not x.startswith("--config.")]
+    if bad:
+        p.error(f"unrecognized arguments: {' '.join(bad)}")
+    return a, rest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a, learner_args = _args(sys.argv[1:] if argv is None else argv)
+    if a.workers < 1:
+        print(f"gagar-loop: error: --workers must be >= 1, got {a.workers}", file=sys.stderr)
+        return 2
+    paths = loop.LoopPaths(config=os.path.abspath(a.config), vllm_python=a.vllm_python,
+                           source_root=SOURCE_ROOT)
+    workdir = os.path.abspath(a.workdir)
+    print(f"gagar-loop: learner + {a.workers} worker(s) in {workdir} (logs: learner.log, "
+          "worker<i>.log); a line per policy version follows", flush=True)
+    try:
+        rep = loop.run_loop(workdir, paths, seed=a.seed, steps=a.steps,
+                            learning_rate=a.learning_rate, workers=a.workers, tasks=a.tasks,
+                            grader=a.grader, timeout_s=a.timeout_s,
+                            learner_args=tuple(learner_args),
+                            on_version=lambda v: print(loop.format_version(v), flush=True))
+    except FileNotFoundError as e:
+        print(f"gagar-loop: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"gagar-loop: {str(e).splitlines()[0]} (see {workdir}/learner.log)",
+              file=sys.stderr)
+        return 1
+    print(f"gagar-loop: {rep['steps_trained']} steps, {rep['groups_sampled']} groups sampled in "
+          f"{rep['wall_s']} s; pass rate {rep['early']:.3f} at version 0 -> {rep['late']:.3f} "
+          f"over the last versions; ledger {'balanced' if rep['ledger_balanced'] else 'UNBALANCED'}"
+          f" ({workdir}/loop_report.json)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
