@@ -32,10 +32,10 @@ from gagar_jax.feed import packed, packing, schema
 from gagar_jax.feed.assemble import BatchInfo, assemble  # noqa: F401  (BatchInfo re-exported)
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.deadletter import DeadLetter, Oversized
-from gagar_jax.feed.ledger import Ledger
+from gagar_jax.feed.ledger import Ledger, LedgerEvents
 from gagar_jax.feed.multihost import agree_across_processes
-from gagar_jax.feed.shards import VANISHED, RawRecord, warner
-from gagar_jax.feed.sources import SourceEvents, make_source
+from gagar_jax.feed.shards import RawRecord, warner
+from gagar_jax.feed.sources import make_source
 from gagar_jax.feed.validate import (
     ModelShape,
     ParsedGroup,
@@ -116,7 +116,7 @@ class Feed:
         self._warned_versions: set = set()    # future versions already warned about
         self._ledger_written = -math.inf
         if hasattr(self.source, "events"):
-            self.source.events = _LedgerEvents(self, log)
+            self.source.events = LedgerEvents(lambda: self.ledger, lambda: self.on_idle(), log)
 
     # ---- intake -----------------------------------------------------------------------------
     def _forget_old_ids(self, learner_step: int) -> None:
@@ -406,34 +406,3 @@ dead-letter position."""
         dl = state["dead_letter"]
         self.dead_letter.restore(int(dl["length"]), int(dl["count"]), str(dl.get("segment", "")))
         self._write_ledger(force=True)
-
-
-class _LedgerEvents(SourceEvents):
-    """Source events counted in the feed's ledger (and logged), idle waits passed on."""
-
-    def __init__(self, feed: Feed, log: Callable[[str], None]):
-        super().__init__(log)
-        self.feed = feed
-
-    def skipped(self, path: str, kind: str, detail: str) -> None:
-        super().skipped(path, kind, detail)
-        counts = self.feed.ledger.skipped_shards_by_reason
-        counts[kind] = counts.get(kind, 0) + 1
-
-    def changed(self, path: str) -> None:
-        super().changed(path)
-        self.feed.ledger.changed_shards += 1
-
-    def grew(self, path: str) -> None:
-        super().grew(path)
-        self.feed.ledger.grown_shards += 1
-
-    def vanished(self, path: str, records_read: int) -> None:
-        super().vanished(path, records_read)
-        ledger = self.feed.ledger
-        ledger.skipped_shards_by_reason[VANISHED] = (
-            ledger.skipped_shards_by_reason.get(VANISHED, 0) + 1)
-        ledger.vanished_shards[path] = int(records_read)
-
-    def idle(self) -> None:
-        self.feed.on_idle()
