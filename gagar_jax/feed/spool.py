@@ -34,6 +34,7 @@ LOG = logging.getLogger(__name__)   # only the CLI configures logging
 
 NOT_REGULAR = "not_a_regular_file"   # skipped_shards_by_reason keys
 LINK_OUTSIDE = "link_outside_spool"
+RECHECK_PER_POLL = 256    # consumed shards stat'ed per listing (growth, changes), in turn
 
 
 def _exists(path: epath.Path) -> bool:
@@ -118,6 +119,8 @@ class SpoolSource:
         self._pending: list = []
         self._denied: dict = {}       # name -> monotonic time its open was last refused
         self._missing = False         # the spool directory is gone (warned once)
+        self.recheck_per_poll = RECHECK_PER_POLL
+        self._recheck_at = 0          # where the next listing's re-check of consumed shards starts
         self._current: Optional[str] = None
         self._reader: Optional[ShardReader] = None
 
@@ -146,9 +149,14 @@ class SpoolSource:
             self.log(f"feed: spool {self.dir} is back")
             self._missing = False
         root = os.path.realpath(os.fspath(self.dir))
+        later = []
         with entries:
             for e in entries:
                 if _ignored(e.name):
+                    continue
+                tail = self.tails.get(e.name)
+                if e.name in self.consumed and not (tail and tail[2]):
+                    later.append(e)         # consumed, no held line: re-checked in turn
                     continue
                 if e.is_symlink() and not _inside(os.path.realpath(e.path), root):
                     out[e.name] = LINK_OUTSIDE      # never stat or open what lies outside
@@ -160,6 +168,21 @@ class SpoolSource:
                     continue
                 out[e.name] = ([st.st_size, st.st_mtime_ns] if stat_lib.S_ISREG(st.st_mode)
                                else NOT_REGULAR)
+        # Consumed shards are re-checked (growth, changes) `recheck_per_poll` at a time, in
+        # turn, so a listing's stats do not grow with the shards consumed; the others list as
+        # unchanged (None).
+        later.sort(key=lambda e: e.name)
+        k = min(self.recheck_per_poll, len(later))
+        first = self._recheck_at % len(later) if later else 0
+        self._recheck_at = first + k
+        for i, e in enumerate(later):
+            out[e.name] = None
+            if (i - first) % len(later) < k and self.consumed.get(e.name) is not None:
+                try:
+                    st = e.stat()
+                    out[e.name] = [st.st_size, st.st_mtime_ns]
+                except OSError:
+                    pass
         return out
 
     def _view(self) -> dict:
@@ -310,13 +333,13 @@ class SpoolSource:
                 if kind == "new":
                     self._open_new(name)
                 elif name in self.tails:
-                    if not self.tails[name][3]:
-                        self.tails[name][3] = 1
-                        self.events.grew(str(self.dir / name))
                     try:
-                        self._open(name, tail=True)
+                        self._open(name, tail=True)     # a replaced file is not growth
                     except PermissionError:
                         pass                # its growth is read once it can be opened
+                    if self._reader is not None and not self.tails[name][3]:
+                        self.tails[name][3] = 1
+                        self.events.grew(str(self.dir / name))
                 continue
             now = time.monotonic()
             view = self.agree({
