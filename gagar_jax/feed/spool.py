@@ -129,8 +129,13 @@ class SpoolSource:
         return not is_remote(self.dir) and shard_encoding(name) == "json"
 
     def _listing(self) -> dict:
-        """name -> [size, mtime_ns] (None: remote), or the reason to skip it (`NOT_REGULAR`,
-        `LINK_OUTSIDE`). A missing spool directory lists as empty (warned once)."""
+        """name -> [size, mtime_ns] (None: remote, or a consumed shard not re-checked this
+        time), or the reason to skip it (`NOT_REGULAR`, `LINK_OUTSIDE`). A missing spool
+        directory lists as empty (warned once).
+
+        Only new names, consumed shards ending in a held-back line, and `recheck_per_poll`
+        other consumed shards (in turn) are stat'ed, so a listing's work in Python and its
+        stats do not grow with the shards consumed (the names come from one `os.listdir`)."""
         out = {}
         if is_remote(self.dir):
             for name in list_names(self.dir):     # afresh: gcsfs caches listings forever
@@ -138,7 +143,7 @@ class SpoolSource:
                     out[name] = None
             return out
         try:
-            entries = os.scandir(os.fspath(self.dir))
+            names = set(os.listdir(os.fspath(self.dir)))
         except FileNotFoundError:
             if not self._missing:
                 self.events.warn(f"feed: WARNING spool {self.dir} disappeared; waiting for it "
@@ -149,42 +154,34 @@ class SpoolSource:
             self.log(f"feed: spool {self.dir} is back")
             self._missing = False
         root = os.path.realpath(os.fspath(self.dir))
-        later = []
-        with entries:
-            for e in entries:
-                if _ignored(e.name):
-                    continue
-                tail = self.tails.get(e.name)
-                if e.name in self.consumed and not (tail and tail[2]):
-                    later.append(e)         # consumed, no held line: re-checked in turn
-                    continue
-                if e.is_symlink() and not _inside(os.path.realpath(e.path), root):
-                    out[e.name] = LINK_OUTSIDE      # never stat or open what lies outside
-                    continue
-                try:
-                    st = e.stat()                       # follows symlinks
-                except OSError:
-                    out[e.name] = NOT_REGULAR
-                    continue
-                out[e.name] = ([st.st_size, st.st_mtime_ns] if stat_lib.S_ISREG(st.st_mode)
-                               else NOT_REGULAR)
-        # Consumed shards are re-checked (growth, changes) `recheck_per_poll` at a time, in
-        # turn, so a listing's stats do not grow with the shards consumed; the others list as
-        # unchanged (None).
-        later.sort(key=lambda e: e.name)
-        k = min(self.recheck_per_poll, len(later))
-        first = self._recheck_at % len(later) if later else 0
+        for name in names.difference(self.consumed):
+            if not _ignored(name):
+                out[name] = self._stat(name, root)
+        keys = list(self.consumed)
+        k = min(self.recheck_per_poll, len(keys))
+        first = self._recheck_at % len(keys) if keys else 0
         self._recheck_at = first + k
-        for i, e in enumerate(later):
-            out[e.name] = None
-            if (i - first) % len(later) < k and self.consumed.get(e.name) is not None:
-                try:
-                    st = e.stat()
-                    out[e.name] = [st.st_size, st.st_mtime_ns]
-                except OSError:
-                    pass
+        turn = keys[first:first + k] + keys[:max(0, first + k - len(keys))]
+        held = [n for n, t in self.tails.items() if t[2]]
+        for name in turn + held:
+            if name in names and self.consumed.get(name) is not None:
+                st = self._stat(name, root)
+                out[name] = st if isinstance(st, list) else None
         return out
 
+    def _stat(self, name: str, root: str):
+        """[size, mtime_ns] of a regular file, or why `name` is skipped; a symbolic link out of
+        the spool is never followed."""
+        path = os.path.join(os.fspath(self.dir), name)
+        try:
+            st = os.lstat(path)
+            if stat_lib.S_ISLNK(st.st_mode):
+                if not _inside(os.path.realpath(path), root):
+                    return LINK_OUTSIDE
+                st = os.stat(path)
+        except OSError:
+            return NOT_REGULAR
+        return [st.st_size, st.st_mtime_ns] if stat_lib.S_ISREG(st.st_mode) else NOT_REGULAR
     def _view(self) -> dict:
         """This process's proposal: settled names, consumed names that grew (read on) or
         changed otherwise (reported), names to skip."""
