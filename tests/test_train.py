@@ -195,6 +195,10 @@ def test_cli_errors_are_one_line_exit_2(capsys, tmp_path):
          "are both set; the feed reads one source"),
         (["--config", cfg, "--workdir", str(tmp_path), f"--config.train.reference_from={other}"],
          "is never read with loss.kl_coef=0.0"),
+        (["--config", cfg, "--workdir", str(tmp_path), "--config.loss.rollout_is_threshold=nan"],
+         "loss.rollout_is_threshold=nan: not a finite number"),
+        (["--config", cfg, "--workdir", str(tmp_path), "--config.optim.learning_rate=inf"],
+         "optim.learning_rate=inf: not a finite number"),
     ]
     for args, needle in cases:
         code = cli.main(["gagar-train", *args])

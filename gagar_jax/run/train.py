@@ -36,7 +36,7 @@ from ml_collections import ConfigDict
 from gagar_jax.algo.advantage import GroupOutcomes
 from gagar_jax.algo.step_metrics import StepMetrics
 from gagar_jax.batch import Batch
-from gagar_jax.config import ConfigError, TrainConfig
+from gagar_jax.config import ConfigError, TrainConfig, check_finite
 from gagar_jax.distributed import is_primary
 from gagar_jax.feed.batcher import BatchInfo, Feed, make_source
 from gagar_jax.feed.config import FeedConfig
@@ -64,6 +64,7 @@ class RunConfig:
 
     @classmethod
     def from_config(cls, cfg: Any) -> RunConfig:
+        check_finite(cfg)
         try:
             return cls(step=StepConfig.from_config(cfg), feed=FeedConfig.from_config(cfg.feed),
                        train=TrainConfig.from_config(cfg.train), seed=int(cfg.seed))
