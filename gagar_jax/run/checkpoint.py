@@ -46,6 +46,7 @@ from etils import epath
 from gagar_jax.audit_file import unused_name
 from gagar_jax.config import ConfigError
 from gagar_jax.distributed import barrier, is_primary, is_remote
+from gagar_jax.run import workdir_lock
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +227,8 @@ class Checkpointer:
         if step in self._manager.all_steps():
             log.info("checkpoint for step %d already exists; not saving again", step)
             return False
+        # A second learner may hold the workdir (its lock deleted under us): LockLost.
+        workdir_lock.verify_held(os.path.dirname(self.directory))
         items = dict(state=ocp.args.StandardSave(state), feed=ocp.args.JsonSave(feed_json),
                      config=ocp.args.JsonSave(config_json))
         if audit is not None:
