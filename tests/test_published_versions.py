@@ -249,7 +249,7 @@ def delta_states():
 
 def _kill_delta_at(monkeypatch, point):
     if point == "writing":   # half a delta file, then the kill
-        def half(entries, directory, process, max_shard_bytes):
+        def half(entries, directory, process, max_shard_bytes, digests=None):
             with open(os.path.join(directory, hf_delta.file_name(process, 0)), "wb") as f:
                 f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
             raise Kill(point)
