@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from etils import epath
 
+from gagar_jax.distributed import is_remote
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.multihost import broadcast_from_process0
 from gagar_jax.feed.shards import (  # noqa: F401  (re-exported: the sources' vocabulary)
@@ -127,7 +128,9 @@ class FileSource:
             self._done.append(current)
             return
         self._current = path
-        self._reader = open_shard(path, record, self.limit, self.events, offset=offset or None)
+        # local JSONL: seek to the byte offset; elsewhere re-read up to the record index
+        self._reader = open_shard(path, record, self.limit, self.events,
+                                  offset=(offset or None) if not is_remote(path) else None)
 
 
 class IteratorSource:
