@@ -311,9 +311,9 @@ def test_a_broken_delta_chain_publishes_a_full_version_and_never_fails_the_run(
         tmp_path, monkeypatch, delta_states, caplog):
     """Issue 36 item 6 (full_every=4): the full base deleted while the learner runs -> the next
     publish is full (logged), never a delta `latest` cannot load (today: `latest` moved onto
-    it); the immediate base deleted while a delta is written -> that delta is not committed,
-    the run goes on (today: exit 1) and the next publish is full. Each `latest` materializes to
-    its step's weights."""
+    it); the immediate base deleted while a delta is written -> that delta is not committed and
+    the step is published full instead (logged); the run goes on (today: exit 1). Each
+    `latest` materializes to its step's weights."""
     model, states = delta_states
     root = published.root_of(tmp_path)
     pub = publish.Publisher(tmp_path, keep=3, full_every=4)
@@ -345,11 +345,14 @@ def test_a_broken_delta_chain_publishes_a_full_version_and_never_fails_the_run(
         return real(entries, directory, *a, **kw)
 
     monkeypatch.setattr(hf_delta, "write_delta_share", racing)
+    caplog.clear()
     with caplog.at_level("WARNING", logger="gagar_jax.run.publish"):
-        assert step(5).endswith("step_00000004")     # not moved onto the broken delta
+        latest = step(5)
     monkeypatch.undo()
-    assert pointer.read_manifest(os.fspath(root / "step_00000005")) is None
-    assert any("not committed" in r.getMessage() for r in caplog.records)
-    latest = step(6)
-    assert pointer.read_manifest(latest)["kind"] == "full"
+    assert latest.endswith("step_00000005.a1") and pointer.read_manifest(latest)["kind"] == "full"
+    assert pointer.read_manifest(os.fspath(root / "step_00000005")) is None   # the delta
+    assert any("a full version instead of the delta" in r.getMessage() for r in caplog.records)
+    assert raw(delta.materialize(latest)) == reference(5)
+    latest = step(6)                                 # deltas again, on the new full version
+    assert pointer.read_manifest(latest)["base"] == "step_00000005.a1"
     assert raw(delta.materialize(latest)) == reference(6)

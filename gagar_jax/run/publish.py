@@ -280,11 +280,36 @@ class Publisher:
                     hf_save.write_index(self._plan, final)
                 _finish(self.root, final.name, step, self.keep, base, digests)
         except published.BrokenChain as e:   # its base went while it was written
-            log.warning("publish of step %d not committed (latest stays on a complete "
-                        "version), the next publish is full: %s", step, e)
-            self._force_full = True
+            try:
+                self._full_instead(step, final, e)
+            except BaseException as err:  # noqa: BLE001
+                self._error = self._error or err
         except BaseException as e:  # noqa: BLE001
             self._error = self._error or e
+
+    def _full_instead(self, step: int, delta_dir: epath.Path, why: Exception) -> None:
+        """Process 0, after a delta's chain broke while it was written: one process publishes
+        the step's full version from the share it keeps (`_prev`) in a new directory; with
+        several (whose shares process 0 does not hold) the delta stays uncommitted, `latest`
+        stays on a complete version, and the next publish is full. Never fails the run."""
+        if jax.process_count() > 1 or self._prev is None:
+            log.warning("publish of step %d not committed (latest stays on a complete "
+                        "version); the next publish is full: %s", step, why)
+            self._force_full = True
+            return
+        log.warning("publish of step %d: a full version instead of the delta: %s", step, why)
+        name = published.new_name(self.root, step)
+        final = self.root / name
+        final.mkdir(parents=True, exist_ok=True)
+        (final / "config.json").write_bytes((delta_dir / "config.json").read_bytes())
+        share, digests = dict(self._prev), {}
+        if self.init_from:
+            share.update(hf_save.read_carried(self._plan, self.init_from))
+            copy_serving_files(self.init_from, final)
+        hf_save.write_share(share, self._plan, final, 0, digests)
+        hf_save.write_index(self._plan, final)
+        _finish(self.root, name, step, self.keep, None, digests)
+        self._since_full, self._prev_name, self.last_delta = 1, name, None
 
     def _write_files(self, share: dict, final: epath.Path, base: Optional[str],
                      digests: dict) -> int:
