@@ -276,6 +276,8 @@ class ShardReader:
             self._file = LineReader(f)   # streamed line by line, never slurped
         else:
             import grain.python as grain  # deferred: grain is heavy to import
+            if not is_remote(self.path):   # a refused open raises PermissionError, not grain's
+                open(os.fspath(self.path), "rb").close()
             self._source = grain.ArrayRecordDataSource([str(self.path)])
         while self.index < start and self.next() is not None:
             pass
