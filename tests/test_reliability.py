@@ -195,3 +195,19 @@ def test_cpu_only_machines_never_probe_libtpu(monkeypatch):
     env = {}
     cli._default_platform(env)
     assert env == {}                                  # a TPU VM: JAX picks the accelerator
+
+
+def test_a_run_killed_before_its_first_checkpoint_reruns_without_repeating_a_line(tmp_path):
+    """Issue 36 item 2, end to end: a run's audit lines with no checkpoint at all (killed
+    before its first one) and a plain rerun: each step and group id once in the new files,
+    the old ones in before_fresh_start-<t>/ (today: steps 1, 2, 1, 2 and every id twice)."""
+    cfg = tiny_config(train__steps=2, train__checkpoint_every=0)
+    train.run(cfg, str(tmp_path))
+    shutil.rmtree(tmp_path / "checkpoints")          # as if killed before it was written
+    first = _jsonl(tmp_path / "groups.jsonl")
+    train.run(cfg, str(tmp_path))
+    assert [m["step"] for m in _jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+    ids = [g["group_id"] for g in _jsonl(tmp_path / "groups.jsonl")]
+    assert len(ids) == len(set(ids)) == len(first)
+    [aside] = [d for d in os.listdir(tmp_path) if d.startswith("before_fresh_start-")]
+    assert _jsonl(tmp_path / aside / "groups.jsonl") == first
