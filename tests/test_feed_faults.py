@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from etils import epath
 
-from gagar_jax.feed import Feed, FeedConfig, convert, schema, spool, synthetic
+from gagar_jax.feed import Feed, FeedConfig, convert, schema, spool_listing, synthetic
 from gagar_jax.feed.ledger import Ledger, LedgerEvents
 from gagar_jax.feed.sources import DONE_MARKER, FileSource, SpoolSource
 
@@ -253,7 +253,7 @@ def test_listing_cost_per_shard_does_not_grow_with_consumed_shards(tmp_path, mon
         (d / DONE_MARKER).touch()
         calls = _count_listing(monkeypatch)
         src = SpoolSource(str(d), poll_s=0.001)
-        src.recheck_per_poll = 8
+        src.lister.recheck_per_poll = 8
         assert len(list(iter(src.next_record, None))) == n
         per_shard[n] = {k: v / n for k, v in calls.items()}
         for k in calls:
@@ -267,4 +267,4 @@ def test_listing_cost_per_shard_does_not_grow_with_consumed_shards(tmp_path, mon
     assert per_shard[160]["stat"] <= per_shard[40]["stat"] < 4.5, per_shard   # 4 per shard
     assert per_shard[160]["scandir"] <= per_shard[40]["scandir"] < 1, per_shard
     assert trickle[160] == trickle[40], trickle
-    assert spool.RECHECK_PER_POLL >= 8
+    assert spool_listing.RECHECK_PER_POLL >= 8

@@ -1,25 +1,22 @@
 """The live spool: a directory where producers publish complete shards, tailed by the learner.
 
-Listing is once per poll: the settled shards of one listing are all read before the directory
-is listed again, so the cost per shard does not grow with the number of consumed shards (the
-protocol keeps consumed shards; each listing is one `os.scandir` with one stat per entry).
+Listing is once per poll (`spool_listing.py`: its cost does not grow with the consumed shards
+the protocol keeps): the settled shards of one listing are all read before the directory is
+listed again.
 """
 from __future__ import annotations
 
 import logging
 import os
-import stat as stat_lib
 import time
 from collections.abc import Callable
 from typing import Optional
 
 from etils import epath
 
-from gagar_jax.distributed import is_remote, list_names
+from gagar_jax.distributed import is_remote
 from gagar_jax.feed.shards import (
-    ARRAYRECORD_SUFFIXES,
     DONE_MARKER,
-    JSONL_SUFFIXES,
     RawRecord,
     ShardReader,
     SourceEvents,
@@ -29,12 +26,10 @@ from gagar_jax.feed.shards import (
     replaced,
     shard_encoding,
 )
+from gagar_jax.feed.spool_listing import LINK_OUTSIDE, NOT_REGULAR, SpoolLister  # noqa: F401
 
 LOG = logging.getLogger(__name__)   # only the CLI configures logging
 
-NOT_REGULAR = "not_a_regular_file"   # skipped_shards_by_reason keys
-LINK_OUTSIDE = "link_outside_spool"
-RECHECK_PER_POLL = 256    # consumed shards stat'ed per listing (growth, changes), in turn
 
 
 def _exists(path: epath.Path) -> bool:
@@ -42,15 +37,6 @@ def _exists(path: epath.Path) -> bool:
     if is_remote(path):
         return path.exists()
     return os.path.lexists(os.fspath(path))
-
-
-def _inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
-
-def _ignored(name: str) -> bool:
-    return (name.startswith((".", "_")) or name.endswith(".tmp")
-            or not name.endswith(JSONL_SUFFIXES + ARRAYRECORD_SUFFIXES))
 
 
 class SpoolSource:
@@ -118,9 +104,7 @@ class SpoolSource:
         # the directory is listed again, so a burst of shards costs one listing.
         self._pending: list = []
         self._denied: dict = {}       # name -> monotonic time its open was last refused
-        self._missing = False         # the spool directory is gone (warned once)
-        self.recheck_per_poll = RECHECK_PER_POLL
-        self._recheck_at = 0          # where the next listing's re-check of consumed shards starts
+        self.lister = SpoolLister(self.dir, log)
         self._current: Optional[str] = None
         self._reader: Optional[ShardReader] = None
 
@@ -128,66 +112,12 @@ class SpoolSource:
         """Read in whole lines, with growth read as data: JSONL shards on a file system."""
         return not is_remote(self.dir) and shard_encoding(name) == "json"
 
-    def _listing(self) -> dict:
-        """name -> [size, mtime_ns] (None: remote, or a consumed shard not re-checked this
-        time), or the reason to skip it (`NOT_REGULAR`, `LINK_OUTSIDE`). A missing spool
-        directory lists as empty (warned once).
-
-        Only new names, consumed shards ending in a held-back line, and `recheck_per_poll`
-        other consumed shards (in turn) are stat'ed, so a listing's work in Python and its
-        stats do not grow with the shards consumed (the names come from one `os.listdir`)."""
-        out = {}
-        if is_remote(self.dir):
-            for name in list_names(self.dir):     # afresh: gcsfs caches listings forever
-                if not _ignored(name):
-                    out[name] = None
-            return out
-        try:
-            names = set(os.listdir(os.fspath(self.dir)))
-        except FileNotFoundError:
-            if not self._missing:
-                self.events.warn(f"feed: WARNING spool {self.dir} disappeared; waiting for it "
-                                 "to come back (the run keeps its work and its ledger)")
-            self._missing = True
-            return out
-        if self._missing:
-            self.log(f"feed: spool {self.dir} is back")
-            self._missing = False
-        root = os.path.realpath(os.fspath(self.dir))
-        for name in names.difference(self.consumed):
-            if not _ignored(name):
-                out[name] = self._stat(name, root)
-        keys = list(self.consumed)
-        k = min(self.recheck_per_poll, len(keys))
-        first = self._recheck_at % len(keys) if keys else 0
-        self._recheck_at = first + k
-        turn = keys[first:first + k] + keys[:max(0, first + k - len(keys))]
-        held = [n for n, t in self.tails.items() if t[2]]
-        for name in turn + held:
-            if name in names and self.consumed.get(name) is not None:
-                st = self._stat(name, root)
-                out[name] = st if isinstance(st, list) else None
-        return out
-
-    def _stat(self, name: str, root: str):
-        """[size, mtime_ns] of a regular file, or why `name` is skipped; a symbolic link out of
-        the spool is never followed."""
-        path = os.path.join(os.fspath(self.dir), name)
-        try:
-            st = os.lstat(path)
-            if stat_lib.S_ISLNK(st.st_mode):
-                if not _inside(os.path.realpath(path), root):
-                    return LINK_OUTSIDE
-                st = os.stat(path)
-        except OSError:
-            return NOT_REGULAR
-        return [st.st_size, st.st_mtime_ns] if stat_lib.S_ISREG(st.st_mode) else NOT_REGULAR
     def _view(self) -> dict:
         """This process's proposal: settled names, consumed names that grew (read on) or
         changed otherwise (reported), names to skip."""
         now = time.monotonic()
         names, grown, skipped, changed, settling, waiting = [], [], [], [], {}, False
-        for name, st in sorted(self._listing().items()):
+        for name, st in sorted(self.lister.listing(self.consumed, self.tails).items()):
             if name in self.consumed:
                 old = self.consumed[name]
                 if old is None or not isinstance(st, list) or st == old:
