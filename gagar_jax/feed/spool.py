@@ -269,8 +269,11 @@ class SpoolSource:
                         self.events.grew(str(self.dir / name))
                 continue
             now = time.monotonic()
+            # `_DONE` before the listing: a producer writes it after its last shard, so a
+            # listing after it has seen that shard (the other order could miss it).
+            done = (self.dir / DONE_MARKER).exists()
             view = self.agree({
-                **self._view(), "done": (self.dir / DONE_MARKER).exists(),
+                **self._view(), "done": done,
                 "timed_out": bool(self.timeout_s) and now - idle_since > self.timeout_s})
             self._apply(view)
             # Older data first: what grew, then the new shards in name order.
