@@ -20,7 +20,6 @@ from support.paths import REPO, TINY_CONFIG
 from support.paths import load_tiny_config as tiny_config
 from support.xla_flags import cpu_flags
 
-from gagar_jax.feed import batcher
 from gagar_jax.feed import ledger as ledger_lib
 from gagar_jax.run import metrics as metrics_lib
 from gagar_jax.run import train
@@ -90,7 +89,7 @@ def test_idle_spool_shows_the_finished_step_while_data_keeps_the_overlap(tmp_pat
     monkeypatch.setattr(train, "make_train_step", make_recording)
     monkeypatch.setattr(metrics_lib, "to_host",
                         lambda step, m: events.append(("read", step)) or to_host(step, m))
-    idle = batcher._LedgerEvents.idle
+    idle = ledger_lib.LedgerEvents.idle
     seen_when_idle = []
 
     def on_idle(self):
@@ -100,7 +99,7 @@ def test_idle_spool_shows_the_finished_step_while_data_keeps_the_overlap(tmp_pat
             logged = [m["step"] for m in _jsonl(tmp_path / "w" / "metrics.jsonl")]
             seen_when_idle.append((dispatched, logged))
             (spool / "_DONE").touch()
-    monkeypatch.setattr(batcher._LedgerEvents, "idle", on_idle)
+    monkeypatch.setattr(ledger_lib.LedgerEvents, "idle", on_idle)
     cfg = tiny_config(feed__path="", feed__spool_dir=str(spool), feed__spool_poll_s=0.2,
                feed__spool_settle_s=0.0, train__steps=10, train__checkpoint_every=0)
     summary = train.run(cfg, str(tmp_path / "w"))
