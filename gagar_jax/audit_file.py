@@ -234,3 +234,14 @@ def read_lines(path: epath.PathLike) -> list:
         p = epath.Path(path)
         return p.read_text().splitlines() if p.exists() else []
     return [line for _, seg in f.segments() for line in seg.read_text().splitlines()]
+
+
+def unused_name(parent: epath.PathLike, stem: str) -> epath.Path:
+    """`parent/stem`, or `parent/stem.1`, `.2`, ... : the first name nothing holds yet, so two
+    moves in one second (or after the clock was set back) never share a directory."""
+    parent = epath.Path(parent)
+    path, n = parent / stem, 0
+    while path.exists():
+        n += 1
+        path = parent / f"{stem}.{n}"
+    return path

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import ml_collections
@@ -78,6 +80,38 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     cfg = module.get_config()
     cfg.lock()
     return cfg
+
+
+# Float keys whose documented meaning of inf is "off" (none today). Every other float key
+# refuses NaN and inf (`check_finite`): a NaN threshold would train with every token masked,
+# or fail only at the first checkpoint's JSON.
+INF_MEANS_OFF: frozenset = frozenset()
+
+
+def check_finite(cfg: Any, allow_inf: frozenset = INF_MEANS_OFF) -> None:
+    """Refuses a NaN or inf anywhere in a config (one generic walk over every key, nested
+    sections and tuples included).
+
+    Args:
+      cfg: a ConfigDict or a (nested) dict.
+      allow_inf: dotted keys where inf documents "off" (NaN is refused everywhere).
+    Raises:
+      ConfigError naming the first key with a non-finite value.
+    """
+    def walk(key: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(f"{key}.{k}" if key else str(k), v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{key}[{i}]", v)
+        elif isinstance(value, float) and not math.isfinite(value):
+            if math.isinf(value) and key in allow_inf:
+                return
+            raise ConfigError(f"{key}={value}: not a finite number (NaN and inf are refused; "
+                              "see the key's comment for how to switch it off)")
+
+    walk("", cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg))
 
 
 def section_dict(section: ml_collections.ConfigDict | dict, cls: type, name: str) -> dict:

@@ -4,6 +4,11 @@ and the per-host throughput at the long-row budget of one Flash step against its
 Usage:
   JAX_PLATFORMS=cpu python scripts/bench_feed.py [--groups 1500] [--long-groups 120] \
       [--repeats 3] [--step-fraction 0.25] [--long-row-repeats 1] [--no-write]
+  JAX_PLATFORMS=cpu python scripts/bench_feed.py --only-spool [--spool-shards 10000]
+
+`--only-spool` times a spool of many one-group shards (docs/reliability.md): the cost per shard
+of the first and last tenth of a burst, and of one new shard arriving after all are consumed,
+which must not grow with the number of consumed shards.
 
 Three shapes: the tiny config's (trajectories of 24-110 tokens, [16, 128] batches), a
 long-context one (1-4k-token trajectories, [16, 8192] batches), and one step of long rows
@@ -25,7 +30,7 @@ from benchutil import write_docs_section
 
 from gagar_jax.aot import flops
 from gagar_jax.config import load_config_file
-from gagar_jax.feed import Feed, FeedConfig, FileSource, convert, synthetic
+from gagar_jax.feed import Feed, FeedConfig, FileSource, SpoolSource, convert, schema, synthetic
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODEL = dict(vocab_size=256, num_moe_layers=2, top_k=2, num_experts=8)
@@ -269,6 +274,36 @@ def _long_row_lines(long_rows: dict) -> list:
     return lines
 
 
+def spool_listing(num_shards: int, tmp: pathlib.Path) -> dict:
+    """ms per shard read from a spool of `num_shards` one-group shards: the first and last
+    tenth of the burst, and one shard published after all were consumed (mean of 20)."""
+    spool = tmp / "spool"
+    spool.mkdir()
+    line = schema.encode(synthetic.make_groups(1, seed=0)[0], "json") + b"\n"
+    for i in range(num_shards):
+        (spool / f"{i:08d}.jsonl").write_bytes(line)
+    src = SpoolSource(str(spool), poll_s=0.001, log=lambda _: None)
+    times = []
+    for _ in range(num_shards):
+        t0 = time.perf_counter()
+        assert src.next_record() is not None
+        times.append(time.perf_counter() - t0)
+    tenth = max(1, num_shards // 10)
+    late = []
+    for i in range(20):
+        (spool / f"{num_shards + i:08d}.jsonl").write_bytes(line)
+        t0 = time.perf_counter()
+        assert src.next_record() is not None
+        late.append(time.perf_counter() - t0)
+    out = {"shards": num_shards, "first_tenth_ms": 1e3 * float(np.mean(times[:tenth])),
+           "last_tenth_ms": 1e3 * float(np.mean(times[-tenth:])),
+           "new_shard_after_all_ms": 1e3 * float(np.mean(late))}
+    print(f"spool of {num_shards} shards: {out['first_tenth_ms']:.3f} ms per shard (first "
+          f"tenth), {out['last_tenth_ms']:.3f} ms (last tenth); one new shard after all are "
+          f"consumed: {out['new_shard_after_all_ms']:.2f} ms")
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", type=int, default=1500, help="groups for the tiny shape")
@@ -280,7 +315,13 @@ def main():
                    help="runs per long-row case (each reads GBs; best is reported)")
     p.add_argument("--only-long-rows", action="store_true", help="only the long-row budget")
     p.add_argument("--no-write", action="store_true", help="do not edit docs/performance.md")
+    p.add_argument("--only-spool", action="store_true", help="only the spool listing cost")
+    p.add_argument("--spool-shards", type=int, default=10_000, help="shards for --only-spool")
     args = p.parse_args()
+    if args.only_spool:
+        with tempfile.TemporaryDirectory() as tmp:
+            spool_listing(args.spool_shards, pathlib.Path(tmp))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         rows = []
         if not args.only_long_rows:

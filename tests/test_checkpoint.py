@@ -367,3 +367,20 @@ def test_a_state_of_another_shape_is_refused_and_never_moved(tmp_path, state8, m
     assert sorted(os.listdir(tmp_path)) == before and mgr.latest_step() == 4
     assert mgr.restore(_abstract(state8, mesh8)).step == 4     # the right config still resumes
     mgr.close()
+
+
+def test_two_quarantines_of_a_step_in_one_second_never_collide(tmp_path, state8, mesh8,
+                                                              monkeypatch):
+    """Issue 36 item 5: step 4 damaged, moved aside, written again and damaged again within
+    one second (the clock stands still): two `4.corrupt-<t>` directories, the first intact."""
+    monkeypatch.setattr(ckpt.time, "time", lambda: 1_700_000_000.5)
+    mgr, _ = _save_steps(tmp_path, state8, [2, 4])
+    for _ in range(2):
+        _truncate_state(tmp_path / "4")
+        assert mgr.restore(_abstract(state8, mesh8)).step == 2
+        assert mgr.save(4, state8, FEED, CONFIG)
+        mgr.wait_until_finished()
+    mgr.close()
+    aside = sorted(p for p in os.listdir(tmp_path) if p.startswith("4.corrupt-"))
+    assert aside == ["4.corrupt-1700000000", "4.corrupt-1700000000.1"], aside
+    assert all((tmp_path / p / "state").is_dir() for p in aside)

@@ -8,7 +8,7 @@ import time
 
 from support.paths import REPO
 
-from gagar_jax.feed import Feed, FeedConfig, SpoolSource, convert, schema, synthetic
+from gagar_jax.feed import Feed, FeedConfig, SpoolSource, convert, schema, shards, synthetic
 from gagar_jax.feed.sources import DONE_MARKER
 
 ROOT = pathlib.Path(REPO)
@@ -49,9 +49,12 @@ def test_picks_up_a_shard_published_while_waiting(tmp_path):
     (tmp_path / DONE_MARKER).touch()
     assert [src.next_record() is not None for _ in range(3)] == [True, True, False]
     st = (tmp_path / "0001.jsonl").stat()
+    mark = shards.mark(tmp_path / "0001.jsonl", st.st_size)     # [inode, digest of the tail]
+    assert mark[0] == st.st_ino
     assert src.state() == {"consumed": {"0001.jsonl": [st.st_size, st.st_mtime_ns]},
-                           "tails": {"0001.jsonl": [st.st_size, 3, 0, 0]},
-                           "current": None, "record": 0, "offset": 0, "hold": True}
+                           "tails": {"0001.jsonl": [st.st_size, 3, 0, 0, mark]},
+                           "current": None, "record": 0, "offset": 0, "hold": True,
+                           "mark": None}
 
 
 def test_crash_and_resume_consumes_every_shard_exactly_once(tmp_path):

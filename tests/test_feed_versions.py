@@ -41,6 +41,9 @@ def test_spans_per_token_and_compact_forms_agree():
     (dict(policy_version_spans=[[0, 1], [10, 2]]), Reason.VERSION_OUT_OF_RANGE),
     (dict(policy_version_spans=[[4, 1]]), Reason.VERSION_OUT_OF_RANGE),   # token 3 uncovered
     (dict(policy_version_spans=[[0, 9]]), Reason.VERSION_NEWER),
+    (dict(policy_version_spans=[]), Reason.VERSION_SPANS_EMPTY),
+    (dict(policy_version_spans=[[0, 2**70]]), Reason.VERSION_OUT_OF_RANGE),   # over int64
+    (dict(policy_version_spans=[[0, 1], [2**70, 1]]), Reason.VERSION_OUT_OF_RANGE),
     (dict(policy_versions=[1] * 9), Reason.LENGTH_MISMATCH),
     (dict(policy_versions=[1] * 10, policy_version_spans=[[0, 1]]), Reason.VERSION_OUT_OF_RANGE),
 ])

@@ -255,7 +255,7 @@ def delta_states():
 
 def _kill_delta_at(monkeypatch, point):
     if point == "writing":   # half a delta file, then the kill
-        def half(entries, directory, process, max_shard_bytes):
+        def half(entries, directory, process, max_shard_bytes, digests=None):
             name = publish_format.delta_file_name(process, 0)
             with open(os.path.join(directory, name), "wb") as f:
                 f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
@@ -311,3 +311,55 @@ def test_a_kill_during_a_delta_publish_keeps_latest_applicable(tmp_path, monkeyp
         full.wait()
         assert raw(delta.materialize(path)) == raw(delta.load_full(
             publish.read_latest(tmp_path / "ref" / name)["path"])), name
+
+
+
+def test_a_broken_delta_chain_publishes_a_full_version_and_never_fails_the_run(
+        tmp_path, monkeypatch, delta_states, caplog):
+    """Issue 36 item 6 (full_every=4): the full base deleted while the learner runs -> the next
+    publish is full (logged), never a delta `latest` cannot load (today: `latest` moved onto
+    it); the immediate base deleted while a delta is written -> that delta is not committed and
+    the step is published full instead (logged); the run goes on (today: exit 1). Each
+    `latest` materializes to its step's weights."""
+    model, states = delta_states
+    root = published.root_of(tmp_path)
+    pub = publish.Publisher(tmp_path, keep=3, full_every=4)
+
+    def step(n):
+        pub.publish(set_state(model, states[n]), n)
+        pub.wait()
+        return publish.read_latest(tmp_path)["path"]
+
+    def reference(n):
+        ref = publish.Publisher(tmp_path / "ref" / str(n), keep=1, dtype="bfloat16")
+        ref.publish(set_state(model, states[n]), n)
+        ref.wait()
+        return raw(delta.load_full(publish.read_latest(tmp_path / "ref" / str(n))["path"]))
+
+    step(1)
+    step(2)                                          # a delta on step 1
+    shutil.rmtree(root / "step_00000001")            # the full base, by hand
+    with caplog.at_level("WARNING", logger="gagar_jax.run.publish"):
+        latest = step(3)
+    assert latest.endswith("step_00000003") and pointer.read_manifest(latest)["kind"] == "full"
+    assert any("a full version instead of a delta" in r.getMessage() for r in caplog.records)
+    assert raw(delta.materialize(latest)) == reference(3)
+    assert pointer.read_manifest(step(4))["kind"] == "delta"
+    real = hf_delta.write_delta_share
+
+    def racing(entries, directory, *a, **kw):        # the base goes while the delta is written
+        shutil.rmtree(root / "step_00000004")
+        return real(entries, directory, *a, **kw)
+
+    monkeypatch.setattr(hf_delta, "write_delta_share", racing)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gagar_jax.run.publish"):
+        latest = step(5)
+    monkeypatch.undo()
+    assert latest.endswith("step_00000005.a1") and pointer.read_manifest(latest)["kind"] == "full"
+    assert pointer.read_manifest(os.fspath(root / "step_00000005")) is None   # the delta
+    assert any("a full version instead of the delta" in r.getMessage() for r in caplog.records)
+    assert raw(delta.materialize(latest)) == reference(5)
+    latest = step(6)                                 # deltas again, on the new full version
+    assert pointer.read_manifest(latest)["base"] == "step_00000005.a1"
+    assert raw(delta.materialize(latest)) == reference(6)

@@ -20,7 +20,6 @@ from support.paths import REPO, TINY_CONFIG
 from support.paths import load_tiny_config as tiny_config
 from support.xla_flags import cpu_flags
 
-from gagar_jax.feed import batcher
 from gagar_jax.feed import ledger as ledger_lib
 from gagar_jax.run import metrics as metrics_lib
 from gagar_jax.run import train
@@ -90,7 +89,7 @@ def test_idle_spool_shows_the_finished_step_while_data_keeps_the_overlap(tmp_pat
     monkeypatch.setattr(train, "make_train_step", make_recording)
     monkeypatch.setattr(metrics_lib, "to_host",
                         lambda step, m: events.append(("read", step)) or to_host(step, m))
-    idle = batcher._LedgerEvents.idle
+    idle = ledger_lib.LedgerEvents.idle
     seen_when_idle = []
 
     def on_idle(self):
@@ -100,7 +99,7 @@ def test_idle_spool_shows_the_finished_step_while_data_keeps_the_overlap(tmp_pat
             logged = [m["step"] for m in _jsonl(tmp_path / "w" / "metrics.jsonl")]
             seen_when_idle.append((dispatched, logged))
             (spool / "_DONE").touch()
-    monkeypatch.setattr(batcher._LedgerEvents, "idle", on_idle)
+    monkeypatch.setattr(ledger_lib.LedgerEvents, "idle", on_idle)
     cfg = tiny_config(feed__path="", feed__spool_dir=str(spool), feed__spool_poll_s=0.2,
                feed__spool_settle_s=0.0, train__steps=10, train__checkpoint_every=0)
     summary = train.run(cfg, str(tmp_path / "w"))
@@ -195,3 +194,19 @@ def test_cpu_only_machines_never_probe_libtpu(monkeypatch):
     env = {}
     cli._default_platform(env)
     assert env == {}                                  # a TPU VM: JAX picks the accelerator
+
+
+def test_a_run_killed_before_its_first_checkpoint_reruns_without_repeating_a_line(tmp_path):
+    """Issue 36 item 2, end to end: a run's audit lines with no checkpoint at all (killed
+    before its first one) and a plain rerun: each step and group id once in the new files,
+    the old ones in before_fresh_start-<t>/ (today: steps 1, 2, 1, 2 and every id twice)."""
+    cfg = tiny_config(train__steps=2, train__checkpoint_every=0)
+    train.run(cfg, str(tmp_path))
+    shutil.rmtree(tmp_path / "checkpoints")          # as if killed before it was written
+    first = _jsonl(tmp_path / "groups.jsonl")
+    train.run(cfg, str(tmp_path))
+    assert [m["step"] for m in _jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+    ids = [g["group_id"] for g in _jsonl(tmp_path / "groups.jsonl")]
+    assert len(ids) == len(set(ids)) == len(first)
+    [aside] = [d for d in os.listdir(tmp_path) if d.startswith("before_fresh_start-")]
+    assert _jsonl(tmp_path / aside / "groups.jsonl") == first

@@ -147,3 +147,22 @@ def test_kl_run_from_init_from_in_a_bucket_workdir_trains_and_resumes_without_it
     assert ledger["balanced"] and ledger["trained"] == resumed["ledger"]["trained"]
     assert len(read_lines(f"{work}/groups.jsonl")) == ledger["trained"]
     assert not os.path.exists(tmp_path / "gs:")             # nothing local named after the URI
+
+
+def test_every_float_key_refuses_nan_and_inf_naming_the_key():
+    """Issue 36 item 8: each of tiny_cpu's float keys (placeholders included), set to NaN, inf
+    or -inf, is refused before anything compiles with a ConfigError naming that key; today
+    they were accepted (a NaN rollout_is_threshold trained with every token masked)."""
+    cfg = tiny_config()
+    keys = [f"{sec}.{k}" for sec in cfg.keys() if hasattr(cfg[sec], "keys")
+            for k in cfg[sec].keys() if cfg[sec].get_type(k) is float]
+    assert len(keys) >= 25 and "loss.rollout_is_threshold" in keys
+    train.RunConfig.from_config(cfg)        # finite values pass
+    for key in keys:
+        sec, name = key.split(".")
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            c = tiny_config()
+            c.unlock()
+            c[sec][name] = bad
+            with pytest.raises(ConfigError, match=rf"^{key}={bad}: not a finite number"):
+                train.RunConfig.from_config(c)

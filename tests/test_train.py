@@ -227,6 +227,10 @@ def test_cli_errors_are_one_line_exit_2(capsys, tmp_path):
         (["--config", cfg, "--workdir", str(tmp_path), "--config.loss.rollout_rs_threshold=2.0",
           "--config.loss.recompute_old_logprobs=true"],
          "loss.rollout_rs_threshold='2.0' is set but loss.rollout_rs is not"),
+        (["--config", cfg, "--workdir", str(tmp_path), "--config.loss.rollout_is_threshold=nan"],
+         "loss.rollout_is_threshold=nan: not a finite number"),
+        (["--config", cfg, "--workdir", str(tmp_path), "--config.optim.learning_rate=inf"],
+         "optim.learning_rate=inf: not a finite number"),
     ]
     for args, needle in cases:
         code = cli.main(["gagar-train", *args])

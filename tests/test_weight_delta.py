@@ -121,8 +121,88 @@ def test_shares_of_several_processes_and_applying_only_what_an_engine_lacks(tmp_
     assert touched["t0"][0][1].array.tolist() == [7.0]
     np.testing.assert_array_equal(held["t0"].array, v0["t0"])         # left to the engine
     np.testing.assert_array_equal(held["t4"].array, v1["t4"])
-    with pytest.raises(ValueError, match="base 'step_00000009' is not a committed version"):
+    with pytest.raises(published.BrokenChain, match="version step_00000009 has no manifest"):
         published.commit(root, name, 3, keep=5, kind="delta", base="step_00000009")
     (root / "step_00000001" / publish.MANIFEST).unlink()
     with pytest.raises(delta.ChainError, match="step_00000001: no manifest"):
         delta.chain(v1_path)
+
+
+def _chain_root(tmp_path):
+    """published/ with a full step 1 (two tensors and a config.json) and a delta step 2 on
+    it, committed (digests computed by `commit`, as for files process 0 wrote)."""
+    from gagar_jax.hf.safetensors import write_safetensors
+    root = tmp_path / "published"
+    rng = np.random.default_rng(3)
+    v0 = {f"t{i}": rng.standard_normal((4, 8)).astype(np.float32) for i in range(2)}
+    for step, tensors in ((1, v0), (3, {n: a + 1 for n, a in v0.items()})):
+        name = f"step_{step:08d}"
+        (root / name).mkdir(parents=True)
+        write_safetensors(root / name / "model.safetensors", tensors)
+        (root / name / "config.json").write_text("{}")
+        published.commit(root, name, step, keep=5)
+    v1 = {n: a.copy() for n, a in v0.items()}
+    v1["t1"][0, 0] = 5.0
+    (root / "step_00000002").mkdir()
+    entries, _ = hf_delta.encode_share(v0, v1)
+    hf_delta.write_delta_share(entries, root / "step_00000002", 0, max_shard_bytes=1 << 20)
+    published.commit(root, "step_00000002", 2, keep=5, kind="delta", base="step_00000001")
+    return root, v1
+
+
+def test_a_materialized_chain_is_verified_and_errors_name_the_file(tmp_path):
+    """Issue 36 item 7: the manifest holds every file's sha256 and the delta its base
+    manifest's; a flipped value bit, a base swapped for another full version, a truncated,
+    missing or malformed file each raise ChainError naming the file (today: wrong weights,
+    or a bare JSONDecodeError / struct.error / FileNotFoundError)."""
+    import shutil
+    root, v1 = _chain_root(tmp_path)
+    path = os.fspath(root / "step_00000002")
+    m = pointer.read_manifest(path)
+    assert sorted(m["digests"]) == ["delta-00000-00000.safetensors"] and m["base_sha256"]
+    assert sorted(pointer.read_manifest(os.fspath(root / "step_00000001"))["digests"]) == [
+        "config.json", "model.safetensors"]
+    got = delta.materialize(path)
+    assert all(np.array_equal(got[n].array, v1[n]) for n in v1)
+    base = root / "step_00000001" / "model.safetensors"
+    good = base.read_bytes()
+
+    def broken(data, match, where=base):
+        where.write_bytes(data)
+        with pytest.raises(delta.ChainError, match=match):
+            delta.materialize(path)
+        where.write_bytes(good if where == base else original)
+
+    original = good
+    flipped = bytearray(good)
+    flipped[-1] ^= 0x01                                          # one value bit
+    broken(bytes(flipped), r"step_00000001/model\.safetensors: its sha256 is not the manifest")
+    broken(good[:3], r"model\.safetensors: 3 bytes, too short")  # was struct.error
+    broken(good[:8] + b"{not json" + good[17:], r"model\.safetensors: a malformed header")
+    manifest = root / "step_00000001" / publish.MANIFEST
+    original = manifest.read_bytes()
+    broken(b"{trunc", r"step_00000001/gagar_publish\.json: not JSON", manifest)
+    os.remove(base)
+    with pytest.raises(delta.ChainError, match=r"model\.safetensors: missing"):
+        delta.materialize(path)
+    base.write_bytes(good)
+    # another full version (step 3, consistent in itself) copied over the base's directory
+    shutil.rmtree(root / "step_00000001")
+    shutil.copytree(root / "step_00000003", root / "step_00000001")
+    with pytest.raises(delta.ChainError, match="base_sha256 differs"):
+        delta.materialize(path)
+
+
+def test_an_engine_apply_of_a_changed_delta_fails_and_leaves_its_weights(tmp_path):
+    """The engine's apply (`apply_delta`, which the vLLM extension calls) verifies the delta's
+    files before writing into the weights it holds."""
+    root, _ = _chain_root(tmp_path)
+    held = delta.load_full(os.fspath(root / "step_00000001"))
+    before = {n: t.array.copy() for n, t in held.items()}
+    f = root / "step_00000002" / "delta-00000-00000.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0x80
+    f.write_bytes(bytes(data))
+    with pytest.raises(delta.ChainError, match="delta-00000-00000.safetensors: its sha256"):
+        delta.apply_delta(held, os.fspath(root / "step_00000002"))
+    assert all(np.array_equal(held[n].array, before[n]) for n in held)

@@ -139,3 +139,41 @@ def test_a_read_only_workdir_at_start_is_fatal_naming_the_lock_file(tmp_path, mo
     assert code == 1 and len(err.splitlines()) == 1, err
     assert err == (f"gagar-train: fatal: {os.strerror(errno.EROFS)}: "
                    f"{tmp_path / 'ro' / workdir_lock.LOCK_NAME}")
+
+
+def test_a_deleted_lock_stops_the_holder_before_its_next_write(tmp_path):
+    """Issue 36 item 4: `gagar.lock` deleted under a live holder and a second learner locking
+    a new file there: the holder's next audit write and checkpoint raise LockLost (exit 1 in
+    the CLI, one line), and nothing more is written; with its own file in place it writes."""
+    import fcntl
+
+    import jax.numpy as jnp
+
+    from gagar_jax.run import checkpoint, metrics
+    wd = tmp_path / "w"
+    workdir_lock.acquire(str(wd))
+    try:
+        writer = metrics.MetricsWriter(wd, tensorboard=False, enabled=True)
+        ckpt = checkpoint.Checkpointer(str(wd / "checkpoints"), save_interval_steps=1)
+        writer.write(1, {"loss": 1.0})
+        writer.flush()
+        os.remove(wd / workdir_lock.LOCK_NAME)            # the mistake
+        second = os.open(wd / workdir_lock.LOCK_NAME, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(second, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a second learner takes it
+        with pytest.raises(workdir_lock.LockLost, match="was replaced by another file"):
+            writer.write(2, {"loss": 2.0})
+        with pytest.raises(workdir_lock.LockLost):
+            writer.write_groups([{"group_id": "g"}])
+        with pytest.raises(workdir_lock.LockLost):
+            ckpt.save(2, {"x": jnp.zeros(2)}, {}, {}, force=True)
+        os.close(second)
+        os.remove(wd / workdir_lock.LOCK_NAME)
+        with pytest.raises(workdir_lock.LockLost, match="was deleted"):
+            writer.sync()
+        writer.flush()
+        assert len((wd / "metrics.jsonl").read_text().splitlines()) == 1     # step 1 only
+        groups = wd / "groups.jsonl"
+        assert not (groups.exists() and groups.read_text()) and ckpt.latest_step() is None
+        ckpt.close()
+    finally:
+        workdir_lock.release(str(wd))

@@ -15,7 +15,7 @@ _EXPORTS = {
     "first_fit_decreasing": "packing", "local_row_slice": "packing",
     "make_global_batch": "packing",
     "SCHEMA_VERSION": "schema", "Group": "schema", "Trajectory": "schema",
-    "FileSource": "sources", "IteratorSource": "sources", "SpoolSource": "sources",
+    "FileSource": "sources", "IteratorSource": "sources", "SpoolSource": "spool",
     "Reason": "validate",
 }
 

@@ -31,10 +31,10 @@ from gagar_jax.feed import packed, packing, schema
 from gagar_jax.feed.assemble import BatchInfo, assemble  # BatchInfo re-exported
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.deadletter import DeadLetter, Oversized
-from gagar_jax.feed.ledger import Ledger
+from gagar_jax.feed.ledger import Ledger, LedgerEvents
 from gagar_jax.feed.multihost import agree_across_processes
-from gagar_jax.feed.shards import VANISHED, RawRecord, warner
-from gagar_jax.feed.sources import SourceEvents, make_source
+from gagar_jax.feed.shards import RawRecord, warner
+from gagar_jax.feed.sources import make_source
 from gagar_jax.feed.validate import (
     ModelShape,
     ParsedGroup,
@@ -118,7 +118,7 @@ class Feed:
         self._warned_versions: set = set()    # future versions already warned about
         self._ledger_written = -math.inf
         if hasattr(self.source, "events"):
-            self.source.events = _LedgerEvents(self, log)
+            self.source.events = LedgerEvents(lambda: self.ledger, lambda: self.on_idle(), log)
 
     # ---- intake -----------------------------------------------------------------------------
     def _forget_old_ids(self, learner_step: int) -> None:
@@ -430,33 +430,3 @@ def _peek_group_id(raw: RawRecord, max_bytes: int) -> Optional[str]:
         pass
     return None
 
-
-class _LedgerEvents(SourceEvents):
-    """Source events counted in the feed's ledger (and logged), idle waits passed on."""
-
-    def __init__(self, feed: Feed, log: Callable[[str], None]):
-        super().__init__(log)
-        self.feed = feed
-
-    def skipped(self, path: str, kind: str, detail: str) -> None:
-        super().skipped(path, kind, detail)
-        counts = self.feed.ledger.skipped_shards_by_reason
-        counts[kind] = counts.get(kind, 0) + 1
-
-    def changed(self, path: str) -> None:
-        super().changed(path)
-        self.feed.ledger.changed_shards += 1
-
-    def grew(self, path: str) -> None:
-        super().grew(path)
-        self.feed.ledger.grown_shards += 1
-
-    def vanished(self, path: str, records_read: int) -> None:
-        super().vanished(path, records_read)
-        ledger = self.feed.ledger
-        ledger.skipped_shards_by_reason[VANISHED] = (
-            ledger.skipped_shards_by_reason.get(VANISHED, 0) + 1)
-        ledger.vanished_shards[path] = int(records_read)
-
-    def idle(self) -> None:
-        self.feed.on_idle()

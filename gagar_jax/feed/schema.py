@@ -220,7 +220,7 @@ def _add_learner_rules(defs: dict) -> None:
                            "properties": _compact(ROUTED_DTYPES, 3)},
         "policy_versions": {"items": {"type": "integer", "minimum": 0},
                             "properties": _compact(VERSION_DTYPES, 1)},
-        "policy_version_spans": {"items": {
+        "policy_version_spans": {"minItems": 1, "items": {
             "prefixItems": [{"type": "integer", "minimum": 0}, {"type": "integer", "minimum": 0}],
             "minItems": 2, "maxItems": 2}},
         # A tier and a rank, or a factor alone (null = no quality: the grading fallback).

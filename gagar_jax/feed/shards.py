@@ -37,7 +37,9 @@ class RawRecord:
     origin: str         # "<file>:<record index>", for dead-letter entries
 
 
-VANISHED = "vanished_after_partial_read"   # skipped_shards_by_reason key
+VANISHED = "vanished_after_partial_read"   # skipped_shards_by_reason keys
+REPLACED = "replaced_after_partial_read"
+MARK_BYTES = 256        # bytes before a saved read position that identify the file read
 
 
 def warner(log: Callable[[str], None]) -> Callable[[str], None]:
@@ -78,6 +80,31 @@ class SourceEvents:
                   f"read (deleted before the run ended?); its unread records are lost, counted "
                   f"in the ledger as {VANISHED}")
 
+    def replaced(self, path: str, records_read: int, detail: str) -> None:
+        """The shard being read was replaced by another file (a different inode, or other
+        bytes before the read position): the original's unread records are lost, and the new
+        file is not read from the old position."""
+        self.warn(f"feed: WARNING shard {path} was replaced by another file after {records_read} "
+                  f"of its records were read ({detail}); the original's unread records are lost "
+                  f"and the new file is not read, counted in the ledger as {REPLACED}")
+
+    def unreadable(self, path: str, detail: str) -> None:
+        """A spool shard cannot be read yet (permission denied): it is retried at every poll
+        (logged once per shard)."""
+        self.warn(f"feed: WARNING shard {path} cannot be read ({detail}); retrying at every "
+                  "poll, counted in the ledger's unreadable_shards until it is read")
+
+    def readable(self, path: str) -> None:
+        """A shard reported by `unreadable` was opened."""
+        self.log(f"feed: shard {path} is readable now; reading it")
+
+    def file_set_changed(self, path: str, kind: str) -> None:
+        """On resume, a file feed's glob matches differently (`kind`: "vanished_after_read": a
+        file already read is gone, nothing lost; "inserted_before_position": a new file sorts
+        before the resume position, it is read)."""
+        self.warn(f"feed: WARNING feed file {path}: {kind.replace('_', ' ')} (the position is "
+                  "kept by file name)")
+
     def idle(self) -> None:
         """The source has nothing to hand out right now (called before each idle wait)."""
 
@@ -91,6 +118,45 @@ def shard_encoding(path: epath.PathLike) -> str:
         return "msgpack"
     raise ValueError(f"feed shard {name!r}: expected a name ending in "
                      f"{JSONL_SUFFIXES + ARRAYRECORD_SUFFIXES}")
+
+
+def mark(path: epath.PathLike, offset: int) -> Optional[list]:
+    """What identifies the local file at `path` read up to byte `offset`: [inode, a digest of
+    the `MARK_BYTES` bytes before `offset`] (None: remote, or it cannot be read)."""
+    path = epath.Path(path)
+    if is_remote(path):
+        return None
+    try:
+        with open(os.fspath(path), "rb") as f:
+            ino = os.fstat(f.fileno()).st_ino
+            start = max(0, offset - MARK_BYTES)
+            f.seek(start)
+            data = f.read(offset - start)
+    except OSError:
+        return None
+    return [ino, hashlib.sha256(data).hexdigest()[:16]]
+
+
+def replaced(path: epath.PathLike, saved: Optional[list], offset: int) -> Optional[str]:
+    """Why the file at `path` is not the one `saved` (a `mark(path, offset)`) was taken from;
+    None when it is, or when there is nothing to compare (no mark, remote, gone)."""
+    path = epath.Path(path)
+    if not saved or is_remote(path):
+        return None
+    try:
+        size = os.stat(os.fspath(path)).st_size
+    except OSError:
+        return None
+    if size < offset:
+        return f"{size} bytes, fewer than the {offset} already read"
+    now = mark(path, offset)
+    if now is None:
+        return None
+    if now[0] != saved[0]:
+        return f"inode {saved[0]} is now {now[0]}"
+    if now[1] != saved[1]:
+        return f"the {MARK_BYTES} bytes before byte {offset} differ"
+    return None
 
 
 def _not_regular(path: epath.Path) -> Optional[str]:
@@ -210,6 +276,8 @@ class ShardReader:
             self._file = LineReader(f)   # streamed line by line, never slurped
         else:
             import grain.python as grain  # deferred: grain is heavy to import
+            if not is_remote(self.path):   # a refused open raises PermissionError, not grain's
+                open(os.fspath(self.path), "rb").close()
             self._source = grain.ArrayRecordDataSource([str(self.path)])
         while self.index < start and self.next() is not None:
             pass
@@ -240,6 +308,19 @@ class ShardReader:
         self.held = self._base + self._file.consumed - self.offset
         return None
 
+    def mark(self) -> Optional[list]:
+        """`mark(path, offset)` of the file this reader reads (its open descriptor while it
+        is open, so a file replaced under it is not mistaken for it)."""
+        f = getattr(getattr(self, "_file", None), "file", None)
+        if f is None or f.closed or is_remote(self.path) or not hasattr(f, "fileno"):
+            return mark(self.path, self.offset)
+        try:
+            start = max(0, self.offset - MARK_BYTES)
+            data = os.pread(f.fileno(), self.offset - start, start)
+            return [os.fstat(f.fileno()).st_ino, hashlib.sha256(data).hexdigest()[:16]]
+        except OSError:
+            return None
+
     def next(self) -> Optional[RawRecord]:
         if self.encoding == "json":
             payload = self._line()
@@ -260,11 +341,17 @@ class ShardReader:
 
 
 def open_shard(path: epath.PathLike, start: int, max_record_bytes: int,
-               events: SourceEvents, **kw: Any) -> Optional[ShardReader]:
+               events: SourceEvents, *, raise_denied: bool = False,
+               **kw: Any) -> Optional[ShardReader]:
     """A `ShardReader` (`kw`: its `offset`, `hold_partial`), or None after reporting why the
-    shard is skipped."""
+    shard is skipped; with `raise_denied`, a PermissionError is raised instead (the spool
+    retries such a shard)."""
     try:
         return ShardReader(path, start, max_record_bytes, **kw)
+    except PermissionError as e:
+        if raise_denied:
+            raise
+        events.skipped(str(path), "unreadable", f"{type(e).__name__}: {e}")
     except IsADirectoryError as e:
         events.skipped(str(path), "not_a_regular_file", str(e))
     except Exception as e:  # unreadable: permissions, I/O, a bad ArrayRecord

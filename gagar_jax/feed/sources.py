@@ -9,17 +9,14 @@ Paths go through `etils.epath` (local disk, GCS, S3). Sources never crash on wha
 from __future__ import annotations
 
 import logging
-import os
-import stat as stat_lib
-import time
 from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 from etils import epath
 
-from gagar_jax.distributed import broadcast_from_process0, is_remote, list_names
+from gagar_jax.distributed import broadcast_from_process0, is_remote
 from gagar_jax.feed.config import FeedConfig
-from gagar_jax.feed.shards import (
+from gagar_jax.feed.shards import (  # noqa: F401  (re-exported: the sources' vocabulary)
     ARRAYRECORD_SUFFIXES,
     DONE_MARKER,
     JSONL_SUFFIXES,
@@ -28,8 +25,10 @@ from gagar_jax.feed.shards import (
     SourceEvents,
     open_shard,
     read_next,
+    replaced,
     shard_encoding,
 )
+from gagar_jax.feed.spool import SpoolSource
 
 LOG = logging.getLogger(__name__)   # only the CLI configures logging
 
@@ -50,299 +49,87 @@ def _glob(pattern: str) -> list:
 
 
 class FileSource:
-    """All records of one file or a glob's files, in sorted file order."""
+    """All records of one file or a glob's files, in sorted file order.
+
+    The position is kept by file name: the names read to their end, the current file's name,
+    record index, byte offset (JSONL) and `mark` (inode and the bytes before the offset). On
+    resume against a glob that matches differently, a file already read that is gone and a
+    new file sorting before the position are reported (`events.file_set_changed`; the new
+    file is read), a current file that is gone counts as vanished and one replaced by another
+    file as replaced (its new content is not read from the old position).
+    """
 
     def __init__(self, pattern: str, *, max_record_bytes: int = 4_000_000):
         self.files = _glob(pattern)
         self.limit = max_record_bytes
         self.events = SourceEvents()
-        self._file = 0
+        self._queue = list(self.files)        # files still to open, in order
+        self._done: list = []                 # names of the files read to their end
+        self._current: Optional[epath.Path] = None
         self._reader: Optional[ShardReader] = None
 
     def next_record(self) -> Optional[RawRecord]:
-        while self._file < len(self.files):
+        while True:
             if self._reader is None:
-                self._reader = open_shard(self.files[self._file], 0, self.limit, self.events)
-            rec = read_next(self._reader, self.events) if self._reader is not None else None
+                if self._current is not None:
+                    self._end_file()
+                if not self._queue:
+                    return None
+                self._current = self._queue.pop(0)
+                self._reader = open_shard(self._current, 0, self.limit, self.events)
+                continue
+            rec = read_next(self._reader, self.events)
             if rec is not None:
                 return rec
-            self._file, self._reader = self._file + 1, None
-        return None
+            self._reader = None
 
-    def state(self) -> dict:
-        return {"file": self._file, "record": self._reader.index if self._reader else 0}
-
-    def restore(self, state: dict) -> None:
-        self._file = int(state["file"])
-        self._reader = None
-        if self._file < len(self.files):
-            self._reader = open_shard(self.files[self._file], int(state["record"]), self.limit,
-                                      self.events)
-            if self._reader is None:
-                self._file += 1
-
-
-def _exists(path: epath.Path) -> bool:
-    """Whether `path` exists (a dangling symlink counts: it is skipped as not a regular file)."""
-    if is_remote(path):
-        return path.exists()
-    return os.path.lexists(os.fspath(path))
-
-
-def _ignored(name: str) -> bool:
-    return (name.startswith((".", "_")) or name.endswith(".tmp")
-            or not name.endswith(JSONL_SUFFIXES + ARRAYRECORD_SUFFIXES))
-
-
-class SpoolSource:
-    """Tails a directory where writers publish complete shards atomically.
-
-    Writers write `name.jsonl.tmp` (or any name starting with "." or "_" or ending in ".tmp")
-    and rename it to `name.jsonl` / `name.arrayrecord` when complete (on object stores: create
-    the final object in one upload). Shards are read in name order, each exactly once; the
-    consumed set (with each shard's size and mtime), the position inside the current shard and
-    where each local JSONL shard's read ended are the checkpointed state.
-
-    Protection against careless writers (local and network file systems): a shard is read only
-    once its size and mtime have stayed unchanged for `settle_s` seconds of this process's
-    clock (0 = at once). A JSONL shard is read in whole lines: a last line without a newline
-    is held back (a writer may still be writing it) until the shard grows, `_DONE` appears or
-    the feed times out; a JSONL shard that grows after it was read is read on from where its
-    read ended (`events.grew`, once per shard); any other change of a consumed shard (a
-    rewrite, a truncation; for ArrayRecord any change) is reported once (`events.changed`)
-    and not read. Objects on object stores appear whole and are read at once.
-
-    Args:
-      directory: the spool.
-      poll_s: seconds between listings while idle.
-      timeout_s: end the feed after this long without a new shard (0 = wait forever).
-      log_every_s: seconds between "waiting for the feed" lines.
-      log: where those lines go.
-      agree: maps this process's view {"names", "grown", "skipped", "changed", "settling",
-        "done", "timed_out"} to the view all processes act on (multi-process:
-        `broadcast_from_process0`, so process 0 decides which shards are settled or grew);
-        identity by default.
-      stop: optional callable; when it returns True while the spool is idle, the feed ends
-        (the trainer passes its preemption flag, so SIGTERM is honored while waiting).
-      settle_s: see above.
-      max_record_bytes: longest JSONL line read whole.
-    """
-
-    def __init__(self, directory: str, *, poll_s: float = 1.0, timeout_s: float = 0.0,
-                 log_every_s: float = 30.0, log: Callable[[str], None] = LOG.info,
-                 agree: Optional[Callable[[dict], dict]] = None,
-                 stop: Optional[Callable[[], bool]] = None, settle_s: float = 0.0,
-                 max_record_bytes: int = 4_000_000):
-        self.dir = epath.Path(directory)
-        self.stop = stop or (lambda: False)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.poll_s, self.timeout_s, self.log_every_s = poll_s, timeout_s, log_every_s
-        self.settle_s = 0.0 if is_remote(self.dir) else settle_s
-        self.limit = max_record_bytes
-        self.log = log
-        self.events = SourceEvents(log)
-        self.agree = agree or (lambda view: view)
-        self.consumed: dict = {}      # name -> [size, mtime_ns] after its last read (None: unknown)
-        # Local JSONL shards: name -> [offset, records, held, grew]: the byte offset and record
-        # count where the last read ended, the bytes of a last line held back (no newline yet),
-        # and whether the shard was reported as grown.
-        self.tails: dict = {}
-        self._settling: dict = {}     # name -> ([size, mtime_ns], first seen, monotonic)
-        self._current: Optional[str] = None
-        self._reader: Optional[ShardReader] = None
-
-    def _tracked(self, name: str) -> bool:
-        """Read in whole lines, with growth read as data: JSONL shards on a file system."""
-        return not is_remote(self.dir) and shard_encoding(name) == "json"
-
-    def _listing(self) -> dict:
-        """name -> [size, mtime_ns] (None: remote, or not a regular file -> "skip" marker)."""
-        out = {}
-        if is_remote(self.dir):
-            for name in list_names(self.dir):     # afresh: gcsfs caches listings forever
-                if not _ignored(name):
-                    out[name] = None
-            return out
-        with os.scandir(os.fspath(self.dir)) as entries:
-            for e in entries:
-                if _ignored(e.name):
-                    continue
-                try:
-                    st = e.stat()                       # follows symlinks
-                except OSError:
-                    out[e.name] = "skip"
-                    continue
-                out[e.name] = ([st.st_size, st.st_mtime_ns] if stat_lib.S_ISREG(st.st_mode)
-                               else "skip")
-        return out
-
-    def _view(self) -> dict:
-        """This process's proposal: settled names, consumed names that grew (read on) or
-        changed otherwise (reported), names to skip."""
-        now = time.monotonic()
-        names, grown, skipped, changed, settling, waiting = [], [], [], [], {}, False
-        for name, st in sorted(self._listing().items()):
-            if name in self.consumed:
-                old = self.consumed[name]
-                if old is None or not isinstance(st, list) or st == old:
-                    continue
-                tail = self.tails.get(name)
-                if tail is not None and st[0] > tail[0]:
-                    grown.append(name)          # bytes past where the read ended
-                else:
-                    changed.append([name, st])
-                continue
-            if st == "skip":
-                skipped.append(name)
-                continue
-            prev = self._settling.get(name)
-            since = prev[1] if prev is not None and prev[0] == st else now
-            settling[name] = (st, since)
-            if st is None or now - since >= self.settle_s:
-                names.append(name)
-            else:
-                waiting = True
-        self._settling = settling
-        return {"names": names, "grown": grown, "skipped": skipped, "changed": changed,
-                "settling": waiting}
-
-    def _apply(self, view: dict) -> None:
-        for name in view["skipped"]:
-            self.events.skipped(str(self.dir / name), "not_a_regular_file",
-                                f"{self.dir / name}: not a readable regular file")
-            self.consumed[name] = None
-        for name, st in view["changed"]:
-            self.events.changed(str(self.dir / name))
-            self.consumed[name] = st
-            self.tails.pop(name, None)       # rewritten: never read again
-
-    def _open(self, name: str, *, tail: bool = False, hold: bool = True) -> None:
-        """Makes `name` the current shard: from its start, or (`tail`) from where its last
-        read ended; `hold`: a last line without a newline is held back."""
-        start, offset = 0, None
-        if tail:
-            offset, start = self.tails[name][:2]
-        self._current = name
-        self._reader = open_shard(self.dir / name, start, self.limit, self.events,
-                                  offset=offset, hold_partial=hold and self._tracked(name))
-        if self._reader is None:
-            self._current = None
-            self.tails.pop(name, None)
-
-    def _end_shard(self) -> None:
-        """The current shard's reader ended: remember where (local JSONL shards), and the
-        shard's size and mtime now."""
-        name, reader = self._current, self._reader
+    def _end_file(self) -> None:
+        self._done.append(self._current.name)
         self._current, self._reader = None, None
-        if name is None or reader is None or reader.failed or not self._tracked(name):
-            if name is not None:
-                self.tails.pop(name, None)
-            return
-        grew = self.tails.get(name, [0, 0, 0, 0])[3]
-        self.tails[name] = [reader.offset, reader.index, reader.held, grew]
-        try:
-            st = os.stat(os.fspath(self.dir / name))
-        except OSError:
-            return
-        end = reader.offset + reader.held
-        # Bytes written after the read reached the end: a size that differs from what was
-        # read makes the next listing read on.
-        self.consumed[name] = ([st.st_size, st.st_mtime_ns] if st.st_size == end
-                               else [end, 0])
-
-    def _flush_held(self) -> bool:
-        """The feed is ending: reads the held-back last lines as they are. True if one was
-        opened."""
-        for name, tail in sorted(self.tails.items()):
-            if tail[2] > 0:
-                if not _exists(self.dir / name):      # its held line went with it
-                    self.events.vanished(str(self.dir / name), tail[1])
-                    self.tails.pop(name)
-                    continue
-                self._open(name, tail=True, hold=False)
-                if self._reader is not None:
-                    return True
-        return False
-
-    def next_record(self) -> Optional[RawRecord]:
-        idle_since = last_log = time.monotonic()
-        while True:
-            if self._reader is not None:
-                rec = read_next(self._reader, self.events)
-                if rec is not None:
-                    return rec
-                self._end_shard()
-            now = time.monotonic()
-            view = self.agree({
-                **self._view(), "done": (self.dir / DONE_MARKER).exists(),
-                "timed_out": bool(self.timeout_s) and now - idle_since > self.timeout_s})
-            self._apply(view)
-            grown = [n for n in view.get("grown", []) if n in self.tails]
-            if grown:                   # older data first
-                name = grown[0]
-                if not self.tails[name][3]:
-                    self.tails[name][3] = 1
-                    self.events.grew(str(self.dir / name))
-                self._open(name, tail=True)
-                continue
-            if view["names"]:
-                name = view["names"][0]
-                st = self._settling.pop(name, (None, 0))[0]
-                self.consumed[name] = st
-                self._open(name)
-                continue
-            ending = (view["done"] and not view["settling"]) or view["timed_out"]
-            if ending and self._flush_held():
-                continue
-            if view["done"] and not view["settling"]:
-                return None
-            if view["timed_out"]:
-                self.log(f"feed: spool {self.dir} idle for {self.timeout_s:.0f} s; ending the feed")
-                return None
-            if self.stop():
-                self.log(f"feed: stop requested while waiting on spool {self.dir}")
-                return None
-            if now - last_log >= self.log_every_s:
-                settling = ", a shard settling (spool_settle_s)" if view["settling"] else ""
-                held = sum(1 for t in self.tails.values() if t[2] > 0)
-                held = (f", {held} shard(s) ending in a line without a newline (held back)"
-                        if held else "")
-                self.log(f"feed: waiting for the feed (spool {self.dir}, idle "
-                         f"{now - idle_since:.0f} s, {len(self.consumed)} shards consumed"
-                         f"{settling}{held})")
-                last_log = now
-            self.events.idle()
-            time.sleep(self.poll_s)
 
     def state(self) -> dict:
         reader = self._reader
-        return {"consumed": dict(sorted(self.consumed.items())),
-                "tails": {k: list(v) for k, v in sorted(self.tails.items())},
-                "current": self._current, "record": reader.index if reader else 0,
-                "offset": reader.offset if reader else 0,
-                "hold": reader.hold_partial if reader else True}
+        return {"done": list(self._done),
+                "current": self._current.name if self._current is not None else None,
+                "record": reader.index if reader else 0,
+                "offset": reader.offset if reader and reader.encoding == "json" else 0,
+                "mark": reader.mark() if reader else None}
 
     def restore(self, state: dict) -> None:
-        consumed = state["consumed"]
-        # Old checkpoints hold a list of names (no size/mtime: changes are not checked), and
-        # no tails (a consumed shard that changes is reported, not read on).
-        self.consumed = (dict(consumed) if isinstance(consumed, dict)
-                         else {name: None for name in consumed})
-        self.tails = {k: list(v) for k, v in state.get("tails", {}).items()}
-        self._current, self._reader = state.get("current"), None
-        if self._current is not None:
-            path, record = self.dir / self._current, int(state["record"])
-            if not _exists(path):    # deleted while the learner was down: say what is lost
-                self.events.vanished(str(path), record)
-                self._current = None
-                self.tails.pop(path.name, None)
-                return
-            offset = int(state.get("offset", 0)) or None
-            self._reader = open_shard(path, record, self.limit, self.events, offset=offset,
-                                      hold_partial=bool(state.get("hold", True))
-                                      and self._tracked(self._current))
-            if self._reader is None:
-                self._current = None
+        if "file" in state:      # before names were kept: {"file": index, "record": n}
+            i = int(state["file"])
+            state = {"done": [f.name for f in self.files[:i]], "record": state["record"],
+                     "current": self.files[i].name if i < len(self.files) else None}
+        done, current = list(state["done"]), state.get("current")
+        parent = self.files[0].parent
+        names = {f.name for f in self.files}
+        for name in done:
+            if name not in names:
+                self.events.file_set_changed(str(parent / name), "vanished_after_read")
+        position = max([*done, current or ""], key=str, default="")
+        seen = set(done) | {current}
+        for f in self.files:
+            if f.name not in seen and f.name < position:
+                self.events.file_set_changed(str(f), "inserted_before_position")
+        self._done, self._reader, self._current = done, None, None
+        self._queue = [f for f in self.files if f.name not in seen]
+        if current is None:
+            return
+        path, record = parent / current, int(state["record"])
+        offset = int(state.get("offset", 0))
+        if current not in names:
+            self.events.vanished(str(path), record)
+            self._done.append(current)
+            return
+        why = replaced(path, state.get("mark"), offset)
+        if why:
+            self.events.replaced(str(path), record, why)
+            self._done.append(current)
+            return
+        self._current = path
+        # local JSONL: seek to the byte offset; elsewhere re-read up to the record index
+        self._reader = open_shard(path, record, self.limit, self.events,
+                                  offset=(offset or None) if not is_remote(path) else None)
 
 
 class IteratorSource:

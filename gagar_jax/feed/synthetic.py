@@ -184,6 +184,7 @@ def malformed_records(seed: int = 0) -> list:
         policy_version_spans=[[2, r["policy_version"]], [1, r["policy_version"]]]))
     variant("policy_version_out_of_range", lambda r, t: t.update(
         policy_version_spans=[[0, r["policy_version"]], [len(t["tokens"]), r["policy_version"]]]))
+    variant("policy_version_spans_empty", lambda r, t: t.update(policy_version_spans=[]))
     variant("policy_version_newer_than_group", lambda r, t: t.update(
         policy_versions=[r["policy_version"] + 1] * len(t["tokens"])))
     variant("from_the_future", lambda r, t: r.update(policy_version=10**6))

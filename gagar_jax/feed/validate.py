@@ -41,6 +41,7 @@ class Reason:
     TOO_DEEPLY_NESTED = "too_deeply_nested"      # nesting beyond what the decoder can follow
     VERSION_SPANS_UNSORTED = "policy_version_spans_unsorted"   # span starts not increasing
     VERSION_OUT_OF_RANGE = "policy_version_out_of_range"       # bad start / length / version < 0
+    VERSION_SPANS_EMPTY = "policy_version_spans_empty"         # [] : no token has a version
     VERSION_NEWER = "policy_version_newer_than_group"          # a token newer than the group
     FROM_THE_FUTURE = "from_the_future"          # policy_version ahead of the learner's newest
                                                  # version by more than max_future_versions
@@ -270,6 +271,9 @@ def _versions(traj: schema.Trajectory, n: int, mask: np.ndarray, group_version: 
             raise Rejected(Reason.LENGTH_MISMATCH,
                            f"{where}: {v.size} policy_versions for {n} tokens")
     else:
+        if not spans:
+            raise Rejected(Reason.VERSION_SPANS_EMPTY, f"{where}: policy_version_spans is [] "
+                           "(omit it, or give at least [[0, version]])")
         if any(len(s) != 2 for s in spans):
             raise Rejected(Reason.VERSION_OUT_OF_RANGE,
                            f"{where}: policy_version_spans entries must be [start, version]")
@@ -277,9 +281,13 @@ def _versions(traj: schema.Trajectory, n: int, mask: np.ndarray, group_version: 
         if any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
             raise Rejected(Reason.VERSION_SPANS_UNSORTED,
                            f"{where}: policy_version_spans starts {starts} not increasing")
-        if spans and (starts[0] < 0 or starts[-1] >= n):
+        if starts[0] < 0 or starts[-1] >= n:
             raise Rejected(Reason.VERSION_OUT_OF_RANGE,
                            f"{where}: a span start outside [0, {n})")
+        versions = [s[1] for s in spans]
+        if any(not -(2**63) <= x < 2**63 for x in versions):   # numpy would raise OverflowError
+            raise Rejected(Reason.VERSION_OUT_OF_RANGE,
+                           f"{where}: a policy_version_spans version over 64 bits")
         v = np.full(n, -1, np.int64)
         for (start, version), stop in zip(spans, starts[1:] + [n], strict=True):
             v[start:stop] = version

@@ -87,9 +87,10 @@ def encode_share(prev: dict, cur: dict) -> tuple:
 
 
 def write_delta_share(entries: dict, directory: epath.PathLike, process: int,
-                      max_shard_bytes: int) -> tuple:
+                      max_shard_bytes: int, digests: dict | None = None) -> tuple:
     """Writes this process's delta files (a tensor's entries stay in one file; files of at most
-    `max_shard_bytes` tensor bytes, one at least). Returns (bytes written, file names)."""
+    `max_shard_bytes` tensor bytes, one at least). Returns (bytes written, file names);
+    `digests`, if given, gets {file name: sha256 hex} of each file written."""
     parts, current, size = [], {}, 0
     for name in sorted(entries):
         e = entries[name]
@@ -104,5 +105,5 @@ def write_delta_share(entries: dict, directory: epath.PathLike, process: int,
     for j, tensors in enumerate(parts):
         names.append(delta_file_name(process, j))
         total += write_safetensors(epath.Path(directory) / names[-1], tensors,
-                                   {"format": "gagar-delta"})
+                                   {"format": "gagar-delta"}, digests)
     return total, names

@@ -24,6 +24,8 @@ The installed numpy reader cannot read F8_E4M3 or BF16, which ml_dtypes provides
 """
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import mmap
 import os
@@ -249,9 +251,10 @@ def dequantize_block_fp8(q: np.ndarray, scale_inv: np.ndarray, block: tuple = (1
     return q.astype(np.float32) * scale_inv.astype(np.float32)[ri[:, None], ci[None, :]]
 
 
-def write_safetensors(fname: epath.PathLike, tensors: dict, metadata: dict | None = None) -> int:
+def write_safetensors(fname: epath.PathLike, tensors: dict, metadata: dict | None = None,
+                      digests: dict | None = None) -> int:
     """Writes numpy arrays as one safetensors file (streamed, one tensor at a time); \
-returns bytes."""
+returns bytes. `digests`, if given, gets {file name: sha256 hex of the bytes written}."""
     names = {np.dtype(v): k for k, v in ST_DTYPES.items()}
     header, offset = {}, 0
     for name in sorted(tensors):
@@ -263,9 +266,15 @@ returns bytes."""
         header["__metadata__"] = metadata
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    digest = hashlib.sha256() if digests is not None else None
     with epath.Path(fname).open("wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name in sorted(tensors):
-            f.write(memoryview(np.ascontiguousarray(tensors[name]).reshape(-1).view(np.uint8)))
+        for piece in itertools.chain(
+                (struct.pack("<Q", len(blob)), blob),
+                (memoryview(np.ascontiguousarray(tensors[n]).reshape(-1).view(np.uint8))
+                 for n in sorted(tensors))):
+            f.write(piece)
+            if digest is not None:     # what this process wrote, hashed as it is written
+                digest.update(piece)
+    if digest is not None:
+        digests[epath.Path(fname).name] = digest.hexdigest()
     return 8 + len(blob) + offset

@@ -193,13 +193,15 @@ def read_carried(plan: SavePlan, source: epath.PathLike) -> dict:
     return {n: src.read(n).astype(plan.tensors[n].dtype) for n in names}
 
 
-def write_share(share: dict, plan: SavePlan, directory: epath.PathLike, process: int) -> int:
-    """Writes this process's files into `directory`; returns the bytes written."""
+def write_share(share: dict, plan: SavePlan, directory: epath.PathLike, process: int,
+                digests: dict | None = None) -> int:
+    """Writes this process's files into `directory`; returns the bytes written. `digests`, if
+    given, gets {file name: sha256 hex} of each file written."""
     total = 0
     for fname, p, names in plan.files:
         if p == process:
             total += write_safetensors(epath.Path(directory) / fname, {n: share[n] for n in names},
-                                       {"format": "pt"})
+                                       {"format": "pt"}, digests)
     return total
 
 

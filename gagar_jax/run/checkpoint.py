@@ -43,8 +43,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from gagar_jax.audit_file import unused_name
 from gagar_jax.config import ConfigError
 from gagar_jax.distributed import barrier, is_primary, is_remote
+from gagar_jax.run import workdir_lock
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +227,8 @@ class Checkpointer:
         if step in self._manager.all_steps():
             log.debug("checkpoint for step %d already exists; not saving again", step)
             return False
+        # A second learner may hold the workdir (its lock deleted under us): LockLost.
+        workdir_lock.verify_held(os.path.dirname(self.directory))
         items = dict(state=ocp.args.StandardSave(state), feed=ocp.args.JsonSave(feed_json),
                      config=ocp.args.JsonSave(config_json))
         if audit is not None:
@@ -360,7 +364,9 @@ class Checkpointer:
         and a small object of that name records the reason, so later launches see the damage.
         """
         src = epath.Path(self.directory) / str(step)
-        dst = src.parent / f"{src.name}.corrupt-{int(time.time())}"
+        # A free name: two quarantines of one step in one second (or after the clock was set
+        # back) never collide. Every process computes it; process 0's is the one used.
+        dst = unused_name(src.parent, f"{src.name}.corrupt-{int(time.time())}")
         if is_primary():
             if src.exists() and is_remote(self.directory):
                 src.rmtree()

@@ -37,6 +37,7 @@ from gagar_jax.audit_file import AuditFile, AuditPosition
 from gagar_jax.batch import Batch
 from gagar_jax.distributed import is_primary, is_remote
 from gagar_jax.feed.batcher import BatchInfo, Feed
+from gagar_jax.run import workdir_lock
 from gagar_jax.run.fingerprint import params_fingerprint, params_l2, params_sha256  # noqa: F401
 from gagar_jax.sharding import leaf_path
 
@@ -231,6 +232,7 @@ class MetricsWriter:
                 bad.append(name)
         if bad:
             record["nonfinite"] = sorted(bad)
+        workdir_lock.verify_held(self.workdir)   # never write while another learner may hold it
         self._files["metrics.jsonl"].write(_json_line(record))
 
     def write_groups(self, records: Sequence[Mapping[str, Any]]) -> None:
@@ -238,6 +240,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         f = self._files["groups.jsonl"]
+        workdir_lock.verify_held(self.workdir)
         for record in records:
             f.write(_json_line(record))
 
@@ -258,6 +261,7 @@ class MetricsWriter:
         """
         if not self.enabled:
             return {}
+        workdir_lock.verify_held(self.workdir)
         out = {name: f.sync().to_json() for name, f in self._files.items()}
         if self._tb is not None:
             self._tb.flush()

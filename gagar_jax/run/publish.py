@@ -74,30 +74,41 @@ SERVING_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
                  "chat_template.jinja", "generation_config.json")
 
 
-def _prepare(root: epath.Path, step: int, key: str) -> str:
+def _prepare(root: epath.Path, step: int, key: str,
+             base: Optional[str] = None) -> tuple[str, Optional[str]]:
     """A new, empty version directory for `step` (process 0 names and creates it, every process
-    learns its name through the coordination service's key-value store). Returns the name."""
+    learns its name through the coordination service's key-value store), and the base a delta
+    is written on: `base`, unless process 0 finds its chain broken (deleted by hand, say), then
+    None (a full version instead, logged). Returns (name, base)."""
     client = kv_client() if jax.process_count() > 1 else None
     if is_primary():
         name = ""
         try:
             root.mkdir(parents=True, exist_ok=True)
+            why = published.chain_error(root, base) if base is not None else None
+            if why:
+                log.warning("publish of step %d: a full version instead of a delta on %s: %s",
+                            step, base, why)
+                base = None
             name = published.new_name(root, step)
             (root / name).mkdir(parents=True, exist_ok=True)   # a fresh name (new_name)
         finally:   # "" tells the other processes that process 0 failed (its error is raised)
             if client is not None:
-                client.key_value_set(key, name)
-        return name
-    name = client.blocking_key_value_get(key, DONE_TIMEOUT_S * 1000)
-    if not name:
+                client.key_value_set(key, json.dumps([name, base]) if name else "")
+        return name, base
+    value = client.blocking_key_value_get(key, DONE_TIMEOUT_S * 1000)
+    if not value:
         raise RuntimeError(f"publish of step {step}: process 0 could not create its directory")
-    return name
+    name, base = json.loads(value)
+    return name, base
 
 
-def _finish(root: epath.Path, name: str, step: int, keep: int, base: Optional[str] = None) -> str:
-    """Process 0, after every file is written: manifest, pointer, collection (a delta on `base`
-    when `base` is given)."""
-    final = published.commit(root, name, step, keep, kind="delta" if base else "full", base=base)
+def _finish(root: epath.Path, name: str, step: int, keep: int, base: Optional[str] = None,
+            digests: Optional[dict] = None) -> str:
+    """Process 0, after every file is written: manifest (with the files' `digests`), pointer,
+    collection (a delta on `base` when `base` is given)."""
+    final = published.commit(root, name, step, keep, kind="delta" if base else "full", base=base,
+                             digests=digests)
     log.info("published %s for step %d at %s", f"a delta on {base}" if base else "weights",
              step, final)
     return final
@@ -127,7 +138,7 @@ def publish_weights(model: Any, step: int, workdir: epath.PathLike,
     _check(step, keep)
     root = root_of(workdir)
     _SYNC_COUNT[0] += 1
-    name = _prepare(root, step, f"gagar_publish_weights/{_SYNC_COUNT[0]}/name")
+    name, _ = _prepare(root, step, f"gagar_publish_weights/{_SYNC_COUNT[0]}/name")
     final = root / name
     barrier(f"gagar_publish_start_{step}")
     save_fn(model, os.fspath(final))
@@ -187,6 +198,7 @@ class Publisher:
         self._prev: Optional[dict] = None   # the last published share (K > 1), contiguous
         self._prev_name: Optional[str] = None
         self._since_full = 0                # publishes since (and with) the last full one
+        self._force_full = False            # a delta's chain broke at commit: next one is full
         self.last_delta: Optional[hf_delta.DeltaStats] = None   # None: the last was full
         self.root, self.keep, self.dtype, self.init_from = root_of(workdir), keep, dtype, init_from
         self.min_positions = min_positions    # max_position_embeddings floor (feed.seq_len)
@@ -219,8 +231,10 @@ class Publisher:
         self._count += 1
         # Every process takes the same decision (same counts; a failed write stops the run).
         base = (self._prev_name if self._prev is not None and self._since_full < self.full_every
-                else None)
-        name = _prepare(self.root, step, f"gagar_publish/{self._count}/name")
+                and not self._force_full else None)
+        self._force_full = False
+        # process 0 checks the base's whole chain; every process writes what it decided
+        name, base = _prepare(self.root, step, f"gagar_publish/{self._count}/name", base)
         final = self.root / name
         if is_primary():
             (final / "config.json").write_text(json.dumps(hf.published_config(
@@ -237,11 +251,12 @@ class Publisher:
                base: Optional[str]) -> None:
         key = f"gagar_publish/{count}/"
         client = kv_client() if jax.process_count() > 1 else None
+        digests: dict = {}          # file name -> sha256 of what this process wrote
         try:
-            nbytes = self._write_files(share, final, base)
+            nbytes = self._write_files(share, final, base, digests)
             if self.publish_fn is not None:
                 self.publish_fn(step, share, os.fspath(final))
-            status = "ok"
+            status = json.dumps({"digests": digests})
         except BaseException as e:  # reported by the next publish / close
             self._error, status, nbytes = e, f"process {jax.process_index()}: {e!r}", 0
         del share
@@ -252,20 +267,52 @@ class Publisher:
         try:
             for p in range(1, jax.process_count()):
                 other = client.blocking_key_value_get(key + str(p), DONE_TIMEOUT_S * 1000)
-                if other != "ok":
+                if not other.startswith("{"):
                     raise RuntimeError(f"publish of step {step} failed on {other}")
-            if status == "ok":
+                digests.update(json.loads(other)["digests"])
+            if self._error is None:
                 if base is None:   # a delta is read on top of its chain's full version
                     if self.init_from:
                         copy_serving_files(self.init_from, final)
                     hf_save.write_index(self._plan, final)
-                _finish(self.root, final.name, step, self.keep, base)
+                _finish(self.root, final.name, step, self.keep, base, digests)
+        except published.BrokenChain as e:   # its base went while it was written
+            try:
+                self._full_instead(step, final, e)
+            except BaseException as err:
+                self._error = self._error or err
         except BaseException as e:
             self._error = self._error or e
 
-    def _write_files(self, share: dict, final: epath.Path, base: Optional[str]) -> int:
+    def _full_instead(self, step: int, delta_dir: epath.Path, why: Exception) -> None:
+        """Process 0, after a delta's chain broke while it was written: one process publishes
+        the step's full version from the share it keeps (`_prev`) in a new directory; with
+        several (whose shares process 0 does not hold) the delta stays uncommitted, `latest`
+        stays on a complete version, and the next publish is full. Never fails the run."""
+        if jax.process_count() > 1 or self._prev is None:
+            log.warning("publish of step %d not committed (latest stays on a complete "
+                        "version); the next publish is full: %s", step, why)
+            self._force_full = True
+            return
+        log.warning("publish of step %d: a full version instead of the delta: %s", step, why)
+        name = published.new_name(self.root, step)
+        final = self.root / name
+        final.mkdir(parents=True, exist_ok=True)
+        (final / "config.json").write_bytes((delta_dir / "config.json").read_bytes())
+        share, digests = dict(self._prev), {}
+        if self.init_from:
+            share.update(hf_save.read_carried(self._plan, self.init_from))
+            copy_serving_files(self.init_from, final)
+        hf_save.write_share(share, self._plan, final, 0, digests)
+        hf_save.write_index(self._plan, final)
+        _finish(self.root, name, step, self.keep, None, digests)
+        self._since_full, self._prev_name, self.last_delta = 1, name, None
+
+    def _write_files(self, share: dict, final: epath.Path, base: Optional[str],
+                     digests: dict) -> int:
         """This process's files of a full version (`base` None) or of a delta on `base`; keeps
-        the share as the next delta's reference when deltas are on. Returns the bytes."""
+        the share as the next delta's reference when deltas are on. Returns the bytes;
+        `digests` gets each file's sha256."""
         proc = jax.process_index()
         if self.full_every > 1:   # carried tensors (MiMo MTP) never change: not compared
             current = {n: np.ascontiguousarray(a) for n, a in share.items()}
@@ -273,11 +320,12 @@ class Publisher:
         if base is None:
             if self.init_from:
                 share.update(hf_save.read_carried(self._plan, self.init_from))
-            nbytes = hf_save.write_share(share, self._plan, final, proc)
+            nbytes = hf_save.write_share(share, self._plan, final, proc, digests)
             self._since_full, self.last_delta = 1, None
         else:
             entries, stats = hf_delta.encode_share(self._prev, current)
-            nbytes, _ = hf_delta.write_delta_share(entries, final, proc, self.max_shard_bytes)
+            nbytes, _ = hf_delta.write_delta_share(entries, final, proc, self.max_shard_bytes,
+                                                   digests)
             stats.bytes = nbytes
             self._since_full, self.last_delta = self._since_full + 1, stats
         if self.full_every > 1:

@@ -24,11 +24,15 @@ Rules; each action below is one atomic step, so they hold under every order of k
 
 Manifest: {"step", "policy_version", "seq" (publish count, 1, 2, ...), "kind" ("full" or
 "delta": only what changed since `base`, `gagar_jax/hf/delta.py`), "base" (name or null),
-"previous" (name or null), "files" (names), "time"}. A delta is committed only while its base
-is (rule 4 then keeps the base for as long as the delta is kept).
+"previous" (name or null), "files" (names), "time", "digests" (file name -> sha256 hex of
+every file of `files`, computed by the process that wrote it), "base_sha256" (a delta: sha256
+of its base's manifest file, so a base swapped for another version is noticed)}. A delta is
+committed only while its whole chain down to a full version is intact (`chain_error`; rule 4
+then keeps the chain for as long as the delta is kept).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -94,6 +98,41 @@ def new_name(root: epath.Path, step: int) -> str:
     return step_dir_name(step, max(taken) + 1 if taken else 0)
 
 
+class BrokenChain(ValueError):
+    """A delta's chain (base, its base, ... down to a full version) is not intact: committing
+    it would point `latest` at a version no engine can load."""
+
+
+def file_sha256(path: epath.Path) -> str:
+    """sha256 hex of a file, read in 16 MiB pieces."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while piece := f.read(1 << 24):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def chain_error(root: epath.Path, base: str) -> Optional[str]:
+    """Why the chain from version `base` down to a full version is broken (a manifest gone or
+    unreadable, a file it lists missing, a loop), or None when it is intact."""
+    name, seen = base, set()
+    while True:
+        if name in seen:
+            return f"the chain of {base} loops at {name}"
+        seen.add(name)
+        m = read_manifest(root / name)
+        if m is None:
+            return f"version {name} has no manifest (deleted, or unfinished)"
+        missing = [f for f in m.get("files", []) if not (root / name / f).exists()]
+        if missing:
+            return f"version {name} lacks {missing[0]}"
+        if m.get("kind", "full") == "full":
+            return None
+        if not m.get("base"):
+            return f"delta {name} names no base"
+        name = m["base"]
+
+
 def write_pointer(root: epath.Path, obj: dict) -> None:
     """Replaces `latest` atomically: one whole-object write on an object store; a temp file +
     fsync + `os.replace` (and a directory fsync) on a local disk."""
@@ -116,7 +155,7 @@ def write_pointer(root: epath.Path, obj: dict) -> None:
 
 
 def commit(root: epath.Path, name: str, step: int, keep: int, *, kind: str = "full",
-           base: Optional[str] = None) -> str:
+           base: Optional[str] = None, digests: Optional[dict] = None) -> str:
     """Process 0, once every file of version `name` is written: manifest, then `latest`, then
     collection. Returns the version's path.
 
@@ -124,20 +163,29 @@ def commit(root: epath.Path, name: str, step: int, keep: int, *, kind: str = "fu
       root: `published/`. name: the directory (from `new_name`). step: its train step.
       keep: versions that have been `latest` to keep (>= 1), the new one included.
       kind: "full", or "delta": `base` (a committed version's name) must be applied first.
+      digests: file name -> sha256 hex from the processes that wrote the files; a file not
+        in it (config.json, the index, serving files: process 0's) is hashed here.
+    Raises:
+      BrokenChain: a delta whose chain is not intact (nothing is committed).
     """
     final = root / name
+    why = ("a delta names no base" if base is None else chain_error(root, base)) \
+        if kind != "full" else None
+    if why:   # `latest` must name an applicable version: never a delta on a broken chain
+        raise BrokenChain(f"version {name}: {why}")
     versions = scan(root)
-    if kind != "full" and (base is None or versions.get(base) is None):
-        # `latest` must name an applicable version: never a delta whose base is gone
-        raise ValueError(f"version {name}: its base {base!r} is not a committed version")
     ptr = read_pointer(root)
     previous = os.path.basename(ptr["path"]) if ptr is not None else None
     if previous not in versions or versions.get(previous) is None:
         previous = None
     seq = 1 + max((m.get("seq", 0) for m in versions.values() if m), default=0)
+    files = sorted(p.name for p in final.iterdir() if p.name != MANIFEST)
+    digests = digests or {}
     manifest = {"step": step, "policy_version": step, "seq": seq, "kind": kind, "base": base,
-                "previous": previous, "files": sorted(p.name for p in final.iterdir()),
-                "time": round(time.time(), 3)}
+                "previous": previous, "files": files, "time": round(time.time(), 3),
+                "digests": {f: digests.get(f) or file_sha256(final / f) for f in files}}
+    if base is not None:
+        manifest["base_sha256"] = file_sha256(root / base / MANIFEST)
     (final / MANIFEST).write_text(json.dumps(manifest))
     write_pointer(root, {"step": step, "policy_version": step, "path": os.fspath(final)})
     collect(root, keep)

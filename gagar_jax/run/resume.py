@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 from etils import epath
 
-from gagar_jax.audit_file import AuditFile
+from gagar_jax.audit_file import AuditFile, unused_name
 from gagar_jax.config import ConfigError
 from gagar_jax.distributed import barrier, is_primary, is_remote
 from gagar_jax.model.config import ModelConfig
@@ -174,26 +174,14 @@ def _move(src: epath.Path, dst: epath.Path) -> None:
     src.unlink()
 
 
-def guard_fresh_start(workdir: str, ckpt_dir: str, *, start_fresh: bool) -> None:
-    """A run about to train from step 0: refuse, or move the old run's records aside.
-
-    Refuses (`ResumeRefused`) when checkpoints of this workdir were found damaged (now or by
-    an earlier launch) and audit lines of the steps they held exist, unless `start_fresh`. With
-    `start_fresh`, the audit files (any layout), ledger, summary, TensorBoard events and damaged
-    steps move into `<workdir>/before_fresh_start-<unix time>/`. Call on every process.
-    """
+def move_aside(workdir: str, ckpt_dir: str, why: str) -> epath.Path:
+    """Moves the audit files (any layout), ledger, summary, TensorBoard events and damaged
+    steps of `workdir` into a new `before_fresh_start-<unix time>[.n]/` (logged with `why`);
+    returns that directory. Call on every process (process 0 moves)."""
     wd = epath.Path(workdir)
-    damaged, lines = damaged_steps(ckpt_dir), _audit_lines(wd)
-    if not lines or not (damaged or start_fresh):
-        return
-    if not start_fresh:
-        raise ResumeRefused(
-            f"no readable checkpoint in {ckpt_dir} (unreadable steps moved aside: "
-            f"{', '.join(damaged)}) while {' and '.join(lines)} in {workdir} hold lines of the "
-            "steps they held: training from step 0 would log those steps twice. Pass "
-            "--start_fresh to train from step 0 with the old audit files moved aside")
-    aside = wd / f"before_fresh_start-{int(time.time())}"
+    aside = unused_name(wd, f"before_fresh_start-{int(time.time())}")
     if is_primary():
+        damaged = damaged_steps(ckpt_dir)
         names = [n for n in ASIDE_FILES if (wd / n).exists()]
         for name in AUDIT_FILES + ("dead_letter.jsonl",):
             names += [seg.name for _, seg in AuditFile(wd / name).segments()
@@ -204,9 +192,35 @@ def guard_fresh_start(workdir: str, ckpt_dir: str, *, start_fresh: bool) -> None
             _move(wd / name, aside / name)
         for name in damaged:
             _move(epath.Path(ckpt_dir) / name, aside / "checkpoints" / name)
-        log.warning("--start_fresh: no readable checkpoint; moved %s to %s; training from step 0",
+        log.warning("%s; moved %s to %s; training from step 0", why,
                     ", ".join(names + [f"checkpoints/{n}" for n in damaged]), aside)
     barrier("gagar_fresh_start")
+    return aside
+
+
+def guard_fresh_start(workdir: str, ckpt_dir: str, *, start_fresh: bool) -> None:
+    """A run about to train from step 0: refuse, or move the old run's records aside.
+
+    Refuses (`ResumeRefused`) when checkpoints of this workdir were found damaged (now or by
+    an earlier launch) and audit lines of the steps they held exist, unless `start_fresh`. With
+    `start_fresh`, or when no checkpoint was ever written (a run killed before its first one:
+    its audit lines would be repeated), the audit files (any layout), ledger, summary,
+    TensorBoard events and damaged steps move into `<workdir>/before_fresh_start-<unix time>/`
+    (`move_aside`). Call on every process.
+    """
+    wd = epath.Path(workdir)
+    damaged, lines = damaged_steps(ckpt_dir), _audit_lines(wd)
+    if not lines:
+        return
+    if damaged and not start_fresh:
+        raise ResumeRefused(
+            f"no readable checkpoint in {ckpt_dir} (unreadable steps moved aside: "
+            f"{', '.join(damaged)}) while {' and '.join(lines)} in {workdir} hold lines of the "
+            "steps they held: training from step 0 would log those steps twice. Pass "
+            "--start_fresh to train from step 0 with the old audit files moved aside")
+    move_aside(workdir, ckpt_dir, "--start_fresh: no readable checkpoint" if start_fresh else
+               f"no checkpoint yet while {' and '.join(lines)} hold lines (a run stopped before "
+               "its first checkpoint)")
 
 
 def check_launch(ckpt: Checkpointer, cfg_json: Mapping[str, Any],

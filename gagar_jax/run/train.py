@@ -33,7 +33,7 @@ from etils import epath
 from flax import nnx
 from ml_collections import ConfigDict
 
-from gagar_jax.config import ConfigError, TrainConfig
+from gagar_jax.config import ConfigError, TrainConfig, check_finite
 from gagar_jax.distributed import broadcast_from_process0, is_primary
 from gagar_jax.feed.batcher import Feed, make_source
 from gagar_jax.feed.config import FeedConfig
@@ -62,6 +62,7 @@ class RunConfig:
 
     @classmethod
     def from_config(cls, cfg: Any) -> RunConfig:
+        check_finite(cfg)
         try:
             return cls(step=StepConfig.from_config(cfg), feed=FeedConfig.from_config(cfg.feed),
                        train=TrainConfig.from_config(cfg.train), seed=int(cfg.seed))

@@ -1,6 +1,7 @@
 """One learner per workdir: an exclusive lock that process 0 holds for the whole run.
 
     lock = workdir_lock.acquire(workdir, wait_s=30)   # raises LockHeld naming the holder
+    workdir_lock.verify_held(workdir)  # before each checkpoint / audit write: raises LockLost
 
 The lock is `fcntl.flock` on `<workdir>/gagar.lock`, opened once and never reopened or closed
 while the run lives: on NFS, flock is emulated with POSIX record locks, and any close() of any
@@ -12,6 +13,10 @@ The kernel drops the lock when the holding process dies, SIGKILL included, so a 
 never blocks a restart on a live host. On NFSv4 the server keeps a dead client's lock until its
 lease expires (90 s by default). This module does not import JAX: the CLI takes the lock before
 JAX starts, and shares the result with the other processes afterwards (`agree`).
+
+Deleting `gagar.lock` under a live holder would let a second learner take a new file's lock:
+the holder checks before every checkpoint and audit write that the path is still the file it
+locked (`verify_held`) and stops with `LockLost` (exit 1) if not.
 
 Object-store workdirs (gs://, s3://) have no locks: `acquire` logs a warning and returns None;
 keeping one learner per such workdir is the scheduler's job there (docs/reliability.md).
@@ -44,6 +49,11 @@ class LockHeld(RuntimeError):
         who = (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started "
                f"{holder.get('started', '?')}") if holder else "holder unknown"
         super().__init__(f"workdir is in use by another learner ({who}); lock file {path}")
+
+
+class LockLost(RuntimeError):
+    """The lock file this process locked is no longer at its path (deleted, or replaced by
+    another file): a second learner may hold the workdir now, so this one must stop."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +121,33 @@ def acquire(workdir: str, *, wait_s: float = 0.0,
     os.fsync(fd)
     _held[real] = lock = WorkdirLock(path, fd, holder)
     return lock
+
+
+def verify_held(workdir: str | os.PathLike) -> None:
+    """Checks that this process's lock on `workdir` (if it holds one) is still the file at its
+    path (inode and device); called before every checkpoint and audit write (one `stat`).
+
+    Raises:
+      LockLost: `gagar.lock` was deleted or replaced while held (someone removed it and a
+        second learner may have taken a new one): writing on would duplicate steps.
+    """
+    if is_remote(str(workdir)):
+        return
+    real = os.path.realpath(os.fspath(workdir))
+    lock = _held.get(real)
+    if lock is None:
+        return
+    path = os.path.join(real, LOCK_NAME)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    mine = os.fstat(lock.fd)
+    if st is None or (st.st_ino, st.st_dev) != (mine.st_ino, mine.st_dev):
+        what = "deleted" if st is None else "replaced by another file"
+        raise LockLost(f"the workdir lock {path} was {what} while this learner held it; "
+                       "another learner may be using the workdir: stopping before the next "
+                       "checkpoint or audit write")
 
 
 def release(workdir: str) -> None:
