@@ -36,7 +36,7 @@ writes the summary (a second Ctrl-C exits at once). Exit codes: 0 done or stoppe
 and checkpointed, 130 stopped by Ctrl-C and checkpointed, 2 configuration error or workdir
 held by another learner, 1 fatal runtime error (docs/reliability.md)."""
 # The persistent compilation cache a direct run uses unless JAX_COMPILATION_CACHE_DIR is set
-# or --no_compile_cache is given (a rerun then skips ~30 s of compiles on the tiny config).
+# or --nocompile_cache is given (a rerun then skips ~30 s of compiles on the tiny config).
 DEFAULT_COMPILE_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(
     os.path.expanduser("~"), ".cache"), "gagar_jax", "jax")
 
