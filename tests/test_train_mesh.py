@@ -36,8 +36,8 @@ def test_resume_on_fewer_devices(reference, tmp_path):
     summary = run(tmp_path, "--config.mesh.data=2", "--config.mesh.expert=2",
                   "--config.train.checkpoint_every=0", devices=4)
     assert summary["steps"] == STEPS and summary["steps_this_run"] == STEPS - 2
-    assert sorted(d for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()) == ["1", "2",
-                                                                                  str(STEPS)]
+    assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()) == [
+        1, 2, STEPS]
     ledger_adds_up(summary["ledger"])
     assert summary["ledger"]["trained"] == ref["ledger"]["trained"]
     # Same math on another partitioning: equal up to reduction order.
@@ -60,7 +60,7 @@ def test_two_processes_match_one(reference, tmp_path):
         assert p.returncode == 0, err[-3000:]
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["steps"] == STEPS
-    assert [d for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()] == [str(STEPS)]
+    assert [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()] == [STEPS]
     ledger_adds_up(summary["ledger"])
     # Bit-identical where gloo's reductions match XLA's in-process ones; else within 1e-6.
     if summary["params_sha256"] != ref["params_sha256"]:
