@@ -8,6 +8,7 @@ sliding window (6) spans more than one chip's chunk at context = 8 (4 tokens per
 halo exchange takes two hops there.
 """
 import dataclasses
+import functools
 import types
 
 import jax
@@ -68,10 +69,17 @@ def _mesh(**axes):
     return sharding.make_mesh(types.SimpleNamespace(**sizes))
 
 
+@functools.cache
+def _model():
+    """(graphdef, params), built once for the reference and every mesh (an eager init
+    dispatches each of its ops: about a second on 2 shared cores)."""
+    return nnx.split(Transformer(CFG, rngs=nnx.Rngs(0)))
+
+
 def _run(mesh=None):
     """(logits, log-probs, entropy, routed experts) and the parameter gradients of a weighted
     sum of log-probs and entropies (the loss's shape), as host arrays."""
-    graphdef, params = nnx.split(Transformer(CFG, rngs=nnx.Rngs(0)))
+    graphdef, params = _model()
     tokens, seg, pos, routed, w = _packed()
 
     def fn(params, tokens, seg, pos, routed):

@@ -31,8 +31,13 @@ def test_resume_on_fewer_devices(reference, tmp_path):
     for d in os.listdir(tmp_path / "checkpoints"):
         if d.isdigit() and int(d) > 2:
             shutil.rmtree(tmp_path / "checkpoints" / d)
-    summary = run(tmp_path, "--config.mesh.data=2", "--config.mesh.expert=2", devices=4)
+    # checkpoint_every=0 (after COMMON's 1: the later flag wins): only the final save; no
+    # checkpoint of this run is read back here.
+    summary = run(tmp_path, "--config.mesh.data=2", "--config.mesh.expert=2",
+                  "--config.train.checkpoint_every=0", devices=4)
     assert summary["steps"] == STEPS and summary["steps_this_run"] == STEPS - 2
+    assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()) == [
+        1, 2, STEPS]
     ledger_adds_up(summary["ledger"])
     assert summary["ledger"]["trained"] == ref["ledger"]["trained"]
     # Same math on another partitioning: equal up to reduction order.
@@ -44,8 +49,10 @@ def test_two_processes_match_one(reference, tmp_path):
     port = free_port()
     procs = []
     for pid in range(2):
+        # Only the final checkpoint (checkpoint_every=0): nothing here reads one back, and
+        # each save is a cross-process barrier over gloo.
         argv = cmd(tmp_path, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-                   f"--process_id={pid}")
+                   f"--process_id={pid}", "--config.train.checkpoint_every=0")
         procs.append(subprocess.Popen(argv, cwd=REPO, env=env(4), stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True))
     for p in procs:
@@ -53,6 +60,7 @@ def test_two_processes_match_one(reference, tmp_path):
         assert p.returncode == 0, err[-3000:]
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["steps"] == STEPS
+    assert [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()] == [STEPS]
     ledger_adds_up(summary["ledger"])
     # Bit-identical where gloo's reductions match XLA's in-process ones; else within 1e-6.
     if summary["params_sha256"] != ref["params_sha256"]:
