@@ -330,11 +330,14 @@ def test_publish_pointer_always_names_complete_dir(tmp_path):
     def reader():
         while not stop.is_set():
             latest = publish.read_latest(tmp_path)
-            if latest is None:
-                continue
-            if not _complete(latest["path"], latest["step"], 1 << 16):
-                errors.append(latest)
-            seen.append(latest["step"])
+            if latest is not None:
+                if not _complete(latest["path"], latest["step"], 1 << 16):
+                    errors.append(latest)
+                seen.append(latest["step"])
+            # Leave the GIL to the writer between looks: a reader spinning on it made each of
+            # the 40 publishes wait out switch intervals (59 s in a loaded suite, 2.5 s with
+            # this; still several looks per publish, every one of them checked).
+            time.sleep(0.001)
 
     thread = threading.Thread(target=reader)
     thread.start()
