@@ -198,6 +198,14 @@ def pass_factor_stats(records: Sequence[schema.Group], table: grading.FactorTabl
             "cap_would_fire": float(np.mean([fb * lam_cap < 1.0 for fb in fbars]))}
 
 
+def _sampling_model(graphdef: nnx.GraphDef, state: TrainState) -> Transformer:
+    """The policy of `state` for sampling, the probe and evaluation: a copy on the default device,
+    placed like the warm start's model, so the sampler reuses the programs the warm start's
+    evaluation compiled (arguments on the train state's mesh compile each of them again)."""
+    params, bias = jax.device_put(jax.device_get((state.params, state.router_bias)))
+    return nnx.merge(graphdef, params, bias)
+
+
 def run_loop(learner: Learner, arm: str, warm: WarmStart, task_cfg: task_lib.TaskConfig, *,
              seed: int, rl_steps: int, workdir: str, groups: int = 16, group_size: int = 8,
              eval_tasks: int = 32, eval_every: int = 5, probe: Optional[measure.ProbeSet] = None,
@@ -242,11 +250,11 @@ def run_loop(learner: Learner, arm: str, warm: WarmStart, task_cfg: task_lib.Tas
                                       group_prefix=f"{arm}-s{seed}", top_p=top_p)
 
     key0 = jax.random.key(seed)
-    pending, _ = sample(nnx.merge(graphdef, state.params, state.router_bias), 0,
+    pending, _ = sample(_sampling_model(graphdef, state), 0,
                         jax.random.fold_in(key0, 10_000_019))
     for t in range(rl_steps + 1):
         t0 = time.perf_counter()
-        model = nnx.merge(graphdef, state.params, state.router_bias)
+        model = _sampling_model(graphdef, state)
         key = jax.random.fold_in(key0, t)
         row = {"step": t}
         if probe is not None:
