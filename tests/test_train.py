@@ -87,12 +87,13 @@ def test_cli_output_is_short_and_ends_with_the_summary_block(reference):
 
 def test_sigkill_then_resume_is_bit_identical(reference, tmp_path):
     _, ref = reference
-    proc = start(tmp_path)
+    every2 = "--config.train.checkpoint_every=2"     # the saves it reads: step 2 (and the end)
+    proc = start(tmp_path, every2)
     wait_for_checkpoint(proc, tmp_path, 2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    resumed = run(tmp_path)
+    resumed = run(tmp_path, every2)
     assert resumed["steps"] == STEPS and resumed["steps_this_run"] < STEPS
     assert resumed["params_sha256"] == ref["params_sha256"]
     ledger_adds_up(resumed["ledger"])

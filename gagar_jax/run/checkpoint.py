@@ -51,6 +51,11 @@ from gagar_jax.run import workdir_lock
 log = logging.getLogger(__name__)
 
 _ITEMS = ("state", "feed", "config", "audit")
+# orbax splits each replicated array among its replicas for the device-to-host copy, one
+# compiled slice program per array shape and replica: ~200 programs on the first save of a
+# tiny model (5 s of compiles at -O0 in a test process, 1 s from the compile cache). A slice
+# under this size is copied whole by one replica instead; large arrays are still split.
+MIN_REPLICA_SLICE_BYTES = 4 << 20
 # Files every committed step has; a step missing one is incomplete (e.g. deleted by hand).
 _REQUIRED = ("_CHECKPOINT_METADATA", "state", "feed", "config")
 
@@ -144,6 +149,20 @@ def _jsonable(obj: Any, what: str, *, lenient: bool = False) -> Any:
     return json.loads(json.dumps(obj, default=default, allow_nan=False))
 
 
+def _copy_small_arrays_whole() -> None:
+    """orbax's jax.Array handler with `MIN_REPLICA_SLICE_BYTES` (its global registry: the
+    standard save/restore arguments take no handler of their own); the same metadata store."""
+    current = ocp.type_handlers.get_type_handler(jax.Array)
+    if getattr(current, "gagar_min_slice", None) == MIN_REPLICA_SLICE_BYTES:
+        return
+    # orbax itself reads the store this way (array_metadata_store.resolve_array_metadata_store)
+    store = getattr(current, "_array_metadata_store", None)
+    handler = ocp.type_handlers.ArrayHandler(
+        array_metadata_store=store, min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES)
+    handler.gagar_min_slice = MIN_REPLICA_SLICE_BYTES
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
+
 def _check_abstract(abstract_state: Any) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
         if getattr(leaf, "sharding", None) is None:
@@ -180,6 +199,7 @@ class Checkpointer:
             # Removes `*.orbax-checkpoint-tmp-*` dirs left by a save that was killed.
             cleanup_tmp_directories=True,
         )
+        _copy_small_arrays_whole()
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
 
     # -- queries ------------------------------------------------------------------------------

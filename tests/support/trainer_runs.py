@@ -58,6 +58,28 @@ def run(workdir, *extra, devices: int = 8, timeout: int = 600) -> dict:
         return json.load(f)
 
 
+def run_in_process(workdir, *extra) -> dict:
+    """`run`'s command through the CLI's entry point in this process: no second interpreter,
+    JAX start-up or exit (~3 s a run), for tests that check what the run did, not its process
+    (exit on a signal, bit-identity with `run`'s: these processes compile at another XLA
+    optimisation level, xla_flags.py). A fatal error is raised here instead of ending the
+    process with exit 1; the workdir lock is released after the run."""
+    import pytest
+
+    from gagar_jax.run import cli, workdir_lock
+
+    def raise_it(err, workdir):
+        raise err
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cli, "_fatal", raise_it)
+        code = cli.main(["gagar-train", *cmd(workdir, *extra)[3:]])
+    workdir_lock.release(str(workdir))
+    assert code == 0, f"gagar-train exited {code}"
+    with open(os.path.join(workdir, "summary.json")) as f:
+        return json.load(f)
+
+
 def start(workdir, *extra) -> subprocess.Popen:
     return subprocess.Popen(cmd(workdir, *extra), cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
