@@ -123,20 +123,29 @@ def test_a_spool_directory_that_disappears_is_waited_for(tmp_path):
     d = tmp_path / "spool"
     d.mkdir()
     _write(d / "0001.jsonl", _groups(2, 0))
-    logs = []
-    src = SpoolSource(str(d), poll_s=0.01, log=logs.append)
-    assert src.next_record() is not None and src.next_record() is not None
-    shutil.rmtree(d)
+    logs, timers = [], []
 
     def back():
         d.mkdir()
         _write(d / "0002.jsonl", _groups(1, 10))
         (d / DONE_MARKER).touch()
 
-    timer = threading.Timer(0.3, back)
-    timer.start()
+    def log(msg):
+        logs.append(msg)
+        if "disappeared" in msg:        # the source saw it gone: bring it back a little later
+            timers.append(threading.Timer(0.2, back))
+            timers[-1].start()
+
+    src = SpoolSource(str(d), poll_s=0.01, log=log)
+    assert src.next_record() is not None and src.next_record() is not None
+    shutil.rmtree(d)
+    # A source that waits without saying so still gets its directory back (then fails below).
+    backstop = threading.Timer(20, lambda: d.exists() or back())
+    backstop.start()
     got = list(iter(src.next_record, None))      # today: FileNotFoundError (exit 2)
-    timer.join()
+    backstop.cancel()
+    assert len(timers) == 1
+    timers[0].join()
     assert _ids(got) == [_groups(1, 10)[0].group_id]
     assert sum("disappeared" in x for x in logs) == 1 and any("is back" in x for x in logs)
 
