@@ -66,12 +66,13 @@ def devices():
 # The longest files first: `make test` runs two xdist workers with a file per worker
 # (--dist loadfile; the vLLM files below together), handed out in collection order, so a long
 # file collected last would run alone at the end.
-_LONG_FIRST = ("test_vllm.py", "test_engine_conformance.py", "test_train_mesh.py", "test_loop.py",
-               "test_weights_io.py", "test_train.py", "test_train_signals.py", "test_train_step.py",
-               "test_startup.py", "test_gcs.py", "test_miniature.py", "test_reliability.py",
-               "test_policy_loss.py", "test_aot.py", "test_configs.py", "test_hf_mimo.py",
-               "test_published_versions.py", "test_bench_device.py", "test_sim.py",
-               "test_miniature_tabular.py")
+_LONG_FIRST = ("test_vllm.py", "test_engine_conformance.py", "test_miniature.py", "test_loop.py",
+               "test_train_step.py", "test_train.py", "test_train_mesh.py", "test_reliability.py",
+               "test_context.py", "test_published_versions.py", "test_policy_loss.py",
+               "test_checkpoint.py", "test_aot.py", "test_train_signals.py", "test_hf_mimo.py",
+               "test_experts.py", "test_bench_vs_transformers.py", "test_gcs.py",
+               "test_configs.py", "test_weights_io.py", "test_startup.py", "test_sim.py",
+               "test_advantage.py", "test_bench_device.py", "test_miniature_tabular.py")
 
 
 def pytest_collection_modifyitems(config, items):
