@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 from support.paths import REPO
+from support.xla_flags import cpu_flags
 
 from gagar_jax.feed import Feed, FeedConfig, IteratorSource, schema, synthetic
 from gagar_jax.feed.sources import FileSource
@@ -294,7 +295,9 @@ def test_committed_sample_feed_matches_its_documented_command(tmp_path):
 
     import msgspec
     out = tmp_path / "s.jsonl"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # one device, as `make`
+    # One device, as `make`; the suite's subprocess XLA flags (compile speed, no float change:
+    # support/xla_flags.py) instead of XLA:CPU's full optimisation, which took most of the run.
+    env = {**os.environ, "XLA_FLAGS": cpu_flags(1)}
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_sample_feed.py"), "--out",
                     str(out), "--groups", "96", "--seed", "0", "--rescore-config",
                     str(ROOT / "configs" / "tiny_cpu.py")], check=True, capture_output=True,
