@@ -306,10 +306,16 @@ def test_committed_sample_feed_matches_its_documented_command(tmp_path):
     shipped = [schema.decode(x, "json")
                for x in (ROOT / "data" / "sample_feed.jsonl").read_bytes().splitlines()]
     assert len(made) == len(shipped) == 96
-    routed = diff = 0
+    routed = diff = generated = off = 0
     for g, h in zip(made, shipped, strict=True):
         for t, u in zip(g.trajectories, h.trajectories, strict=True):
-            np.testing.assert_allclose(t.logprobs, u.logprobs, atol=1e-4)
+            # Another CPU kind reassociates the router's sums: a near-tie may pick another
+            # expert, which moves that position's log-prob (and later ones) by far more than
+            # rounding. Rounding everywhere else; such positions stay a rare few.
+            d = np.abs(np.asarray(t.logprobs) - np.asarray(u.logprobs))
+            generated += sum(u.loss_mask)
+            off += int((d > 1e-4).sum())
+            assert d.max() < 2.0, (g.group_id, t.trajectory_id, float(d.max()))
             assert all(lp == 0.0 for lp, m in zip(u.logprobs, u.loss_mask, strict=True)
                        if not m)
             if u.routed_experts is not None:
@@ -320,3 +326,4 @@ def test_committed_sample_feed_matches_its_documented_command(tmp_path):
             for t in grp.trajectories])
         assert strip(g) == strip(h)
     assert routed > 0 and diff <= routed // 20     # a near-tie may route differently
+    assert off <= generated // 100, (off, generated)
