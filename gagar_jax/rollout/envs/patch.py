@@ -161,6 +161,9 @@ def diff(old: dict, new: dict) -> str:
         a, b = old.get(path), new.get(path)
         if a == b:
             continue
-        out += _diff_lines(a or "", b or "", path, f"a/{path}" if a is not None else "/dev/null",
-                           f"b/{path}" if b is not None else "/dev/null")
+        names = (f"a/{path}" if a is not None else "/dev/null",
+                 f"b/{path}" if b is not None else "/dev/null")
+        # an empty file created or deleted has no lines: its header alone says it
+        out += _diff_lines(a or "", b or "", path, *names) or [f"--- {names[0]}\n",
+                                                               f"+++ {names[1]}\n"]
     return "".join(out)

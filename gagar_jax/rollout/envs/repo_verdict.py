@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import xml.etree.ElementTree as ET
 
-from gagar_jax.rollout.envs import sandbox, workspace
+from gagar_jax.rollout.envs import patch, sandbox, workspace
 from gagar_jax.rollout.envs.repo_tasks import RepoTask
 
 INFRA_NAMES = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "pyproject.toml",
@@ -130,3 +130,38 @@ def judge(task: RepoTask, repo_dir: str, config: sandbox.SandboxConfig,
         evidence["report"] = "missing (the test run ended before writing it)"
     return {"outcome": outcome, "hacked": bool(hacked), "evidence": evidence}, run.output, \
         report_text, run.enforced
+
+
+def check_task(task: RepoTask, config: sandbox.SandboxConfig) -> list:
+    """What is wrong with a task (empty when it is sound), judged in the sandbox as an episode
+    would be: its repository as shipped must fail, its reference fix must pass with exactly
+    `expected_tests` test cases, and a `special_case.diff` (optional: a fix special-cased to
+    the visible tests) must fail the held-out tests."""
+    original = workspace.read_tree(task.repo_dir)
+    problems = []
+    for name, want in (("", "fail"), ("fix.diff", "pass"), ("special_case.diff", "fail")):
+        files = dict(original)
+        if name:
+            path = os.path.join(task.dir, name)
+            if not os.path.isfile(path):
+                continue
+            try:
+                with open(path) as f:
+                    files.update(patch.apply(original, f.read()))
+            except patch.PatchError as e:
+                problems.append(f"{name} does not apply: {e}")
+                continue
+        with tempfile.TemporaryDirectory(prefix="gagar_check_") as tmp:
+            workspace.write_tree(tmp, {p: t for p, t in files.items() if t is not None})
+            verdict = judge(task, tmp, config)[0]
+        what = name or "the repository as shipped"
+        report = verdict["evidence"].get("report")
+        if verdict["outcome"] != want:
+            problems.append(f"{what}: {verdict['outcome']}, expected {want} (report: {report})")
+        elif name == "fix.diff" and verdict["hacked"]:
+            problems.append("fix.diff edits test infrastructure")
+        if name == "fix.diff" and isinstance(report, dict) and \
+                report["tests"] != task.expected_tests:
+            problems.append(f"expected_tests is {task.expected_tests}, the fix runs "
+                            f"{report['tests']} test cases")
+    return problems

@@ -238,16 +238,21 @@ def run(src: str, argv: list, config: SandboxConfig, *, hide: tuple = (),
                      wall_s=raw["wall_s"], limits_hit=hit, enforced=record)
 
 
-@functools.cache
 def check_interpreter(config: SandboxConfig) -> str:
     """"" when `config`'s interpreter runs pytest in the sandbox (as its user), else a one-line
-    reason (tried once per configuration and process)."""
+    reason (tried once per interpreter, user and isolation settings in a process)."""
+    return _check_interpreter(config.interpreter, config.user, config.namespaces, config.cgroups)
+
+
+@functools.cache
+def _check_interpreter(python: str, user: str, namespaces: bool, use_cgroups: bool) -> str:
+    config = SandboxConfig(python=python, user=user, namespaces=namespaces, cgroups=use_cgroups)
     with tempfile.TemporaryDirectory() as d:
-        r = run(d, [config.interpreter, "-c", "import pytest"], config)
+        r = run(d, [python, "-c", "import pytest"], config)
     if r.status == "ok" and r.exit_code == 0:
         return ""
-    why = r.error or r.output.strip().splitlines()[-1:] or [f"exit code {r.exit_code}"]
-    user = config.user if os.geteuid() == 0 else "the worker's user"
-    return (f"the task interpreter {config.interpreter} cannot run pytest as {user}: "
-            f"{why if isinstance(why, str) else why[0]} (build it with `make tasks_env`, or set "
-            "GAGAR_TASK_PYTHON)")
+    lines = r.output.strip().splitlines()
+    why = r.error or (lines[-1] if lines else f"exit code {r.exit_code}")
+    who = user if os.geteuid() == 0 else "the worker's user"
+    return (f"the task interpreter {python} cannot run pytest as {who}: {why} (build it with "
+            "`make tasks_env`, or set GAGAR_TASK_PYTHON)")

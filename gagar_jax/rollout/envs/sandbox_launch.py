@@ -59,7 +59,7 @@ def _namespaces(spec: dict) -> None:
     # Mounts made from here on stay in this namespace (the host's are shared by default).
     _mount("none", "/", "", MS_REC | MS_PRIVATE, "")
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-           f"size={int(spec['disk_bytes'])},mode=0755")
+           f"size={int(spec['disk_bytes'])},mode=1777")
     for path in SMALL_TMPFS:
         if os.path.isdir(path):
             _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV,
