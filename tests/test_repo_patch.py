@@ -62,3 +62,6 @@ def test_a_patch_is_checked_whole_before_anything_is_applied():
 def test_diffs_written_by_hand_without_prefixes_and_with_blank_context_lines():
     text = "--- m.py\n+++ m.py\n@@ -1,3 +1,3 @@\n x = 1\n\n-y = 2\n+y = 3\n"
     assert patch.apply({"m.py": "x = 1\n\ny = 2\n"}, text) == {"m.py": "x = 1\n\ny = 3\n"}
+    ru = ("diff -ru repo/pkg/m.py fixed/pkg/m.py\n--- repo/pkg/m.py\t2026-12-05 01:00:00\n"
+          "+++ fixed/pkg/m.py\t2026-12-05 01:00:01\n@@ -1 +1 @@\n-a\n+b\n")
+    assert patch.apply({"pkg/m.py": "a\n"}, ru) == {"pkg/m.py": "b\n"}

@@ -28,7 +28,7 @@ class HFTokenizer:
     """A `Tokenizer` over a Hugging Face tokenizer (`transformers.PreTrainedTokenizerBase`).
 
     Args:
-      hf: the tokenizer; it needs a chat template (`hf.chat_template`).
+      hf: the tokenizer; it needs a chat template (its chat_template attribute).
       stop_tokens: texts or ids that end a model turn; default: the tokenizer's eos token(s).
       template_kwargs: passed to every `apply_chat_template` call (e.g. `tools=`,
         `enable_thinking=`).

@@ -2,8 +2,9 @@
 trajectory's final diff, the tasks' reference fixes).
 
 The format is `diff -u` / `git diff`: per file a `--- a/path` and a `+++ b/path` line
-(`/dev/null` for a new or deleted file; `a/` and `b/` prefixes optional; `diff --git`, `index`
-and mode lines ignored), then hunks `@@ -start,len +start,len @@` of ` ` context, `-` removed
+(`/dev/null` for a new or deleted file; a/ and b/ prefixes optional, and so are two differing
+tree names, as `diff -ru old new` writes them; `diff --git`, `index` and mode lines ignored),
+then hunks `@@ -start,len +start,len @@` of ` ` context, `-` removed
 and `+` added lines, `\\ No newline at end of file` after a line that has none. A hunk applies
 where its context and removed lines match exactly, at its stated line or the nearest offset
 (like `patch` without fuzz); an empty line inside a hunk is read as an empty context line (what
@@ -53,6 +54,9 @@ def parse(text: str) -> list:
         if i + 1 >= len(lines) or not lines[i + 1].startswith("+++ "):
             raise PatchError(f"line {i + 1}: a '---' line must be followed by a '+++' line")
         fp = FilePatch(_path(lines[i]), _path(lines[i + 1]), [])
+        if fp.old and fp.new and fp.old != fp.new and "/" in fp.old and \
+                fp.old.split("/", 1)[1] == fp.new.split("/", 1)[1]:
+            fp.old = fp.new = fp.new.split("/", 1)[1]    # `diff -ru old_tree new_tree`
         if fp.old is None and fp.new is None:
             raise PatchError(f"line {i + 1}: both sides are /dev/null")
         i += 2
@@ -155,7 +159,7 @@ def _diff_lines(a: str, b: str, name: str, a_name: str, b_name: str) -> list:
 
 def diff(old: dict, new: dict) -> str:
     """The unified diff from `old` to `new` (path -> text; None or absent = no file), files in
-    path order, `a/` and `b/` prefixes (what `apply` reads back)."""
+    path order, a/ and b/ prefixes (what `apply` reads back)."""
     out = []
     for path in sorted(set(old) | set(new)):
         a, b = old.get(path), new.get(path)

@@ -124,7 +124,7 @@ class Workspace:
         return path
 
     def test_log(self, text: str) -> str:
-        """The next `tests/run_NNN.log`; its path relative to the workspace."""
+        """The next <workspace>/tests/run_NNN.log; its path relative to the workspace."""
         self._runs += 1
         rel = f"tests/run_{self._runs:03d}.log"
         self.write(rel, text)
