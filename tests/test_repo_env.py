@@ -1,7 +1,7 @@
 """The repository environment and its task set (gagar_jax/rollout/envs/repo.py, data/repo_tasks):
 scripted agents played through reset / step / verdict, with the tool-call format, in the real
 sandbox. The reference fix of every task passes; doing nothing fails every task; a fix
-special-cased to the visible tests fails every task's held-out tests."""
+special-cased to the visible tests fails the held-out tests."""
 import collections
 import json
 import os
@@ -23,10 +23,10 @@ def options(tmp_path_factory):
         tmp_path_factory.mktemp("workspaces")))
 
 
-def _all(fn):
-    """fn over every task, two at a time (each episode is sandboxed subprocesses)."""
+def _all(fn, tasks=TASKS):
+    """fn over the tasks, two at a time (each episode is sandboxed subprocesses)."""
     with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(fn, TASKS))
+        return list(pool.map(fn, tasks))
 
 
 def test_the_task_set_spans_the_bug_classes_and_two_file_fixes():
@@ -85,11 +85,18 @@ def test_doing_nothing_fails_every_task(options):
             assert f.read() == ""
 
 
-def test_a_fix_special_cased_to_the_visible_tests_fails_every_task(options):
+def test_a_fix_special_cased_to_the_visible_tests_fails_the_held_out_tests(options):
+    """One task per bug class, the two-file ones first (scripts/check_repo_tasks.py checks the
+    special-cased fix of every task the same way)."""
+    two_file = {t.task_id for t in TASKS if len(patch.parse(open(t.fix_path).read())) >= 2}
+    picked = {}
+    for t in sorted(TASKS, key=lambda t: t.task_id not in two_file):
+        picked.setdefault(t.bug_class, t)
+
     def one(task):
         return task, *play(repo.make_env, task, replay_turns(task, "special_case.diff"), options)
 
-    for task, _, _, verdict in _all(one):
+    for task, _, _, verdict in _all(one, list(picked.values())):
         assert verdict["outcome"] == "fail" and not verdict["hacked"], (task.task_id, verdict)
         failed = verdict["evidence"]["report"]["failed"]
         assert failed and all("heldout" in f for f in failed), (task.task_id, failed)
