@@ -114,15 +114,16 @@ def test_agent_code_that_breaks_the_limits_fails_and_the_worker_goes_on(attack, 
 @pytest.mark.skipif(not IS_ROOT, reason="hiding paths needs root (mount namespaces)")
 def test_other_workspaces_and_the_git_objects_are_hidden(ws_root):
     other, _, _ = play(SMALL, TASK, [call("submit")], EnvOptions(workspace_root=ws_root))
-    git = repo.private_paths(TASK.dir, ws_root)[2:]
-    assert git, "the tasks live in a git checkout here: its git directory is hidden too"
-    paths = [os.path.join(other.workspace, "final.diff"), os.path.join(git[-1], "HEAD")]
+    git = repo.private_paths(TASK.dir, ws_root)[2:]   # the checkout's git dirs, if any
+    paths = [os.path.join(other.workspace, "final.diff")] + [
+        os.path.join(g, "HEAD") for g in git if os.path.isfile(os.path.join(g, "HEAD"))]
+    assert all(os.path.isfile(p) for p in paths)        # readable by the worker
     # a leak would let the module import and the (fixed) tests pass; refusals make it fail
     code = (f"_refused = []\nfor _p in {paths!r}:\n    try:\n        open(_p).read()\n"
             "    except OSError:\n        _refused.append(_p)\n"
-            "if len(_refused) == 2:\n    raise RuntimeError('BOTH REFUSED')\n")
+            f"if len(_refused) == {len(paths)}:\n    raise RuntimeError('ALL REFUSED')\n")
     verdict, log = _run_agent_code(code, ws_root)
-    assert verdict["outcome"] == "fail" and "BOTH REFUSED" in log, log[-2000:]
+    assert verdict["outcome"] == "fail" and "ALL REFUSED" in log, log[-2000:]
     assert os.path.exists(os.path.join(other.workspace, "final.diff"))
 
 
