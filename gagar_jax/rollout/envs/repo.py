@@ -104,6 +104,7 @@ class RepoEnv:
         self.end_reason: str | None = None
         self.infra_error = ""
         self._verdict: dict | None = None
+        self._enforced: dict = {}       # what the verdict's sandbox enforced
         self._t0 = time.monotonic()
 
     # ---------------------------------------------------------------- the interface
@@ -223,7 +224,7 @@ class RepoEnv:
             "end_reason": self.end_reason, "elapsed_s": round(time.monotonic() - self._t0, 3),
             "verdict": self._verdict, "python": self.sandbox.interpreter,
             "limits": dataclasses.asdict(self.sandbox.limits),
-            "sandbox": getattr(self, "_enforced", None) or self.tools.last_enforced
+            "sandbox": self._enforced or self.tools.last_enforced
             or sandbox.enforced(self.sandbox)})
 
 
