@@ -12,11 +12,19 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 MAXTEXT_VENV := .venv-maxtext
 MAXTEXT_VERSION := 0.2.5
 MAXTEXT_STAMP := $(MAXTEXT_VENV)/.installed-$(MAXTEXT_VERSION)
+# The interpreter the repository tasks' tests run with, in the sandbox (docs/rollout.md, "The
+# sandbox"): a venv of its own with pytest, made from a world-readable Python, since agent code
+# runs as `nobody` when the worker is root and cannot execute an interpreter under a mode-700
+# /root (pyenv's). The project directory must be traversable by that user too.
+TASKS_PYTHON ?= /usr/bin/python3
+TASKS_VENV := .venv-tasks
+TASKS_PYTEST := 9.2.0
+TASKS_STAMP := $(TASKS_VENV)/.installed-$(TASKS_PYTEST)
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
 # libtpu is installed for ahead-of-time TPU compiles; the embedded default runs on CPU.
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: train test lint bench clean vllm loop maxtext side_by_side
+.PHONY: train test lint bench clean vllm loop maxtext side_by_side tasks_env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,8 +38,9 @@ train: $(STAMP)
 	$(PY) -m gagar_jax --config configs/tiny_cpu.py --workdir runs/tiny_cpu
 
 # Two pytest workers (pytest-xdist), a test file per worker: module fixtures are built once.
-# The vLLM tests (tests/test_vllm.py, test_loop.py) run vLLM in .venv-vllm, built first.
-test: $(STAMP) $(VLLM_STAMP)
+# The vLLM tests (tests/test_vllm.py, test_loop.py) run vLLM in .venv-vllm, built first; the
+# repository environment's tests run task tests with .venv-tasks.
+test: $(STAMP) $(VLLM_STAMP) $(TASKS_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests
 
 # ruff (configured in pyproject.toml); CI runs it before the tests.
@@ -62,6 +71,15 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/python -c "import vllm, gagar_jax.rollout.worker; print('vllm', vllm.__version__)"
 	touch $(VLLM_STAMP)
+
+# The task interpreter (above): `make tasks_env`; `make test` builds it like the other venvs.
+tasks_env: $(TASKS_STAMP)
+
+$(TASKS_STAMP):
+	test -x $(TASKS_VENV)/bin/python || $(TASKS_PYTHON) -m venv $(TASKS_VENV)
+	$(TASKS_VENV)/bin/pip install -q 'pytest==$(TASKS_PYTEST)'
+	$(TASKS_VENV)/bin/python -c "import pytest; print('task interpreter: pytest', pytest.__version__)"
+	touch $(TASKS_STAMP)
 
 # The closed loop on CPU: learner + vLLM rollout worker, 3 seeds and their lr-0 controls
 # (docs/rollout.md, "The loop"); about 12 minutes on two cores (708 s measured).

@@ -1,0 +1,1 @@
+"""Feeding data in batches."""

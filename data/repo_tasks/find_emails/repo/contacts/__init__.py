@@ -1,0 +1,1 @@
+"""Contact details in free text."""

@@ -1,0 +1,1 @@
+"""Keeping lists sorted."""

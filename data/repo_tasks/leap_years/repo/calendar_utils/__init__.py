@@ -1,0 +1,1 @@
+"""Gregorian calendar helpers."""

@@ -1,0 +1,1 @@
+"""Amounts of money."""

@@ -1,0 +1,1 @@
+"""An online shop's pricing."""

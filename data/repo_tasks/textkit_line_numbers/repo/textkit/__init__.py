@@ -1,0 +1,1 @@
+"""Lines of text, numbered from 1."""

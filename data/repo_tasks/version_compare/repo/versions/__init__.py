@@ -1,0 +1,1 @@
+"""Dotted version numbers."""
