@@ -1,0 +1,115 @@
+"""The device side of the paged KV cache: one page pool per layer, stacked like the model's layers.
+
+    cache = init_cache(model_cfg, spec)        # {stack name: [(k, v) per pattern position]}
+
+Each layer stack of the model (`model.layer_stacks`: a pattern of layer kinds repeated R times)
+gets, per pattern position, a key pool `[R, Kv, NP, T, Dh]` and a value pool `[R, Kv, NP, T, Dv]`
+(the sampler scans them with the layers). Full-attention positions draw NP = `spec.num_pages`
+pages, sliding ones NP = `spec.num_ring_pages` (window rings). Page ids are shared by every
+layer of a kind: a sequence's page table addresses all its layers at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gagar_jax.model.layer_pattern import layer_stacks
+from gagar_jax.model.transformer import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """The cache's static shape.
+
+    Attributes:
+      page: positions per page (T).
+      max_len: the longest sequence (prompt and every turn); M = ceil(max_len / T) pages.
+      num_pages: full-attention pages in the pool (shared by every live sequence).
+      num_ring_pages: window-ring pages in the pool (`ring_pages` per live sequence).
+      ring_pages: pages of one window ring (Mr; 0 without sliding layers).
+      dtype: the dtype keys and values are kept in.
+    """
+    page: int
+    max_len: int
+    num_pages: int
+    num_ring_pages: int
+    ring_pages: int
+    dtype: str = "float32"
+
+    @property
+    def max_pages(self) -> int:
+        return -(-self.max_len // self.page)
+
+
+def ring_pages(cfg: ModelConfig, page: int) -> int:
+    """Pages of one window ring: enough for the W - 1 positions a query sees before itself
+    (at least one page); 0 for a model without sliding layers."""
+    if not cfg.has_sliding:
+        return 0
+    return max(1, math.ceil((cfg.sliding_window - 1) / page))
+
+
+def pool_shapes(cfg: ModelConfig, spec: CacheSpec) -> dict:
+    """{stack name: [((k shape), (v shape), sliding) per pattern position]}."""
+    out = {}
+    for st in layer_stacks(cfg):
+        out[st.name] = []
+        for sliding in st.pattern:
+            kv = cfg.sliding_kv_heads if sliding else cfg.num_kv_heads
+            n = spec.num_ring_pages if sliding else spec.num_pages
+            out[st.name].append(((st.repeats, kv, n, spec.page, cfg.head_dim),
+                                 (st.repeats, kv, n, spec.page, cfg.value_head_dim), sliding))
+    return out
+
+
+def sliding_kinds(cfg: ModelConfig) -> tuple:
+    """((stack name, (sliding per pattern position)), ...): hashable, for static arguments."""
+    return tuple((st.name, tuple(st.pattern)) for st in layer_stacks(cfg))
+
+
+def init_cache(cfg: ModelConfig, spec: CacheSpec, sharding: Any = None) -> dict:
+    """Zeroed pools (`pool_shapes`), placed with `sharding` (one for every pool, or None)."""
+    dt = jnp.dtype(spec.dtype)
+
+    def zeros(shape: tuple) -> jax.Array:
+        if sharding is None:
+            return jnp.zeros(shape, dt)
+        return jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)()
+    return {name: [(zeros(k), zeros(v)) for k, v, _ in pos]
+            for name, pos in pool_shapes(cfg, spec).items()}
+
+
+def cache_bytes(cfg: ModelConfig, spec: CacheSpec) -> int:
+    """Bytes of every pool together."""
+    size = jnp.dtype(spec.dtype).itemsize
+    return sum(math.prod(k) * size + math.prod(v) * size
+               for pos in pool_shapes(cfg, spec).values() for k, v, _ in pos)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding",), donate_argnames=("cache",))
+def copy_pages(cache: dict, src_C: jax.Array, dst_C: jax.Array, ring_src_C: jax.Array,
+               ring_dst_C: jax.Array, sliding: tuple) -> dict:
+    """Copies pages src -> dst in every layer (forks of a shared prompt: its partial last
+    page and its window ring). A dst past the pool (padding) is dropped.
+
+    Args:
+      cache: the pools. src_C, dst_C: full-layer pages. ring_src_C, ring_dst_C: ring pages.
+      sliding: `sliding_kinds(cfg)` (static).
+    """
+    kinds = dict(sliding)
+    def one(pool: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+        src = jnp.clip(src, 0, pool.shape[2] - 1)
+        return pool.at[:, :, dst].set(pool[:, :, src], mode="drop")
+
+    out = {}
+    for name, pools in cache.items():
+        out[name] = []
+        for (k, v), sl in zip(pools, kinds[name], strict=True):
+            s, d = (ring_src_C, ring_dst_C) if sl else (src_C, dst_C)
+            out[name].append((one(k, s, d), one(v, s, d)))
+    return out

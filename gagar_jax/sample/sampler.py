@@ -1,0 +1,366 @@
+"""The paged sampler: live sequences in pages, continuous batching over a fixed set of decode slots.
+
+    sampler = Sampler(model, SamplerConfig(slots=8, max_len=4096))
+    [[a, b]] = sampler.generate([Work(prompt, [params_a, params_b])])    # 2 samples, one prefix
+    [[c]] = sampler.generate([Work(tool_output, [params_c], sequence=a.sequence)])  # next turn
+    sampler.cancel([a.sequence, b.sequence, c.sequence])
+
+`generate` takes works (a prompt with one `SampleParams` per sample, or tokens appended to a live
+sequence) and queues one job per sample. Between decode calls (`programs.decode`, up to
+`decode_steps` steps of every slot) free slots admit queued jobs: a new prompt is prefilled once
+(all but its last token, in chunks of at most `max_chunk`) and forked into its N samples, which
+share its whole pages (`pages.Pages.fork`); a continuation prefills only what the sequence does
+not hold yet (its last generated token and the appended ones); finished samples leave their slot
+and stay live (their pages kept) until cancelled. Each decode step feeds a slot's last token, so
+the first token of a sample is drawn from its own key like every later one.
+
+New weights (`set_params`: a hand-over, or a version loaded by the engine) leave live sequences
+live; their cached keys and values were computed with the old weights, so each re-prefills its
+whole sequence on its next turn (its shared pages swapped for private ones first).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from collections import deque
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gagar_jax.kernels.attention import registry as attention_registry
+from gagar_jax.sample import cache as cache_lib
+from gagar_jax.sample import programs
+from gagar_jax.sample.forward import Chunk, Kernels
+from gagar_jax.sample.pages import Pages, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """Static sizes of one sampler (each bucket compiles once).
+
+    Attributes:
+      slots: decode slots (S): sequences decoded together.
+      page: positions per KV page (T).
+      max_len: the longest sequence, prompt and every turn included.
+      num_pages: full-attention pages (0: `4 * slots` sequences of `max_len`).
+      decode_steps: decode steps per call (sequences join and leave between calls).
+      max_chunk: the longest prefill chunk; chunks are padded to powers of two from 16.
+      max_stops: stop tokens per request (a bucket; more compile a wider one).
+      paged_attention: "auto" or a paged kernel of `kernels/attention/registry.py`.
+      cache_dtype: dtype of keys and values ("" = the model's compute dtype).
+    """
+    slots: int = 8
+    page: int = 16
+    max_len: int = 256
+    num_pages: int = 0
+    decode_steps: int = 8
+    max_chunk: int = 256
+    max_stops: int = 4
+    paged_attention: str = "auto"
+    cache_dtype: str = ""
+
+    def __post_init__(self):
+        for name in ("slots", "page", "max_len", "decode_steps", "max_chunk", "max_stops"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"SamplerConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleParams:
+    """How one sample draws: temperature (<= 0: greedy), top-k (<= 0: off), top-p, the most
+    tokens this turn, stop tokens (kept in the output), and its seed."""
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stop: tuple = ()
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Work:
+    """A prompt with one `SampleParams` per sample, or (`sequence`) the tokens appended to a live
+    sequence before its next turn (then exactly one `SampleParams`)."""
+    tokens: list
+    params: list
+    sequence: str | None = None
+
+
+@dataclasses.dataclass
+class Turn:
+    """One sample's generated turn: tokens, raw and processed log-probs, the experts of the
+    forward that produced each token [g, L, K], why it ended, its live sequence."""
+    tokens: list
+    raw: list
+    processed: list
+    routed: np.ndarray
+    finish: str
+    sequence: str
+
+
+@dataclasses.dataclass
+class _Job:
+    work: int
+    sample: int
+    params: SampleParams
+    prefix: dict           # shared by a prompt's samples: {"tokens", "seqs"}
+    seq: Sequence | None = None
+    out: Turn | None = None
+
+
+def _bucket(n: int, cap: int) -> int:
+    """A chunk length: the next power of two from 16, at most `cap` rounded up to one."""
+    return min(max(16, 1 << (n - 1).bit_length()), max(16, 1 << (cap - 1).bit_length()))
+
+
+class Sampler:
+    """Generation on the learner's model (see the module docstring).
+
+    Args:
+      model: a `Transformer` (its parameters are read, not copied).
+      cfg: `SamplerConfig`.
+      mesh: the sampler's mesh (None: one device): steps run under it, the cache replicated on it.
+    """
+
+    def __init__(self, model: Any, cfg: SamplerConfig, mesh: jax.sharding.Mesh | None = None):
+        self.cfg, self.mesh = cfg, mesh
+        self.graphdef, self.state = nnx.split(model)
+        mc = self.model_cfg = model.cfg
+        rp = cache_lib.ring_pages(mc, cfg.page)
+        per_seq = -(-cfg.max_len // cfg.page)
+        full = not mc.layer_types or "full" in mc.layer_types
+        n_pages = (cfg.num_pages or 4 * cfg.slots * per_seq) if full else 0
+        self.spec = cache_lib.CacheSpec(page=cfg.page, max_len=cfg.max_len, num_pages=n_pages,
+                                        num_ring_pages=rp * (n_pages // per_seq or 4 * cfg.slots),
+                                        ring_pages=rp, dtype=cfg.cache_dtype or mc.compute_dtype)
+        self.pages = Pages(cfg.page, self.spec.num_pages, rp, self.spec.num_ring_pages)
+        sharding = (None if mesh is None else
+                    jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        self.cache = cache_lib.init_cache(mc, self.spec, sharding)
+        self.sliding = cache_lib.sliding_kinds(mc)
+        same = mc.head_dim == mc.value_head_dim
+        pick = lambda decode, window, sinks: attention_registry.resolve_paged(
+            cfg.paged_attention, mesh, decode=decode, window=window, sinks=sinks, same_dims=same)
+        sw, sinks = mc.sliding_window if mc.has_sliding else 0, mc.attention_sinks
+        self.kernels = {"prefill": Kernels(pick(False, 0, False), pick(False, sw, sinks)),
+                        "decode": Kernels(pick(True, 0, False), pick(True, sw, sinks))}
+        self.seqs: dict = {}
+        self._ids = itertools.count()
+
+    # -------------------------------------------------------------- weights
+    def set_params(self, state: nnx.State) -> None:
+        """Serves `state` (same tree as the model's, any sharding) from the next step on; live
+        sequences re-prefill on their next turn (their cache holds the old weights' keys)."""
+        self.state = state
+        for seq in self.seqs.values():
+            seq.fed = 0
+
+    def release_params(self) -> None:
+        """Drops the reference to the parameters (before a train step donates them)."""
+        self.state = None
+
+    def _scope(self):
+        return jax.sharding.use_mesh(self.mesh) if self.mesh is not None else \
+            contextlib.nullcontext()
+
+    # -------------------------------------------------------------- prefill
+    def _prefill(self, seq: Sequence, upto: int, score: bool = False, cap: int = 0) -> list:
+        """Writes seq.tokens[seq.fed:upto] in chunks of at most `cap` (default `max_chunk`);
+        returns [(real tokens, `Scores`)] per chunk if `score`."""
+        cap = cap or self.cfg.max_chunk
+        if self.state is None:
+            raise RuntimeError("the sampler holds no parameters (released before a train step; "
+                               "hand them over with set_params)")
+        swaps = self.pages.private(seq, seq.fed)
+        if swaps:
+            self._copy([s for s, _ in swaps], [d for _, d in swaps], [], [])
+        self.pages.reserve(seq, upto)
+        got, M = [], self.spec.max_pages
+        pages = np.zeros((1, M), np.int32)
+        pages[0, :len(seq.pages)] = seq.pages
+        ring = np.asarray([seq.ring or [0]], np.int32)
+        while seq.fed < upto:
+            n = min(cap, upto - seq.fed)
+            N = _bucket(n, cap)
+            toks = np.zeros((1, N), np.int32)
+            toks[0, :n] = seq.tokens[seq.fed:seq.fed + n]
+            chunk = Chunk(jnp.asarray(toks), jnp.asarray([seq.fed], jnp.int32),
+                          jnp.asarray([n], jnp.int32), jnp.asarray(pages), jnp.asarray(ring))
+            with self._scope():
+                self.cache, sc = programs.prefill(self.graphdef, self.state, self.cache, chunk,
+                                               kernels=self.kernels["prefill"], score=score)
+            if score:
+                got.append((n, jax.device_get(sc)))
+            seq.fed += n
+        return got
+
+    def _copy(self, src: list, dst: list, rsrc: list, rdst: list) -> None:
+        """Copies full pages src -> dst and ring pages rsrc -> rdst in every layer."""
+        n = max(len(src), len(rsrc), 1)
+        C = max(8, 1 << (n - 1).bit_length())
+
+        def pad(a: list, fill: int) -> jax.Array:
+            return jnp.asarray(list(a) + [fill] * (C - len(a)), jnp.int32)
+        with self._scope():
+            self.cache = cache_lib.copy_pages(
+                self.cache, pad(src, 0), pad(dst, self.spec.num_pages), pad(rsrc, 0),
+                pad(rdst, self.spec.num_ring_pages), sliding=self.sliding)
+
+    def _prepare(self, job: _Job) -> None:
+        """The job's sequence, ready for its first decode step (all but one token cached)."""
+        if job.seq is not None:           # a continuation, or a sample forked already
+            self._prefill(job.seq, len(job.seq.tokens) - 1)
+            return
+        prefix = job.prefix
+        base = self.pages.new(self._new_id(), prefix["tokens"])
+        self._prefill(base, len(base.tokens) - 1)
+        seqs, src, dst, rsrc, rdst = [base], [], [], [], []
+        for _ in range(len(prefix["jobs"]) - 1):
+            fork, copies, ring = self.pages.fork(base, self._new_id())
+            seqs.append(fork)
+            src += [s for s, _ in copies]
+            dst += [d for _, d in copies]
+            rsrc += [s for s, _ in ring]
+            rdst += [d for _, d in ring]
+        if len(seqs) > 1 and (src or rsrc):
+            self._copy(src, dst, rsrc, rdst)
+        for j, seq in zip(prefix["jobs"], seqs, strict=True):
+            j.seq = seq
+            self.seqs[seq.id] = seq
+
+    def _new_id(self) -> str:
+        return f"j{next(self._ids)}"
+
+    # -------------------------------------------------------------- generate
+    def generate(self, works: Seq[Work]) -> list:
+        """Runs every sample of `works` to its end (continuous batching); returns per work its
+        `Turn`s in sample order. Raises KeyError for an unknown sequence, ValueError for a
+        sequence that fills `max_len` (each naming the work) before anything runs."""
+        continued = [w.sequence for w in works if w.sequence is not None]
+        if len(set(continued)) < len(continued):
+            raise ValueError("a live sequence is continued twice in one call")
+        for i, w in enumerate(works):
+            if w.sequence is not None and w.sequence not in self.seqs:
+                raise KeyError(f"work {i}: no live sequence {w.sequence!r} (cancelled?)")
+            if w.sequence is not None and len(w.params) != 1:
+                raise ValueError(f"work {i}: a continuation draws one sample")
+            if w.sequence is None and not w.tokens:
+                raise ValueError(f"work {i}: an empty prompt")
+            if not w.params:
+                raise ValueError(f"work {i}: no sample asked for")
+            held = len(self.seqs[w.sequence].tokens) if w.sequence is not None else 0
+            if held + len(w.tokens) >= self.cfg.max_len:
+                raise ValueError(f"work {i}: {held + len(w.tokens)} tokens fill the context "
+                                 f"(max_len {self.cfg.max_len})")
+            bad = [t for t in w.tokens if not 0 <= int(t) < self.model_cfg.vocab_size]
+            if bad:
+                raise ValueError(f"work {i}: token ids {bad[:4]} outside the vocabulary "
+                                 f"[0, {self.model_cfg.vocab_size})")
+        jobs: list = []
+        for i, w in enumerate(works):
+            prefix = {"tokens": [int(t) for t in w.tokens], "jobs": []}
+            for j, p in enumerate(w.params):
+                job = _Job(i, j, p, prefix)
+                if w.sequence is not None:
+                    job.seq = self.seqs[w.sequence]
+                    job.seq.tokens += prefix["tokens"]
+                prefix["jobs"].append(job)
+                jobs.append(job)
+        self._run(deque(jobs))
+        out = [[] for _ in works]
+        for job in jobs:
+            out[job.work].append(job.out)
+        return out
+
+    def _run(self, queue: deque) -> None:
+        S = self.cfg.slots
+        running: list = [None] * S
+        while queue or any(running):
+            for s in range(S):
+                if running[s] is None and queue:
+                    job = queue.popleft()
+                    self._prepare(job)
+                    budget = min(job.params.max_tokens, self.cfg.max_len - len(job.seq.tokens))
+                    job.out = Turn([], [], [], np.zeros((0, self.model_cfg.num_moe_layers,
+                                                         self.model_cfg.top_k), np.int32),
+                                   "length", job.seq.id)
+                    running[s] = (job, budget)
+            self._decode(running)
+
+    def _slots(self, running: list) -> programs.Slots:
+        S, M, X = self.cfg.slots, self.spec.max_pages, self.cfg.max_stops
+        X = max([X] + [len(j.params.stop) for j, _ in filter(None, running)])
+        a = {k: np.zeros((S,), np.int32) for k in ("token", "pos", "budget", "top_k", "count")}
+        seed, temp, top_p = np.zeros((S,), np.uint32), np.ones((S,), np.float32), \
+            np.ones((S,), np.float32)
+        active = np.zeros((S,), bool)
+        pages = np.zeros((S, M), np.int32)
+        ring = np.zeros((S, max(self.spec.ring_pages, 1)), np.int32)
+        stops = np.full((S, X), -1, np.int32)
+        for s, item in enumerate(running):
+            if item is None:
+                continue
+            job, budget = item
+            seq, p = job.seq, job.params
+            self.pages.reserve(seq, seq.fed + min(self.cfg.decode_steps, budget))
+            a["token"][s], a["pos"][s], a["budget"][s] = seq.tokens[seq.fed], seq.fed, budget
+            a["top_k"][s], a["count"][s] = p.top_k, len(job.out.tokens)
+            seed[s], temp[s], top_p[s], active[s] = p.seed % 2**32, p.temperature, p.top_p, True
+            pages[s, :len(seq.pages)] = seq.pages
+            ring[s, :len(seq.ring)] = seq.ring
+            stops[s, :len(p.stop)] = p.stop
+        return programs.Slots(
+            token_S=a["token"], pos_S=a["pos"], active_S=active, budget_S=a["budget"],
+            pages_SxM=pages, ring_SxR=ring, temperature_S=temp, top_k_S=a["top_k"],
+            top_p_S=top_p, seed_S=seed, count_S=a["count"], stops_SxX=stops)
+
+    def _decode(self, running: list) -> None:
+        slots = jax.tree.map(jnp.asarray, self._slots(running))
+        with self._scope():
+            self.cache, gen, after = programs.decode(self.graphdef, self.state, self.cache, slots,
+                                                  kernels=self.kernels["decode"],
+                                                  steps=self.cfg.decode_steps)
+        gen, active = jax.device_get((gen, after.active_S))
+        for s, item in enumerate(running):
+            if item is None:
+                continue
+            job, budget = item
+            n = int(gen.valid_TxS[:, s].sum())
+            toks = gen.token_TxS[:n, s].tolist()
+            job.out.tokens += toks
+            job.out.raw += gen.raw_TxS[:n, s].tolist()
+            job.out.processed += gen.processed_TxS[:n, s].tolist()
+            job.out.routed = np.concatenate([job.out.routed, gen.routed_TxSxLxK[:n, s]])
+            job.seq.tokens += toks
+            job.seq.fed += n
+            if active[s]:
+                running[s] = (job, budget - n)
+            else:
+                job.out.finish = "stop" if toks and toks[-1] in job.params.stop else "length"
+                running[s] = None
+
+    # -------------------------------------------------------------- other calls
+    def score(self, tokens: Seq[int]) -> dict:
+        """Teacher forcing through the paged prefill (one chunk, whatever `max_chunk`): per
+        position i < len - 1 the argmax, the raw log-prob of tokens[i + 1] and the experts of
+        position i ({"argmax", "logprobs", "routed"})."""
+        seq = self.pages.new(self._new_id(), [int(t) for t in tokens])
+        try:
+            [(n, sc)] = self._prefill(seq, len(seq.tokens), score=True, cap=len(seq.tokens))
+        finally:
+            self.pages.drop(seq)
+        return {"argmax": sc.argmax_BxN[0, :n - 1].tolist(),
+                "logprobs": sc.logprob_BxN[0, :n - 1].tolist(),
+                "routed": sc.routed_BxNxLxK[0, :n - 1]}
+
+    def cancel(self, ids: Seq[str]) -> None:
+        """Ends live sequences (their pages are freed); unknown ids are ignored."""
+        for i in ids:
+            seq = self.seqs.pop(i, None)
+            if seq is not None:
+                self.pages.drop(seq)
