@@ -35,8 +35,9 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 from hypothesis import settings  # noqa: E402
 
 # The gcs_emulator fixture (a local fake-gcs-server for tests/test_gcs.py); vllm_served (one
-# vLLM engine per family for the test run: tests/test_vllm.py, tests/test_engine_conformance.py).
-pytest_plugins = ("support.gcs_emulator", "support.vllm_served")
+# vLLM engine per family for the test run: tests/test_vllm.py, tests/test_engine_conformance.py,
+# tests/test_sampler_vllm.py); jax_served (the JAX sampler's engines on the same weights).
+pytest_plugins = ("support.gcs_emulator", "support.vllm_served", "support.jax_served")
 
 # Few, deterministic examples: each new shape is a compile on 2 CPU cores.
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)

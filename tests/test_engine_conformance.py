@@ -2,7 +2,8 @@
 engines and both families: one fixed scenario of interface calls (tests/support/engine_scenario.py)
 checked against the learner's own model on the same published weights (float32, weights
 randomised as tests/test_vllm.py does). vLLM answers from the test run's one engine per family
-(tests/support/vllm_served.py); an engine that runs in-process (the JAX sampler) joins `ENGINES`.
+(tests/support/vllm_served.py); the JAX sampler (`gagar_jax.sample.engine`) runs the same scenario
+in process (tests/support/jax_served.py).
 
 Checked: the version it starts on and moves to; the same seed gives the same tokens; N samples
 of one prompt, sample j = seed + j; a stop token ends a sample at its first occurrence; log-probs
@@ -26,7 +27,13 @@ def _vllm(request, family):
     return cfg, refs, models, got["scenario"]
 
 
-ENGINES = {"vllm": _vllm}
+def _jax(request, family):
+    """The same from the JAX sampler's engine (in process; no vLLM)."""
+    cfg, refs, _, models = request.getfixturevalue("published_families")[family]
+    return cfg, refs, models, request.getfixturevalue("jax_served")[family][1]
+
+
+ENGINES = {"vllm": _vllm, "jax": _jax}
 LENGTH = 64                 # one padded length for every teacher-forced pass: one compile
 
 
