@@ -12,12 +12,10 @@ two requests in one call each get their own routing; a live sequence continued o
 equals one request on the concatenation; cancel ends a sequence and leaves the others; after
 `move_to` the outputs are the new weights' greedy tokens.
 """
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from support.engine_scenario import APPENDED
+from support.learner_ref import teacher
 from support.vllm_served import CONFIGS, GEN, PROMPT, PROMPT_B, TOL
 
 
@@ -34,7 +32,6 @@ def _jax(request, family):
 
 
 ENGINES = {"vllm": _vllm, "jax": _jax}
-LENGTH = 64                 # one padded length for every teacher-forced pass: one compile
 
 
 @pytest.fixture(scope="module", params=[(e, f) for e in ENGINES for f in CONFIGS],
@@ -42,24 +39,6 @@ LENGTH = 64                 # one padded length for every teacher-forced pass: o
 def run(request):
     engine, family = request.param
     return ENGINES[engine](request, family)
-
-
-@nnx.jit
-def _forward(model, tokens):
-    return model(tokens)
-
-
-def teacher(model, tokens):
-    """The learner on `tokens` (padded to LENGTH; causal, so the padding is inert): per position
-    i >= 1, log p(tokens[i] | before) and the argmax it would pick; per input position, the
-    experts it was routed to [L][K]."""
-    assert len(tokens) <= LENGTH
-    logits, aux = _forward(model, jnp.asarray([list(tokens) + [0] * (LENGTH - len(tokens))]))
-    lp = np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
-    n = len(tokens)
-    return {"logprobs": [float(lp[i - 1, tokens[i]]) for i in range(1, n)],
-            "argmax": [int(np.argmax(lp[i - 1])) for i in range(1, n)],
-            "routes": np.asarray(aux.routed_experts_BxSxLxK[0, :n - 1])}
 
 
 def matches_learner(model, context, comp, cfg, greedy):

@@ -151,6 +151,10 @@ class Sampler:
                         "decode": Kernels(pick(True, 0, False), pick(True, sw, sinks))}
         self.seqs: dict = {}
         self._ids = itertools.count()
+        # what the scheduler did (tests and benchmarks read it): decode calls, prefill chunks,
+        # forked samples, sequences admitted while other slots were decoding, finished ones
+        self.stats = dict.fromkeys(("decode_calls", "prefill_chunks", "forks", "joined_running",
+                                    "finished"), 0)
 
     # -------------------------------------------------------------- weights
     def set_params(self, state: nnx.State) -> None:
@@ -169,9 +173,11 @@ class Sampler:
             contextlib.nullcontext()
 
     # -------------------------------------------------------------- prefill
-    def _prefill(self, seq: Sequence, upto: int, score: bool = False, cap: int = 0) -> list:
-        """Writes seq.tokens[seq.fed:upto] in chunks of at most `cap` (default `max_chunk`);
-        returns [(real tokens, `Scores`)] per chunk if `score`."""
+    def _prefill(self, seq: Sequence, upto: int, score: bool = False, cap: int = 0,
+                 pad_to: int = 0) -> list:
+        """Writes seq.tokens[seq.fed:upto] in chunks of at most `cap` (default `max_chunk`),
+        each padded to a bucket of at least `pad_to`; returns [(real tokens, `Scores`)] per
+        chunk if `score`."""
         cap = cap or self.cfg.max_chunk
         if self.state is None:
             raise RuntimeError("the sampler holds no parameters (released before a train step; "
@@ -186,7 +192,7 @@ class Sampler:
         ring = np.asarray([seq.ring or [0]], np.int32)
         while seq.fed < upto:
             n = min(cap, upto - seq.fed)
-            N = _bucket(n, cap)
+            N = _bucket(max(n, pad_to), max(cap, pad_to))
             toks = np.zeros((1, N), np.int32)
             toks[0, :n] = seq.tokens[seq.fed:seq.fed + n]
             chunk = Chunk(jnp.asarray(toks), jnp.asarray([seq.fed], jnp.int32),
@@ -197,6 +203,7 @@ class Sampler:
             if score:
                 got.append((n, jax.device_get(sc)))
             seq.fed += n
+            self.stats["prefill_chunks"] += 1
         return got
 
     def _copy(self, src: list, dst: list, rsrc: list, rdst: list) -> None:
@@ -223,6 +230,7 @@ class Sampler:
         for _ in range(len(prefix["jobs"]) - 1):
             fork, copies, ring = self.pages.fork(base, self._new_id())
             seqs.append(fork)
+            self.stats["forks"] += 1
             src += [s for s, _ in copies]
             dst += [d for _, d in copies]
             rsrc += [s for s, _ in ring]
@@ -284,6 +292,8 @@ class Sampler:
             for s in range(S):
                 if running[s] is None and queue:
                     job = queue.popleft()
+                    self.stats["joined_running"] += any(r is not None and r[0].out.tokens
+                                                        for r in running)
                     self._prepare(job)
                     budget = min(job.params.max_tokens, self.cfg.max_len - len(job.seq.tokens))
                     job.out = Turn([], [], [], np.zeros((0, self.model_cfg.num_moe_layers,
@@ -326,6 +336,7 @@ class Sampler:
                                                   kernels=self.kernels["decode"],
                                                   steps=self.cfg.decode_steps)
         gen, active = jax.device_get((gen, after.active_S))
+        self.stats["decode_calls"] += 1
         for s, item in enumerate(running):
             if item is None:
                 continue
@@ -343,15 +354,17 @@ class Sampler:
             else:
                 job.out.finish = "stop" if toks and toks[-1] in job.params.stop else "length"
                 running[s] = None
+                self.stats["finished"] += 1
 
     # -------------------------------------------------------------- other calls
-    def score(self, tokens: Seq[int]) -> dict:
-        """Teacher forcing through the paged prefill (one chunk, whatever `max_chunk`): per
-        position i < len - 1 the argmax, the raw log-prob of tokens[i + 1] and the experts of
-        position i ({"argmax", "logprobs", "routed"})."""
+    def score(self, tokens: Seq[int], pad_to: int = 0) -> dict:
+        """Teacher forcing through the paged prefill (one chunk of at least `pad_to`, whatever
+        `max_chunk`): per position i < len - 1 the argmax, the raw log-prob of tokens[i + 1]
+        and the experts of position i ({"argmax", "logprobs", "routed"})."""
         seq = self.pages.new(self._new_id(), [int(t) for t in tokens])
         try:
-            [(n, sc)] = self._prefill(seq, len(seq.tokens), score=True, cap=len(seq.tokens))
+            [(n, sc)] = self._prefill(seq, len(seq.tokens), score=True, cap=len(seq.tokens),
+                                      pad_to=pad_to)
         finally:
             self.pages.drop(seq)
         return {"argmax": sc.argmax_BxN[0, :n - 1].tolist(),

@@ -10,12 +10,12 @@ request of 4 samples fills them; the next waits for a free one), 3 decode steps 
 that is prefilled in two).
 """
 import pytest
-from support.engine_scenario import run as run_scenario
-from support.vllm_served import CONFIGS, GEN, PROMPT, PROMPT_B
 
 from gagar_jax.rollout.engine import EngineOptions
 from gagar_jax.sample.engine import make_engine
 from gagar_jax.sample.sampler import SamplerConfig
+from support.engine_scenario import run as run_scenario
+from support.vllm_served import CONFIGS, GEN, PROMPT, PROMPT_B
 
 MAX_LEN = 64
 SAMPLER = SamplerConfig(slots=4, page=4, max_len=MAX_LEN, decode_steps=3, max_chunk=16)
