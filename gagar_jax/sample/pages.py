@@ -123,13 +123,16 @@ class Pages:
         last page is copied) with fresh ring pages. Returns (the copy, [(src, dst)] full pages
         to copy, [(src, dst)] ring pages to copy)."""
         whole = seq.fed // self.page
-        pages = self.full.share(seq.pages[:whole])
+        ring = self.rings.alloc(self.ring_pages)       # first: nothing to undo if it fails
         copies = []
         if seq.fed % self.page:
-            [dst] = self.full.alloc(1)
+            try:
+                [dst] = self.full.alloc(1)
+            except PoolExhausted:
+                self.rings.release(ring)
+                raise
             copies.append((seq.pages[whole], dst))
-            pages.append(dst)
-        ring = self.rings.alloc(self.ring_pages)
+        pages = self.full.share(seq.pages[:whole]) + [d for _, d in copies]
         new = Sequence(seq_id, list(seq.tokens), fed=seq.fed, pages=pages, ring=ring)
         return new, copies, list(zip(seq.ring, ring, strict=True))
 
