@@ -169,7 +169,7 @@ class Sampler:
         self.state = None
 
     def _scope(self):
-        return jax.sharding.use_mesh(self.mesh) if self.mesh is not None else \
+        return jax.set_mesh(self.mesh) if self.mesh is not None else \
             contextlib.nullcontext()
 
     # -------------------------------------------------------------- prefill
