@@ -13,11 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from support.learner_ref import teacher
-from support.vllm_served import CONFIGS, model_config, randomize
+from support.vllm_served import CONFIGS, model_config, random_model
 
-from gagar_jax.model.transformer import Transformer
 from gagar_jax.sample import draw
 from gagar_jax.sample.sampler import SampleParams, Sampler, SamplerConfig, Work
 
@@ -29,8 +27,7 @@ PROMPTS = [rng.integers(0, 256, n).tolist() for n in (12, 9, 5, 14, 7)]
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def served(request):
     cfg = model_config(request.param)
-    model = Transformer(cfg, rngs=nnx.Rngs(3))
-    randomize(model, 3)
+    model = random_model(cfg, 3)
     sampler = Sampler(model, SamplerConfig(slots=3, page=4, max_len=64, decode_steps=2,
                                            max_chunk=8))
     return cfg, model, sampler

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from gagar_jax import sharding as shd
 from gagar_jax.model.layer_pattern import layer_stacks
 from gagar_jax.model.transformer import ModelConfig
 
@@ -72,16 +73,34 @@ def sliding_kinds(cfg: ModelConfig) -> tuple:
     return tuple((st.name, tuple(st.pattern)) for st in layer_stacks(cfg))
 
 
-def init_cache(cfg: ModelConfig, spec: CacheSpec, sharding: Any = None) -> dict:
-    """Zeroed pools (`pool_shapes`), placed with `sharding` (one for every pool, or None)."""
-    dt = jnp.dtype(spec.dtype)
+# The pools' logical axes: [R, Kv, NP, T, D]: KV heads split over `tensor` (as the model's k/v
+# projections are), everything else whole on every chip of the sampler's mesh.
+POOL_AXES = ("layers", "kv_heads", None, None, None)
 
-    def zeros(shape: tuple) -> jax.Array:
-        if sharding is None:
-            return jnp.zeros(shape, dt)
-        return jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)()
-    return {name: [(zeros(k), zeros(v)) for k, v, _ in pos]
-            for name, pos in pool_shapes(cfg, spec).items()}
+
+def cache_shardings(cfg: ModelConfig, spec: CacheSpec, mesh: jax.sharding.Mesh | None,
+                    device: Any = None) -> tuple:
+    """One sharding per pool, in the cache's leaf order (hashable: a static argument of the
+    sampler's programs): `POOL_AXES` on `mesh`, or `device` alone without one."""
+    tree = {name: [(k, v) for k, v, _ in pos] for name, pos in pool_shapes(cfg, spec).items()}
+    shapes = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple) and
+                             all(isinstance(d, int) for d in x))
+    if mesh is None:
+        return tuple(jax.sharding.SingleDeviceSharding(device) for _ in shapes)
+    return tuple(shd.named_sharding(mesh, POOL_AXES, shape) for shape in shapes)
+
+
+def init_cache(cfg: ModelConfig, spec: CacheSpec, shardings: tuple | None = None) -> dict:
+    """Zeroed pools (`pool_shapes`), placed with `shardings` (`cache_shardings`, or None)."""
+    dt = jnp.dtype(spec.dtype)
+    tree = {name: [(k, v) for k, v, _ in pos] for name, pos in pool_shapes(cfg, spec).items()}
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+    shapes, treedef = jax.tree.flatten(tree, is_leaf=is_shape)
+    shardings = shardings or (None,) * len(shapes)
+    leaves = [jnp.zeros(shape, dt) if sh is None else
+              jax.jit(lambda shape=shape: jnp.zeros(shape, dt), out_shardings=sh)()
+              for shape, sh in zip(shapes, shardings, strict=True)]
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def cache_bytes(cfg: ModelConfig, spec: CacheSpec) -> int:
@@ -91,15 +110,18 @@ def cache_bytes(cfg: ModelConfig, spec: CacheSpec) -> int:
                for pos in pool_shapes(cfg, spec).values() for k, v, _ in pos)
 
 
-@functools.partial(jax.jit, static_argnames=("sliding",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("sliding", "cache_sharding"),
+                   donate_argnames=("cache",))
 def copy_pages(cache: dict, src_C: jax.Array, dst_C: jax.Array, ring_src_C: jax.Array,
-               ring_dst_C: jax.Array, sliding: tuple) -> dict:
+               ring_dst_C: jax.Array, sliding: tuple,
+               cache_sharding: tuple | None = None) -> dict:
     """Copies pages src -> dst in every layer (forks of a shared prompt: its partial last
     page and its window ring). A dst past the pool (padding) is dropped.
 
     Args:
       cache: the pools. src_C, dst_C: full-layer pages. ring_src_C, ring_dst_C: ring pages.
       sliding: `sliding_kinds(cfg)` (static).
+      cache_sharding: the pools' placements (`cache_shardings`), kept on the way out.
     """
     kinds = dict(sliding)
     def one(pool: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
@@ -112,4 +134,8 @@ def copy_pages(cache: dict, src_C: jax.Array, dst_C: jax.Array, ring_src_C: jax.
         for (k, v), sl in zip(pools, kinds[name], strict=True):
             s, d = (ring_src_C, ring_dst_C) if sl else (src_C, dst_C)
             out[name].append((one(k, s, d), one(v, s, d)))
-    return out
+    if cache_sharding is None:
+        return out
+    leaves, tree = jax.tree.flatten(out)
+    return jax.tree.unflatten(tree, [jax.lax.with_sharding_constraint(x, s)
+                                     for x, s in zip(leaves, cache_sharding, strict=True)])

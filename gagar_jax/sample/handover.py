@@ -78,6 +78,7 @@ def timed_hand_over(engine: Any, state: Any, version: int, mode: str = "same",
         raise ValueError(f"hand-over mode must be one of {MODES}, got {mode!r}")
     if (mode == "reshard") != (shardings is not None):
         raise ValueError("shardings are given for mode='reshard', and only then")
+    jax.block_until_ready(state)     # the step that computed it is not the hand-over's time
     t0 = time.perf_counter()
     if mode == "copy":
         state = jax.block_until_ready(_copy(state))

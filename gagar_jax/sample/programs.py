@@ -73,13 +73,26 @@ def _logits(model: nnx.Module, h: jax.Array) -> jax.Array:
                       preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "score"),
+def _pin(cache: dict, shardings: tuple | None) -> dict:
+    """The cache out as it came in (`shardings`: one per pool, in leaf order): the next call
+    then hits the same program."""
+    if shardings is None:
+        return cache
+    leaves, tree = jax.tree.flatten(cache)
+    return jax.tree.unflatten(tree, [jax.lax.with_sharding_constraint(x, s)
+                                     for x, s in zip(leaves, shardings, strict=True)])
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "score", "cache_sharding"),
                    donate_argnames=("cache",))
 def prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: dict, chunk: Chunk, *,
-            kernels: Kernels, score: bool = False) -> tuple[dict, Scores | None]:
-    """Writes a chunk's keys and values; with `score`, teacher-forced `Scores` too (else None)."""
+            kernels: Kernels, score: bool = False,
+            cache_sharding: tuple | None = None) -> tuple[dict, Scores | None]:
+    """Writes a chunk's keys and values; with `score`, teacher-forced `Scores` too (else None).
+    `cache_sharding`: the pools' placements (`cache.cache_shardings`), kept on the way out."""
     model = nnx.merge(graphdef, state)
     h, cache, routed = forward.extend(model, cache, chunk, kernels)
+    cache = _pin(cache, cache_sharding)
     if not score:
         return cache, None
     lp = jax.nn.log_softmax(_logits(model, h), axis=-1)                        # [B, N, V]
@@ -89,10 +102,11 @@ def prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: dict, chunk: Chunk,
                          routed_BxNxLxK=routed)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "steps"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "steps", "cache_sharding"),
                    donate_argnames=("cache",))
 def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: dict, slots: Slots, *,
-           kernels: Kernels, steps: int) -> tuple[dict, Generated, Slots]:
+           kernels: Kernels, steps: int,
+           cache_sharding: tuple | None = None) -> tuple[dict, Generated, Slots]:
     """Up to `steps` decode steps of every active slot; returns (cache, `Generated`, slots
     after the last step: a slot that drew a stop token or spent its budget is inactive)."""
     model = nnx.merge(graphdef, state)
@@ -114,6 +128,7 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: dict, slots: Slots, 
         chunk = Chunk(tokens_BxN=sl.token_S[:, None], start_B=sl.pos_S,
                       n_B=live.astype(jnp.int32), pages_BxM=sl.pages_SxM, ring_BxR=sl.ring_SxR)
         h, cache, routed = forward.extend(model, cache, chunk, kernels)
+        cache = _pin(cache, cache_sharding)
         d = draw.sample(_logits(model, h[:, 0]), draw.row_keys(sl.seed_S, sl.count_S),
                             sl.temperature_S, sl.top_k_S, sl.top_p_S)
         stop = jnp.any(d.token_B[:, None] == sl.stops_SxX, axis=-1)
@@ -129,4 +144,4 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: dict, slots: Slots, 
         return t + 1, cache, sl, out
 
     _, cache, slots, out = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, slots, out))
-    return cache, out, slots
+    return _pin(cache, cache_sharding), out, slots

@@ -139,9 +139,12 @@ class Sampler:
                                         num_ring_pages=rp * (n_pages // per_seq or 4 * cfg.slots),
                                         ring_pages=rp, dtype=cfg.cache_dtype or mc.compute_dtype)
         self.pages = Pages(cfg.page, self.spec.num_pages, rp, self.spec.num_ring_pages)
-        sharding = (None if mesh is None else
-                    jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-        self.cache = cache_lib.init_cache(mc, self.spec, sharding)
+        # The cache is committed where the parameters are (KV heads over `tensor` on a mesh),
+        # and every step gives it back so: one program per bucket, never a second for a cache
+        # the compiler chose to move.
+        device = jax.tree.leaves(self.state)[0].devices().pop() if mesh is None else None
+        self.cache_sharding = cache_lib.cache_shardings(mc, self.spec, mesh, device)
+        self.cache = cache_lib.init_cache(mc, self.spec, self.cache_sharding)
         self.sliding = cache_lib.sliding_kinds(mc)
         same = mc.head_dim == mc.value_head_dim
         pick = lambda decode, window, sinks: attention_registry.resolve_paged(
@@ -168,6 +171,17 @@ class Sampler:
         """Drops the reference to the parameters (before a train step donates them)."""
         self.state = None
 
+    def _params(self) -> nnx.State:
+        """The parameters to run with; a clear error when there are none or a train step has
+        donated them (JAX would otherwise be handed freed buffers)."""
+        if self.state is None:
+            raise RuntimeError("the sampler holds no parameters (released before a train step; "
+                               "hand them over with set_params)")
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.state)):
+            raise RuntimeError("the sampler's parameters were deleted: a train step donated "
+                               "them (release them before the step, hand the new ones over)")
+        return self.state
+
     def _scope(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else \
             contextlib.nullcontext()
@@ -179,9 +193,7 @@ class Sampler:
         each padded to a bucket of at least `pad_to`; returns [(real tokens, `Scores`)] per
         chunk if `score`."""
         cap = cap or self.cfg.max_chunk
-        if self.state is None:
-            raise RuntimeError("the sampler holds no parameters (released before a train step; "
-                               "hand them over with set_params)")
+        state = self._params()
         swaps = self.pages.private(seq, seq.fed)
         if swaps:
             self._copy([s for s, _ in swaps], [d for _, d in swaps], [], [])
@@ -198,8 +210,9 @@ class Sampler:
             chunk = Chunk(jnp.asarray(toks), jnp.asarray([seq.fed], jnp.int32),
                           jnp.asarray([n], jnp.int32), jnp.asarray(pages), jnp.asarray(ring))
             with self._scope():
-                self.cache, sc = programs.prefill(self.graphdef, self.state, self.cache, chunk,
-                                               kernels=self.kernels["prefill"], score=score)
+                self.cache, sc = programs.prefill(self.graphdef, state, self.cache, chunk,
+                                                  kernels=self.kernels["prefill"], score=score,
+                                                  cache_sharding=self.cache_sharding)
             if score:
                 got.append((n, jax.device_get(sc)))
             seq.fed += n
@@ -216,7 +229,8 @@ class Sampler:
         with self._scope():
             self.cache = cache_lib.copy_pages(
                 self.cache, pad(src, 0), pad(dst, self.spec.num_pages), pad(rsrc, 0),
-                pad(rdst, self.spec.num_ring_pages), sliding=self.sliding)
+                pad(rdst, self.spec.num_ring_pages), sliding=self.sliding,
+                cache_sharding=self.cache_sharding)
 
     def _prepare(self, job: _Job) -> None:
         """The job's sequence, ready for its first decode step (all but one token cached)."""
@@ -332,9 +346,10 @@ class Sampler:
     def _decode(self, running: list) -> None:
         slots = jax.tree.map(jnp.asarray, self._slots(running))
         with self._scope():
-            self.cache, gen, after = programs.decode(self.graphdef, self.state, self.cache, slots,
-                                                  kernels=self.kernels["decode"],
-                                                  steps=self.cfg.decode_steps)
+            self.cache, gen, after = programs.decode(
+                self.graphdef, self._params(), self.cache, slots,
+                kernels=self.kernels["decode"], steps=self.cfg.decode_steps,
+                cache_sharding=self.cache_sharding)
         gen, active = jax.device_get((gen, after.active_S))
         self.stats["decode_calls"] += 1
         for s, item in enumerate(running):

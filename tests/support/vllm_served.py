@@ -54,6 +54,14 @@ def randomize(model, seed):
     nnx.update(model, jax.tree_util.tree_map_with_path(draw, nnx.state(model)))
 
 
+def random_model(cfg, seed):
+    """`Transformer(cfg)` with `randomize(seed)`'s weights, built without running its init (every
+    leaf is drawn again anyway: the eager init's compiles cost seconds per model)."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
+    randomize(model, seed)
+    return model
+
+
 @nnx.jit
 def _forward(model, tokens):
     return model(tokens)
@@ -135,8 +143,7 @@ def published_families(tmp_path_factory):
         wd = str(work / family)
         refs, dirs, models = {}, {"workdir": wd}, {}
         for step in (1, 2):
-            model = Transformer(cfg, rngs=nnx.Rngs(step))
-            randomize(model, step)
+            model = random_model(cfg, step)
             refs[step], models[step] = learner_answers(model), model
             dirs[step] = publish.publish_weights(model, step, wd,
                                                  lambda m, d: hf.save_pretrained(m, d))
