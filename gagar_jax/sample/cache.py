@@ -3,10 +3,13 @@
     cache = init_cache(model_cfg, spec)        # {stack name: [(k, v) per pattern position]}
 
 Each layer stack of the model (`model.layer_stacks`: a pattern of layer kinds repeated R times)
-gets, per pattern position, a key pool `[R, Kv, NP, T, Dh]` and a value pool `[R, Kv, NP, T, Dv]`
-(the sampler scans them with the layers). Full-attention positions draw NP = `spec.num_pages`
-pages, sliding ones NP = `spec.num_ring_pages` (window rings). Page ids are shared by every
-layer of a kind: a sequence's page table addresses all its layers at once.
+gets, per pattern position, a key pool `[Kv, R * NP, T, Dh]` and a value pool
+`[Kv, R * NP, T, Dv]`: layer r of the stack owns pages [r * NP, (r + 1) * NP), so the layer scan
+carries the whole pool and reads and writes it in place at page `r * NP + id` (no layer's pool
+is ever sliced out and copied back), and JAX's Pallas paged kernel takes it as it is. Full-
+attention positions draw NP = `spec.num_pages` pages, sliding ones NP = `spec.num_ring_pages`
+(window rings). Page ids are shared by every layer of a kind: a sequence's page table addresses
+all its layers at once.
 """
 from __future__ import annotations
 
@@ -63,8 +66,8 @@ def pool_shapes(cfg: ModelConfig, spec: CacheSpec) -> dict:
         for sliding in st.pattern:
             kv = cfg.sliding_kv_heads if sliding else cfg.num_kv_heads
             n = spec.num_ring_pages if sliding else spec.num_pages
-            out[st.name].append(((st.repeats, kv, n, spec.page, cfg.head_dim),
-                                 (st.repeats, kv, n, spec.page, cfg.value_head_dim), sliding))
+            out[st.name].append(((kv, st.repeats * n, spec.page, cfg.head_dim),
+                                 (kv, st.repeats * n, spec.page, cfg.value_head_dim), sliding))
     return out
 
 
@@ -73,9 +76,9 @@ def sliding_kinds(cfg: ModelConfig) -> tuple:
     return tuple((st.name, tuple(st.pattern)) for st in layer_stacks(cfg))
 
 
-# The pools' logical axes: [R, Kv, NP, T, D]: KV heads split over `tensor` (as the model's k/v
+# The pools' logical axes: [Kv, R * NP, T, D]: KV heads split over `tensor` (as the model's k/v
 # projections are), everything else whole on every chip of the sampler's mesh.
-POOL_AXES = ("layers", "kv_heads", None, None, None)
+POOL_AXES = ("kv_heads", None, None, None)
 
 
 def cache_shardings(cfg: ModelConfig, spec: CacheSpec, mesh: jax.sharding.Mesh | None,
@@ -110,30 +113,35 @@ def cache_bytes(cfg: ModelConfig, spec: CacheSpec) -> int:
                for pos in pool_shapes(cfg, spec).values() for k, v, _ in pos)
 
 
-@functools.partial(jax.jit, static_argnames=("sliding", "cache_sharding"),
+@functools.partial(jax.jit, static_argnames=("sliding", "pages", "cache_sharding"),
                    donate_argnames=("cache",))
 def copy_pages(cache: dict, src_C: jax.Array, dst_C: jax.Array, ring_src_C: jax.Array,
-               ring_dst_C: jax.Array, sliding: tuple,
+               ring_dst_C: jax.Array, sliding: tuple, pages: tuple,
                cache_sharding: tuple | None = None) -> dict:
     """Copies pages src -> dst in every layer (forks of a shared prompt: its partial last
-    page and its window ring). A dst past the pool (padding) is dropped.
+    page and its window ring).
 
     Args:
-      cache: the pools. src_C, dst_C: full-layer pages. ring_src_C, ring_dst_C: ring pages.
-      sliding: `sliding_kinds(cfg)` (static).
+      cache: the pools. src_C, dst_C: full-layer pages. ring_src_C, ring_dst_C: ring pages
+        (page ids of one layer: every layer of a stack is copied).
+      sliding: `sliding_kinds(cfg)` (static). pages: (num_pages, num_ring_pages) of one layer;
+        a dst >= that is padding (dropped).
       cache_sharding: the pools' placements (`cache_shardings`), kept on the way out.
     """
     kinds = dict(sliding)
-    def one(pool: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
-        src = jnp.clip(src, 0, pool.shape[2] - 1)
-        return pool.at[:, :, dst].set(pool[:, :, src], mode="drop")
+    def one(pool: jax.Array, src: jax.Array, dst: jax.Array, n: int) -> jax.Array:
+        layers = pool.shape[1] // n                      # R: page r * n + id in layer r
+        off = (jnp.arange(layers) * n)[:, None]
+        src = (off + jnp.clip(src, 0, n - 1)[None]).reshape(-1)
+        dst = jnp.where(dst[None] < n, off + dst[None], pool.shape[1]).reshape(-1)
+        return pool.at[:, dst].set(pool[:, src], mode="drop")
 
     out = {}
     for name, pools in cache.items():
         out[name] = []
         for (k, v), sl in zip(pools, kinds[name], strict=True):
-            s, d = (ring_src_C, ring_dst_C) if sl else (src_C, dst_C)
-            out[name].append((one(k, s, d), one(v, s, d)))
+            s, d, n = (ring_src_C, ring_dst_C, pages[1]) if sl else (src_C, dst_C, pages[0])
+            out[name].append((one(k, s, d, n), one(v, s, d, n)))
     if cache_sharding is None:
         return out
     leaves, tree = jax.tree.flatten(out)

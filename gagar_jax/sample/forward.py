@@ -50,14 +50,15 @@ class Kernels(NamedTuple):
 
 
 def _attend(attn: Attention, x_BxNxD: jax.Array, chunk: Chunk, k_pool: jax.Array,
-            v_pool: jax.Array, kernel: str, sliding: bool):
-    """One attention layer against its pools; returns (output [B, N, D], k_pool, v_pool)."""
+            v_pool: jax.Array, kernel: str, sliding: bool, offset: jax.Array):
+    """One attention layer against its stack's pools (its pages start at `offset`); returns
+    (output [B, N, D], k_pool, v_pool)."""
     dt = x_BxNxD.dtype
     N = x_BxNxD.shape[1]
     positions = chunk.start_B[:, None] + jnp.arange(N, dtype=jnp.int32)[None, :]
     q, k, v = attn.project_qkv(x_BxNxD, positions)
     q = constrain(q, "batch", None, "heads", None)
-    table = chunk.ring_BxR if sliding else chunk.pages_BxM
+    table = (chunk.ring_BxR if sliding else chunk.pages_BxM) + offset
     rec = attention_registry.paged_kernel(kernel)
     if rec.write_first:   # decode against pages that already hold the new key (Pallas)
         k_pool = paged.write(k_pool, k, table, chunk.start_B, chunk.n_B, ring=sliding)
@@ -67,8 +68,9 @@ def _attend(attn: Attention, x_BxNxD: jax.Array, chunk: Chunk, k_pool: jax.Array
     else:
         o = rec.fn(q, k, v, k_pool, v_pool, table, chunk.start_B, chunk.n_B,
                    window=attn.window, ring=sliding, sinks_H=attn.sinks_H())
-        k_pool = paged.write(k_pool, k, table, chunk.start_B, chunk.n_B, ring=sliding)
-        v_pool = paged.write(v_pool, v, table, chunk.start_B, chunk.n_B, ring=sliding)
+        # written after the read (in place: `write`'s `after`)
+        k_pool = paged.write(k_pool, k, table, chunk.start_B, chunk.n_B, ring=sliding, after=o)
+        v_pool = paged.write(v_pool, v, table, chunk.start_B, chunk.n_B, ring=sliding, after=o)
     return jnp.einsum("bshk,hkd->bsd", o.astype(dt), attn.wo[...].astype(dt)), k_pool, v_pool
 
 
@@ -80,20 +82,23 @@ def _blocks(model: Transformer, spec: LayerStack) -> list:
 
 def _run_stack(model: Transformer, spec: LayerStack, x: jax.Array, chunk: Chunk, pools: list,
                kernels: Kernels):
-    """Scans one layer stack; returns x, its pools, and the experts per MoE layer in layer
-    order ([R * P, B, N, K]) or None."""
+    """Scans one layer stack, its pools in the carry (updated in place); returns x, the pools,
+    and the experts per MoE layer in layer order ([R * P, B, N, K]) or None."""
     splits = [nnx.split(b) for b in _blocks(model, spec)]
     mask_BxN = jnp.arange(x.shape[1])[None, :] < chunk.n_B[:, None]
 
-    def body(x: jax.Array, inputs: tuple):
-        states, layer_pools = inputs
+    def body(carry: tuple, inputs: tuple):
+        x, layer_pools = carry
+        states, r = inputs
         new_pools, ids = [], []
         for pos, (graphdef, _) in enumerate(splits):
             block = nnx.merge(graphdef, states[pos])
             sliding = spec.pattern[pos]
             k_pool, v_pool = layer_pools[pos]
+            offset = r * (k_pool.shape[1] // spec.repeats)
             a, k_pool, v_pool = _attend(block.attn, block.attn_norm(x), chunk, k_pool, v_pool,
-                                        kernels.sliding if sliding else kernels.full, sliding)
+                                        kernels.sliding if sliding else kernels.full, sliding,
+                                        offset)
             h = x + a
             if block.is_moe:
                 y, stats = block.mlp(block.mlp_norm(h), mask_BxN)
@@ -102,9 +107,10 @@ def _run_stack(model: Transformer, spec: LayerStack, x: jax.Array, chunk: Chunk,
             else:
                 x = h + block.mlp(block.mlp_norm(h))
             new_pools.append((k_pool, v_pool))
-        return x, (new_pools, jnp.stack(ids) if ids else None)
+        return (x, new_pools), (jnp.stack(ids) if ids else None)
 
-    x, (pools, ids) = jax.lax.scan(body, x, ([s for _, s in splits], pools))
+    (x, pools), ids = jax.lax.scan(body, (x, pools), ([s for _, s in splits],
+                                                      jnp.arange(spec.repeats)))
     if ids is not None:
         ids = ids.reshape(-1, *ids.shape[2:])
     return x, pools, ids

@@ -50,6 +50,7 @@ class SamplerConfig:
       num_pages: full-attention pages (0: `4 * slots` sequences of `max_len`).
       decode_steps: decode steps per call (sequences join and leave between calls).
       max_chunk: the longest prefill chunk; chunks are padded to powers of two from 16.
+      max_prefill_rows: sequences prefilled together (rows padded to a power of two).
       max_stops: stop tokens per request (a bucket; more compile a wider one).
       paged_attention: "auto" or a paged kernel of `kernels/attention/registry.py`.
       cache_dtype: dtype of keys and values ("" = the model's compute dtype).
@@ -60,12 +61,14 @@ class SamplerConfig:
     num_pages: int = 0
     decode_steps: int = 8
     max_chunk: int = 256
+    max_prefill_rows: int = 8
     max_stops: int = 4
     paged_attention: str = "auto"
     cache_dtype: str = ""
 
     def __post_init__(self):
-        for name in ("slots", "page", "max_len", "decode_steps", "max_chunk", "max_stops"):
+        for name in ("slots", "page", "max_len", "decode_steps", "max_chunk", "max_prefill_rows",
+                     "max_stops"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"SamplerConfig.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -187,37 +190,45 @@ class Sampler:
             contextlib.nullcontext()
 
     # -------------------------------------------------------------- prefill
-    def _prefill(self, seq: Sequence, upto: int, score: bool = False, cap: int = 0,
-                 pad_to: int = 0) -> list:
-        """Writes seq.tokens[seq.fed:upto] in chunks of at most `cap` (default `max_chunk`),
-        each padded to a bucket of at least `pad_to`; returns [(real tokens, `Scores`)] per
-        chunk if `score`."""
-        cap = cap or self.cfg.max_chunk
-        state = self._params()
-        swaps = self.pages.private(seq, seq.fed)
+    def _prefill(self, todo: list, score: bool = False, cap: int = 0, pad_to: int = 0) -> list:
+        """Writes seq.tokens[seq.fed:upto] of every (seq, upto) of `todo`, several sequences
+        per call (rows padded to a power of two, at most `max_prefill_rows`), in chunks of at
+        most `cap` (default `max_chunk`) tokens padded to a bucket of at least `pad_to`.
+        Returns, if `score`, [(real tokens, `Scores`)] per chunk (one sequence only)."""
+        cap, state = cap or self.cfg.max_chunk, self._params()
+        swaps = []
+        for seq, upto in todo:
+            swaps += self.pages.private(seq, seq.fed)
+            self.pages.reserve(seq, upto)
         if swaps:
             self._copy([s for s, _ in swaps], [d for _, d in swaps], [], [])
-        self.pages.reserve(seq, upto)
-        got, M = [], self.spec.max_pages
-        pages = np.zeros((1, M), np.int32)
-        pages[0, :len(seq.pages)] = seq.pages
-        ring = np.asarray([seq.ring or [0]], np.int32)
-        while seq.fed < upto:
-            n = min(cap, upto - seq.fed)
-            N = _bucket(max(n, pad_to), max(cap, pad_to))
-            toks = np.zeros((1, N), np.int32)
-            toks[0, :n] = seq.tokens[seq.fed:seq.fed + n]
-            chunk = Chunk(jnp.asarray(toks), jnp.asarray([seq.fed], jnp.int32),
-                          jnp.asarray([n], jnp.int32), jnp.asarray(pages), jnp.asarray(ring))
-            with self._scope():
-                self.cache, sc = programs.prefill(self.graphdef, state, self.cache, chunk,
-                                                  kernels=self.kernels["prefill"], score=score,
-                                                  cache_sharding=self.cache_sharding)
-            if score:
-                got.append((n, jax.device_get(sc)))
-            seq.fed += n
-            self.stats["prefill_chunks"] += 1
-        return got
+        got, M, R = [], self.spec.max_pages, max(self.spec.ring_pages, 1)
+        while True:
+            rows = [(seq, upto) for seq, upto in todo if seq.fed < upto]
+            if not rows:
+                return got
+            for at in range(0, len(rows), self.cfg.max_prefill_rows):
+                group = rows[at:at + self.cfg.max_prefill_rows]
+                P = 1 << (len(group) - 1).bit_length()
+                n = [min(cap, upto - seq.fed) for seq, upto in group]
+                N = _bucket(max(max(n), pad_to), max(cap, pad_to))
+                toks, pages = np.zeros((P, N), np.int32), np.zeros((P, M), np.int32)
+                ring, start, count = (np.zeros((P, R), np.int32), np.zeros((P,), np.int32),
+                                      np.zeros((P,), np.int32))
+                for i, ((seq, _), k) in enumerate(zip(group, n, strict=True)):
+                    toks[i, :k] = seq.tokens[seq.fed:seq.fed + k]
+                    pages[i, :len(seq.pages)], ring[i, :len(seq.ring)] = seq.pages, seq.ring
+                    start[i], count[i] = seq.fed, k
+                chunk = Chunk(*(jnp.asarray(a) for a in (toks, start, count, pages, ring)))
+                with self._scope():
+                    self.cache, sc = programs.prefill(
+                        self.graphdef, state, self.cache, chunk, kernels=self.kernels["prefill"],
+                        score=score, cache_sharding=self.cache_sharding)
+                if score:
+                    got.append((n[0], jax.device_get(sc)))
+                for (seq, _), k in zip(group, n, strict=True):
+                    seq.fed += k
+                self.stats["prefill_chunks"] += 1
 
     def _copy(self, src: list, dst: list, rsrc: list, rdst: list) -> None:
         """Copies full pages src -> dst and ring pages rsrc -> rdst in every layer."""
@@ -230,30 +241,36 @@ class Sampler:
             self.cache = cache_lib.copy_pages(
                 self.cache, pad(src, 0), pad(dst, self.spec.num_pages), pad(rsrc, 0),
                 pad(rdst, self.spec.num_ring_pages), sliding=self.sliding,
+                pages=(self.spec.num_pages, self.spec.num_ring_pages),
                 cache_sharding=self.cache_sharding)
 
-    def _prepare(self, job: _Job) -> None:
-        """The job's sequence, ready for its first decode step (all but one token cached)."""
-        if job.seq is not None:           # a continuation, or a sample forked already
-            self._prefill(job.seq, len(job.seq.tokens) - 1)
-            return
-        prefix = job.prefix
-        base = self.pages.new(self._new_id(), prefix["tokens"])
-        self._prefill(base, len(base.tokens) - 1)
-        seqs, src, dst, rsrc, rdst = [base], [], [], [], []
-        for _ in range(len(prefix["jobs"]) - 1):
-            fork, copies, ring = self.pages.fork(base, self._new_id())
-            seqs.append(fork)
-            self.stats["forks"] += 1
-            src += [s for s, _ in copies]
-            dst += [d for _, d in copies]
-            rsrc += [s for s, _ in ring]
-            rdst += [d for _, d in ring]
-        if len(seqs) > 1 and (src or rsrc):
+    def _prepare(self, jobs: list) -> None:
+        """The jobs' sequences, ready for their first decode step (all but one token cached):
+        continuations and new prompts prefilled together, each new prompt once, then forked
+        into its samples (their copies in one call)."""
+        bases = {}
+        for job in jobs:
+            if job.seq is None and id(job.prefix) not in bases:
+                bases[id(job.prefix)] = self.pages.new(self._new_id(), job.prefix["tokens"])
+        todo = [(j.seq, len(j.seq.tokens) - 1) for j in jobs if j.seq is not None]
+        self._prefill(todo + [(b, len(b.tokens) - 1) for b in bases.values()])
+        src, dst, rsrc, rdst = [], [], [], []
+        for key, base in bases.items():
+            prefix = next(j.prefix for j in jobs if id(j.prefix) == key)
+            seqs = [base]
+            for _ in range(len(prefix["jobs"]) - 1):
+                fork, copies, ring = self.pages.fork(base, self._new_id())
+                seqs.append(fork)
+                self.stats["forks"] += 1
+                src += [s for s, _ in copies]
+                dst += [d for _, d in copies]
+                rsrc += [s for s, _ in ring]
+                rdst += [d for _, d in ring]
+            for j, seq in zip(prefix["jobs"], seqs, strict=True):
+                j.seq = seq
+                self.seqs[seq.id] = seq
+        if src or rsrc:
             self._copy(src, dst, rsrc, rdst)
-        for j, seq in zip(prefix["jobs"], seqs, strict=True):
-            j.seq = seq
-            self.seqs[seq.id] = seq
 
     def _new_id(self) -> str:
         return f"j{next(self._ids)}"
@@ -303,17 +320,18 @@ class Sampler:
         S = self.cfg.slots
         running: list = [None] * S
         while queue or any(running):
-            for s in range(S):
-                if running[s] is None and queue:
-                    job = queue.popleft()
-                    self.stats["joined_running"] += any(r is not None and r[0].out.tokens
-                                                        for r in running)
-                    self._prepare(job)
-                    budget = min(job.params.max_tokens, self.cfg.max_len - len(job.seq.tokens))
-                    job.out = Turn([], [], [], np.zeros((0, self.model_cfg.num_moe_layers,
-                                                         self.model_cfg.top_k), np.int32),
-                                   "length", job.seq.id)
-                    running[s] = (job, budget)
+            free = [s for s in range(S) if running[s] is None]
+            admitted = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+            if admitted:
+                self.stats["joined_running"] += len(admitted) * any(
+                    r is not None and r[0].out.tokens for r in running)
+                self._prepare(admitted)
+            for s, job in zip(free, admitted, strict=False):
+                budget = min(job.params.max_tokens, self.cfg.max_len - len(job.seq.tokens))
+                job.out = Turn([], [], [], np.zeros((0, self.model_cfg.num_moe_layers,
+                                                     self.model_cfg.top_k), np.int32),
+                               "length", job.seq.id)
+                running[s] = (job, budget)
             self._decode(running)
 
     def _slots(self, running: list) -> programs.Slots:
@@ -378,8 +396,8 @@ class Sampler:
         and the experts of position i ({"argmax", "logprobs", "routed"})."""
         seq = self.pages.new(self._new_id(), [int(t) for t in tokens])
         try:
-            [(n, sc)] = self._prefill(seq, len(seq.tokens), score=True, cap=len(seq.tokens),
-                                      pad_to=pad_to)
+            [(n, sc)] = self._prefill([(seq, len(seq.tokens))], score=True,
+                                      cap=len(seq.tokens), pad_to=pad_to)
         finally:
             self.pages.drop(seq)
         return {"argmax": sc.argmax_BxN[0, :n - 1].tolist(),

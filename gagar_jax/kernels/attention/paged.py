@@ -99,9 +99,18 @@ def paged_attention_xla(q_BxNxHxD: jax.Array, k_new_BxNxKvxD: jax.Array,
 
 
 def write(pool_KvxPxTxD: jax.Array, new_BxNxKvxD: jax.Array, table_BxM: jax.Array,
-          start_B: jax.Array, n_B: jax.Array, *, ring: bool = False) -> jax.Array:
+          start_B: jax.Array, n_B: jax.Array, *, ring: bool = False,
+          after: jax.Array | None = None) -> jax.Array:
     """The pool with the chunk's real tokens written at their pages (a ring keeps only the last
-    Wr of them). Rows with n_B = 0 write nothing (inactive slots, padding)."""
+    Wr of them). Rows with n_B = 0 write nothing (inactive slots, padding).
+
+    `after`: a result computed from the pool before this write (the attention output). The
+    written values are made to depend on it (+ 0 * one of its elements), so the in-place write
+    is ordered after every read of the old pool: without that data dependency XLA copies the
+    whole pool (twice, in a loop) to keep the old one readable. It must be finite.
+    """
+    if after is not None:
+        new_BxNxKvxD = new_BxNxKvxD + 0 * jnp.min(after[:, :1]).astype(new_BxNxKvxD.dtype)
     Kv, NP, T, D = pool_KvxPxTxD.shape
     B, N = new_BxNxKvxD.shape[:2]
     M = table_BxM.shape[1]
