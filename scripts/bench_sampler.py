@@ -30,8 +30,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
-import numpy as np  # noqa: E402
-from benchutil import write_docs_section  # noqa: E402
+import numpy as np
+from benchutil import write_docs_section
 
 HEADING = "## Sampler (scripts/bench_sampler.py)"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,7 +173,7 @@ def render(j: dict, v: dict | None, args: argparse.Namespace) -> str:
     mb = j["bytes"] / 2**20
     rs, cs = float(np.mean(j["reshard_s"])), float(np.mean(j["copy_s"]))
     out += ["", "| weights to the engine | MB | seconds |", "|---|---|---|",
-            f"| hand-over, same mesh (the learner's arrays) | 0 moved | 0 |",
+            "| hand-over, same mesh (the learner's arrays) | 0 moved | 0 |",
             f"| hand-over, copy on the learner's 4 devices | {mb:.0f} | {cs:.3f} |",
             f"| hand-over, reshard fsdp 4 -> tensor 4 (other 4 devices, `jax.device_put`) | "
             f"{mb:.0f} | {rs:.3f} |",
