@@ -5,14 +5,15 @@ hand-over against a publish plus a vLLM reload of the same weights.
 Run:  /work/bin/quiet .venv/bin/python scripts/bench_sampler.py   (writes the section
       "## Sampler (scripts/bench_sampler.py)" of docs/performance.md; --no-docs to skip)
 
-`configs/small.py` (102M parameters, Qwen3-MoE layout) at its initial weights, published once in
-float32. The JAX side runs on 8 fake CPU devices: throughput on device 0 alone (`JaxEngine` from
-the published directory: `SamplerConfig(slots=B)`, one decode program of `--decode-steps` steps
-per call), the hand-over from a learner mesh of devices 0-3 (fsdp 4) to a sampler mesh of devices
-4-7 (tensor 4: `handover.timed_hand_over(mode="reshard")`, the mean of 3), whose greedy tokens
-must equal the published sampler's. vLLM (`--vllm-python`, its workers import this checkout) loads
-the same directory (float32, eager, batch of B in one `generate`, no routing capture), then
-reloads it in place (`gagar_reload_from`, the worker's reload, the mean of 3).
+`configs/small.py` (102M parameters, Qwen3-MoE layout) at its initial weights, published once
+in float32. The JAX side runs on 8 fake CPU devices: throughput on device 0 alone (`JaxEngine`
+from the published directory: `SamplerConfig(slots=B, layer_copies=True)`, one decode program
+of `--decode-steps` steps per call); the hand-over from a learner mesh of devices 0-3 (fsdp 4)
+to a sampler mesh of devices 4-7 (tensor 4: `handover.timed_hand_over(mode="reshard")`, the
+mean of 3), whose greedy tokens must equal the published sampler's. vLLM (`--vllm-python`, its
+workers import this checkout) loads the same directory (float32, eager, batch of B in one
+`generate`, no routing capture), then reloads it in place (`gagar_reload_from`, the worker's
+reload, the mean of 3).
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def jax_side(args: argparse.Namespace, work: str) -> dict:
     B, L = args.batch, args.prompt + args.gen + 1
     ps = prompts(B, args.prompt, cfg.vocab_size)
     sampler_cfg = SamplerConfig(slots=B, page=16, max_len=L, decode_steps=args.decode_steps,
-                                max_chunk=64)
+                                max_chunk=64, layer_copies=True)
     options = EngineOptions(seed=0, max_model_len=L)
     eng = make_engine(str(path), options, sampler_cfg)
 
@@ -163,7 +164,8 @@ def render(j: dict, v: dict | None, args: argparse.Namespace) -> str:
            f"each at temperature 1 (no stop), the whole batch in one call.", "",
            "| engine | tokens | seconds | tokens/s | prefill + first token s |",
            "|---|---|---|---|---|",
-           f"| JAX sampler (slots {args.batch}, {args.decode_steps} decode steps per call) | "
+           f"| JAX sampler (slots {args.batch}, {args.decode_steps} decode steps per call, "
+           f"per-layer weight copies) | "
            f"{j['tokens']} | {j['gen_s']:.2f} | {jt:.0f} | {j['first_s']:.2f} |"]
     if v is not None:
         vt = v["tokens"] / v["gen_s"]

@@ -4,7 +4,7 @@
   families (MiMo: window exceeded, sinks, partial RoPE, router bias), over three turns of live
   sequences with continuous batching: more samples than slots, two decode steps per call (they
   join and leave mid-run), prefill in chunks of 8, a prompt's samples sharing its pages, new
-  prompts joining the later turns.
+  prompts joining the later turns; Qwen3 on per-layer weight copies, MiMo on the layer scan.
 * Draws: top-k / top-p / temperature frequencies over 20k draws within 3 standard errors of the
   truncated distribution worked out in NumPy; the processed log-prob is that distribution's;
   the same key gives the same token, alone or in a batch.
@@ -28,8 +28,11 @@ PROMPTS = [rng.integers(0, 256, n).tolist() for n in (12, 9, 5, 14, 7)]
 def served(request):
     cfg = model_config(request.param)
     model = random_model(cfg, 3)
+    # Qwen3 runs on per-layer weight copies (`layer_copies`), MiMo on the stacked scan: both
+    # paths, no extra compile.
     sampler = Sampler(model, SamplerConfig(slots=3, page=4, max_len=64, decode_steps=2,
-                                           max_chunk=8))
+                                           max_chunk=8,
+                                           layer_copies=request.param == "qwen3_moe"))
     return cfg, model, sampler
 
 

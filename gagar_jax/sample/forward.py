@@ -80,10 +80,24 @@ def _blocks(model: Transformer, spec: LayerStack) -> list:
                                                    for k in range(len(spec.pattern))]
 
 
+def unstack(model: Transformer) -> dict:
+    """Per-layer copies of the model's stacked layer parameters: {stack name: ((block state per
+    pattern position) per repeat)}, for `extend(..., layers=...)` (`SamplerConfig.layer_copies`).
+    """
+    out = {}
+    for spec in model.stacks:
+        states = [nnx.state(b) for b in _blocks(model, spec)]
+        out[spec.name] = jax.jit(lambda st, n=spec.repeats: tuple(
+            tuple(jax.tree.map(lambda x, r=r: x[r], s) for s in st) for r in range(n)))(states)
+    return out
+
+
 def _run_stack(model: Transformer, spec: LayerStack, x: jax.Array, chunk: Chunk, pools: list,
-               kernels: Kernels):
+               kernels: Kernels, layers: tuple | None = None):
     """Scans one layer stack, its pools in the carry (updated in place); returns x, the pools,
-    and the experts per MoE layer in layer order ([R * P, B, N, K]) or None."""
+    and the experts per MoE layer in layer order ([R * P, B, N, K]) or None. With `layers`
+    (per-layer parameter copies, `unstack`) the layers run unrolled on them instead: XLA:CPU
+    copies a layer's weights out of the stacked arrays at every step of a scan."""
     splits = [nnx.split(b) for b in _blocks(model, spec)]
     mask_BxN = jnp.arange(x.shape[1])[None, :] < chunk.n_B[:, None]
 
@@ -109,16 +123,24 @@ def _run_stack(model: Transformer, spec: LayerStack, x: jax.Array, chunk: Chunk,
             new_pools.append((k_pool, v_pool))
         return (x, new_pools), (jnp.stack(ids) if ids else None)
 
-    (x, pools), ids = jax.lax.scan(body, (x, pools), ([s for _, s in splits],
-                                                      jnp.arange(spec.repeats)))
+    if layers is not None:
+        carry, got = (x, pools), []
+        for r, states in enumerate(layers):
+            carry, ids_r = body(carry, (list(states), r))
+            got.append(ids_r)
+        (x, pools), ids = carry, (None if got[0] is None else jnp.stack(got))
+    else:
+        (x, pools), ids = jax.lax.scan(body, (x, pools), ([s for _, s in splits],
+                                                          jnp.arange(spec.repeats)))
     if ids is not None:
         ids = ids.reshape(-1, *ids.shape[2:])
     return x, pools, ids
 
 
-def extend(model: Transformer, cache: dict, chunk: Chunk,
-           kernels: Kernels) -> tuple[jax.Array, dict, jax.Array]:
-    """Runs `chunk` through the model against (and into) `cache`.
+def extend(model: Transformer, cache: dict, chunk: Chunk, kernels: Kernels,
+           layers: dict | None = None) -> tuple[jax.Array, dict, jax.Array]:
+    """Runs `chunk` through the model against (and into) `cache` (with `layers`: on per-layer
+    parameter copies, `unstack`).
 
     Returns:
       (final-normed hidden states [B, N, D] in compute dtype, the updated cache, the experts
@@ -128,8 +150,9 @@ def extend(model: Transformer, cache: dict, chunk: Chunk,
     x = model.embedding[...].astype(cfg.compute_dtype)[chunk.tokens_BxN]
     new_cache, ids = {}, []
     for spec in model.stacks:
-        x, new_cache[spec.name], got = _run_stack(model, spec, x, chunk, cache[spec.name],
-                                                  kernels)
+        x, new_cache[spec.name], got = _run_stack(
+            model, spec, x, chunk, cache[spec.name], kernels,
+            None if layers is None else layers[spec.name])
         if spec.moe:
             ids.append(got)
     B, N = chunk.tokens_BxN.shape

@@ -85,13 +85,14 @@ def _pin(cache: dict, shardings: tuple | None) -> dict:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "score", "cache_sharding"),
                    donate_argnames=("cache",))
-def prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: dict, chunk: Chunk, *,
-            kernels: Kernels, score: bool = False,
+def prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: dict, chunk: Chunk,
+            layers: dict | None = None, *, kernels: Kernels, score: bool = False,
             cache_sharding: tuple | None = None) -> tuple[dict, Scores | None]:
     """Writes a chunk's keys and values; with `score`, teacher-forced `Scores` too (else None).
-    `cache_sharding`: the pools' placements (`cache.cache_shardings`), kept on the way out."""
+    `layers`: per-layer parameter copies (`forward.unstack`) or None. `cache_sharding`: the
+    pools' placements (`cache.cache_shardings`), kept on the way out."""
     model = nnx.merge(graphdef, state)
-    h, cache, routed = forward.extend(model, cache, chunk, kernels)
+    h, cache, routed = forward.extend(model, cache, chunk, kernels, layers)
     cache = _pin(cache, cache_sharding)
     if not score:
         return cache, None
@@ -104,8 +105,8 @@ def prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: dict, chunk: Chunk,
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "steps", "cache_sharding"),
                    donate_argnames=("cache",))
-def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: dict, slots: Slots, *,
-           kernels: Kernels, steps: int,
+def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: dict, slots: Slots,
+           layers: dict | None = None, *, kernels: Kernels, steps: int,
            cache_sharding: tuple | None = None) -> tuple[dict, Generated, Slots]:
     """Up to `steps` decode steps of every active slot; returns (cache, `Generated`, slots
     after the last step: a slot that drew a stop token or spent its budget is inactive)."""
@@ -127,7 +128,7 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: dict, slots: Slots, 
         live = sl.active_S
         chunk = Chunk(tokens_BxN=sl.token_S[:, None], start_B=sl.pos_S,
                       n_B=live.astype(jnp.int32), pages_BxM=sl.pages_SxM, ring_BxR=sl.ring_SxR)
-        h, cache, routed = forward.extend(model, cache, chunk, kernels)
+        h, cache, routed = forward.extend(model, cache, chunk, kernels, layers)
         cache = _pin(cache, cache_sharding)
         d = draw.sample(_logits(model, h[:, 0]), draw.row_keys(sl.seed_S, sl.count_S),
                             sl.temperature_S, sl.top_k_S, sl.top_p_S)

@@ -34,7 +34,7 @@ from flax import nnx
 
 from gagar_jax.kernels.attention import registry as attention_registry
 from gagar_jax.sample import cache as cache_lib
-from gagar_jax.sample import programs
+from gagar_jax.sample import forward, programs
 from gagar_jax.sample.forward import Chunk, Kernels
 from gagar_jax.sample.pages import Pages, Sequence
 
@@ -54,6 +54,10 @@ class SamplerConfig:
       max_stops: stop tokens per request (a bucket; more compile a wider one).
       paged_attention: "auto" or a paged kernel of `kernels/attention/registry.py`.
       cache_dtype: dtype of keys and values ("" = the model's compute dtype).
+      layer_copies: run on per-layer copies of the stacked layer parameters, made once per
+        hand-over (`forward.unstack`: the model's size again in memory): XLA:CPU otherwise
+        copies each layer's weights out of the stacked arrays at every decode step. Off for a
+        same-mesh hand-over (it would copy what that hand-over shares).
     """
     slots: int = 8
     page: int = 16
@@ -65,6 +69,7 @@ class SamplerConfig:
     max_stops: int = 4
     paged_attention: str = "auto"
     cache_dtype: str = ""
+    layer_copies: bool = False
 
     def __post_init__(self):
         for name in ("slots", "page", "max_len", "decode_steps", "max_chunk", "max_prefill_rows",
@@ -155,6 +160,7 @@ class Sampler:
         sw, sinks = mc.sliding_window if mc.has_sliding else 0, mc.attention_sinks
         self.kernels = {"prefill": Kernels(pick(False, 0, False), pick(False, sw, sinks)),
                         "decode": Kernels(pick(True, 0, False), pick(True, sw, sinks))}
+        self.layers = forward.unstack(model) if cfg.layer_copies else None
         self.seqs: dict = {}
         self._ids = itertools.count()
         # what the scheduler did (tests and benchmarks read it): decode calls, prefill chunks,
@@ -167,12 +173,14 @@ class Sampler:
         """Serves `state` (same tree as the model's, any sharding) from the next step on; live
         sequences re-prefill on their next turn (their cache holds the old weights' keys)."""
         self.state = state
+        if self.cfg.layer_copies:
+            self.layers = forward.unstack(nnx.merge(self.graphdef, state))
         for seq in self.seqs.values():
             seq.fed = 0
 
     def release_params(self) -> None:
         """Drops the reference to the parameters (before a train step donates them)."""
-        self.state = None
+        self.state, self.layers = None, None
 
     def _params(self) -> nnx.State:
         """The parameters to run with; a clear error when there are none or a train step has
@@ -222,7 +230,8 @@ class Sampler:
                 chunk = Chunk(*(jnp.asarray(a) for a in (toks, start, count, pages, ring)))
                 with self._scope():
                     self.cache, sc = programs.prefill(
-                        self.graphdef, state, self.cache, chunk, kernels=self.kernels["prefill"],
+                        self.graphdef, state, self.cache, chunk, self.layers,
+                        kernels=self.kernels["prefill"],
                         score=score, cache_sharding=self.cache_sharding)
                 if score:
                     got.append((n[0], jax.device_get(sc)))
@@ -365,7 +374,7 @@ class Sampler:
         slots = jax.tree.map(jnp.asarray, self._slots(running))
         with self._scope():
             self.cache, gen, after = programs.decode(
-                self.graphdef, self._params(), self.cache, slots,
+                self.graphdef, self._params(), self.cache, slots, self.layers,
                 kernels=self.kernels["decode"], steps=self.cfg.decode_steps,
                 cache_sharding=self.cache_sharding)
         gen, active = jax.device_get((gen, after.active_S))
