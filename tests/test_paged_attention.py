@@ -81,12 +81,12 @@ def test_pallas_decode_in_interpret_mode_equals_the_xla_path():
 
 
 def test_registry_picks_pallas_only_for_plain_full_decode_on_tpu(monkeypatch):
-    plain = dict(window=0, sinks=False, same_dims=True)
+    plain = dict(window=0, sinks=False, same_dims=True, head_dim=128)
     assert registry.resolve_paged("auto", decode=True, **plain) == "xla"          # CPU
     monkeypatch.setattr(sharding, "device_platform", lambda mesh=None: "tpu")
     assert registry.resolve_paged("auto", decode=True, **plain) == "pallas"
     assert registry.resolve_paged("auto", decode=False, **plain) == "xla"        # prefill
-    for other in (dict(window=5), dict(sinks=True), dict(same_dims=False)):
+    for other in (dict(window=5), dict(sinks=True), dict(same_dims=False), dict(head_dim=64)):
         assert registry.resolve_paged("auto", decode=True, **{**plain, **other}) == "xla"
     with pytest.raises(ValueError, match="cannot serve this layer"):
         registry.resolve_paged("pallas", decode=True, window=5, sinks=True, same_dims=True)

@@ -72,7 +72,8 @@ def decode_inputs(cfg: ml_collections.ConfigDict, devices: list, mesh_sizes: dic
         stops_SxX=row(4))
     same = mc.head_dim == mc.value_head_dim
     pick = lambda window, sinks: attention_registry.resolve_paged(
-        "auto", mesh, decode=True, window=window, sinks=sinks, same_dims=same)
+        "auto", mesh, decode=True, window=window, sinks=sinks, same_dims=same,
+        head_dim=mc.head_dim)
     kernels = Kernels(pick(0, False), pick(mc.sliding_window if mc.has_sliding else 0,
                                            mc.attention_sinks))
     return {"graphdef": graphdef, "state": state, "cache": cache, "slots": slot_in,

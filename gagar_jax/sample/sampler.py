@@ -156,7 +156,8 @@ class Sampler:
         self.sliding = cache_lib.sliding_kinds(mc)
         same = mc.head_dim == mc.value_head_dim
         pick = lambda decode, window, sinks: attention_registry.resolve_paged(
-            cfg.paged_attention, mesh, decode=decode, window=window, sinks=sinks, same_dims=same)
+            cfg.paged_attention, mesh, decode=decode, window=window, sinks=sinks, same_dims=same,
+            head_dim=mc.head_dim)
         sw, sinks = mc.sliding_window if mc.has_sliding else 0, mc.attention_sinks
         self.kernels = {"prefill": Kernels(pick(False, 0, False), pick(False, sw, sinks)),
                         "decode": Kernels(pick(True, 0, False), pick(True, sw, sinks))}

@@ -23,8 +23,13 @@ JAX's Pallas TPU kernel, after the new key is written; it reads keys and values 
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from gagar_jax import sharding
 
 _NEG = -1e30   # finite "minus infinity" (no inf - inf in the softmax)
 
@@ -131,7 +136,9 @@ def paged_decode_pallas(q_BxHxD: jax.Array, k_pool: jax.Array, v_pool: jax.Array
                         pages_per_block: int = 0) -> jax.Array:
     """One decode query per row against its pages (new key already written): JAX's Pallas TPU
     `paged_attention`, run in TPU interpret mode (`pltpu.force_tpu_interpret_mode`) when
-    `interpret`. No window, no sinks, q/k width = v width; K and V are read in bfloat16.
+    `interpret`. No window, no sinks, q/k width = v width (a multiple of 128 on TPU); K and V
+    are read in bfloat16. Under a mesh it runs per shard in `shard_map` (a Pallas call has no
+    SPMD rule): rows over the batch axes, heads over `tensor` where they divide.
 
     Args:
       q_BxHxD: queries (RoPE applied; scaled here by Dh ** -0.5).
@@ -152,10 +159,31 @@ def paged_decode_pallas(q_BxHxD: jax.Array, k_pool: jax.Array, v_pool: jax.Array
     block = pages_per_block or next(b for b in (8, 4, 2, 1) if M % b == 0)
     q = (q_BxHxD.astype(jnp.float32) * Dh ** -0.5).astype(q_BxHxD.dtype)
 
-    def call():
-        return paged_attention(q, k_pool, v_pool, lengths_B.astype(jnp.int32),
-                               table_BxM.astype(jnp.int32), pages_per_compute_block=block)
-    if not interpret:
-        return call()
-    with pltpu.force_tpu_interpret_mode():
-        return call()
+    def local(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+              table: jax.Array) -> jax.Array:
+        def call() -> jax.Array:
+            return paged_attention(q, k, v, lengths, table, pages_per_compute_block=block)
+        if not interpret:
+            return call()
+        with pltpu.force_tpu_interpret_mode():
+            return call()
+    args = (q, k_pool, v_pool, lengths_B.astype(jnp.int32), table_BxM.astype(jnp.int32))
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return local(*args)
+    rows = _dividing(sharding.mesh_axes("batch", mesh), mesh, q.shape[0]) or None
+    heads = _dividing(sharding.mesh_axes("kv_heads", mesh), mesh, k_pool.shape[0]) or None
+    if rows is None and heads is None:
+        return local(*args)
+    pool = P(heads, None, None, None)
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(P(rows, heads, None), pool, pool, P(rows), P(rows, None)),
+                         out_specs=P(rows, heads, None), check_vma=False)(*args)
+
+
+def _dividing(axes: tuple, mesh: jax.sharding.AbstractMesh, size: int) -> tuple:
+    """The leading mesh axes (of size > 1) whose product divides `size`."""
+    axes = tuple(a for a in axes if mesh.shape[a] > 1)
+    while axes and size % math.prod(mesh.shape[a] for a in axes):
+        axes = axes[:-1]
+    return axes

@@ -130,10 +130,13 @@ class PagedKernel:
     sinks: bool = True
     unequal_dims: bool = True      # v width != q/k width
     write_first: bool = False
+    lanes: int = 1                 # the head width must be a multiple of this
 
-    def supports(self, *, decode: bool, window: int, sinks: bool, same_dims: bool) -> bool:
+    def supports(self, *, decode: bool, window: int, sinks: bool, same_dims: bool,
+                 head_dim: int = 0) -> bool:
         return ((decode or not self.decode_only) and (not window or self.window)
-                and (not sinks or self.sinks) and (same_dims or self.unequal_dims))
+                and (not sinks or self.sinks) and (same_dims or self.unequal_dims)
+                and head_dim % self.lanes == 0)
 
 
 PAGED: dict[str, PagedKernel] = {}
@@ -150,26 +153,27 @@ def register_paged(kernel: PagedKernel) -> PagedKernel:
 register_paged(PagedKernel("xla", paged.paged_attention_xla, platforms=("cpu", "gpu", "tpu")))
 register_paged(PagedKernel("pallas", paged.paged_decode_pallas, platforms=("tpu",),
                            decode_only=True, window=False, sinks=False, unequal_dims=False,
-                           write_first=True))
+                           write_first=True, lanes=128))
 PAGED_AUTO = {"tpu": "pallas"}     # platform -> the preferred kernel where it applies
 
 
 def resolve_paged(impl: str, mesh: Optional[MeshLike] = None, *, decode: bool, window: int,
-                  sinks: bool, same_dims: bool) -> str:
+                  sinks: bool, same_dims: bool, head_dim: int = 0) -> str:
     """The paged kernel for one layer kind: `impl` itself (it must support the layer), or for
     "auto" the platform's preferred kernel where it supports the layer, else "xla"."""
+    need = dict(decode=decode, window=window, sinks=sinks, same_dims=same_dims,
+                head_dim=head_dim)
     if impl != "auto":
         if impl not in PAGED:
             raise ValueError(f"paged attention must be one of {('auto',) + tuple(PAGED)}, "
                              f"got {impl!r}")
-        if not PAGED[impl].supports(decode=decode, window=window, sinks=sinks,
-                                    same_dims=same_dims):
+        if not PAGED[impl].supports(**need):
             raise ValueError(f"paged kernel {impl!r} cannot serve this layer (decode={decode}, "
-                             f"window={window}, sinks={sinks}, same q/k and v width={same_dims})")
+                             f"window={window}, sinks={sinks}, same q/k and v width={same_dims},"
+                             f" head width {head_dim})")
         return impl
     pick = PAGED_AUTO.get(sharding.device_platform(mesh))
-    if pick and PAGED[pick].supports(decode=decode, window=window, sinks=sinks,
-                                     same_dims=same_dims):
+    if pick and PAGED[pick].supports(**need):
         return pick
     return "xla"
 
