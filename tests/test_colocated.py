@@ -9,6 +9,8 @@ which a vLLM engine on bf16 publishes puts at ~5e-3 mean, docs/rollout.md).
 import json
 import os
 
+import pytest
+
 from gagar_jax.config import load_config_file
 from gagar_jax.rollout.engine import SamplingSpec
 from gagar_jax.run import colocated, loop
@@ -35,3 +37,17 @@ def test_two_colocated_steps_on_policy_with_round_off_mismatch(repo_root, tmp_pa
     assert {x["policy_version"] for x in handovers} == {0, 1}
     rep = loop.report(str(tmp_path), 2)
     assert rep["steps_trained"] == 2 and rep["groups_sampled"] >= 4
+
+
+def test_loop_cli_colocated_flags_and_overrides(repo_root, capsys):
+    from gagar_jax.run import loop_cli
+    assert loop_cli.main(["--workdir", "/nonexistent/x", "--colocated"]) == 2
+    assert "--colocated needs --engine jax" in capsys.readouterr().err
+    cfg = load_config_file(os.path.join(repo_root, "configs", "tiny_vllm.py"))
+    loop_cli.apply_overrides(cfg, ["--config.train.steps=7", "--config.optim.learning_rate=0.5",
+                                   "--config.feed.routing_replay=false"])
+    assert (cfg.train.steps, cfg.optim.learning_rate, cfg.feed.routing_replay) == (7, 0.5, False)
+    for bad, msg in (("--config.train.nope=1", "no config key"),
+                     ("--config.feed.routing_replay=maybe", "expected true or false")):
+        with pytest.raises(ValueError, match=msg):
+            loop_cli.apply_overrides(cfg, [bad])

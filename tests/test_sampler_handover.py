@@ -6,7 +6,8 @@ its own mesh of devices 4-7 given a `jax.device_put` copy ("reshard"), draw the 
 log-probs and routing as a sampler loaded from the published directory of those weights. With
 "same" the sampler drops the arrays before the train step donates them: after the step it serves
 nothing until the new state is handed over, and a sampler that kept the donated arrays fails
-loudly instead of sampling from freed buffers.
+loudly instead of sampling from freed buffers. A delta version moved to serves the full
+publish's weights and answers.
 """
 from types import SimpleNamespace
 
@@ -19,6 +20,7 @@ from support.vllm_served import model_config, random_model
 from gagar_jax import sharding as shd
 from gagar_jax.hf import api as hf
 from gagar_jax.rollout.engine import EngineOptions, Request, SamplingSpec
+from gagar_jax.run import publish
 from gagar_jax.sample import handover
 from gagar_jax.sample.engine import JaxEngine, make_engine
 from gagar_jax.sample.sampler import Sampler, SamplerConfig
@@ -102,3 +104,25 @@ def test_same_mesh_holds_no_reference_across_the_donating_step(learner):
     assert all(x.is_deleted() for x in jax.tree.leaves(kept))
     with pytest.raises(RuntimeError, match="deleted"):       # ... fails, loudly
         _answers(engine)
+
+
+def test_move_to_a_delta_serves_its_step(learner, tmp_path):
+    """A delta version (the chain materialised on the host) serves the same weights and answers
+    as the full publish of its step."""
+    model = learner[0]
+    edited = random_model(model_config("mimo_v2_flash"), 4)       # the learner's weights, then
+    nnx.update(edited, jax.tree_util.tree_map_with_path(            # a few head columns moved
+        lambda p, x: x.at[:, :3].add(0.5) if "lm_head" in jax.tree_util.keystr(p) else x,
+        nnx.state(edited)))
+    chain = publish.Publisher(str(tmp_path / "chain"), keep=3, dtype="float32", full_every=8)
+    base = chain.publish(model, 1)
+    chain.wait()
+    step2 = chain.publish(edited, 2)
+    chain.wait()
+    assert chain.last_delta is not None and chain.last_delta.changed == 1
+    full = publish.publish_weights(edited, 2, str(tmp_path / "full"),
+                                   lambda m, d: hf.save_pretrained(m, d))
+    engine = make_engine(str(base), OPTIONS, SAMPLER)
+    assert engine.move_to(str(step2))["policy_version"] == engine.version == 2
+    np.testing.assert_array_equal(engine.sampler.state["lm_head"][...], edited.lm_head[...])
+    _same(_answers(engine), _answers(make_engine(full, OPTIONS, SAMPLER)))
