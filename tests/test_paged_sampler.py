@@ -3,8 +3,9 @@
 * Raw log-probs within 2e-5 (fp32) and routing exactly the learner's teacher-forced ones, on both
   families (MiMo: window exceeded, sinks, partial RoPE, router bias), over three turns of live
   sequences with continuous batching: more samples than slots, two decode steps per call (they
-  join and leave mid-run), prefill in chunks of 8, a prompt's samples sharing its pages, new
-  prompts joining the later turns; Qwen3 on per-layer weight copies, MiMo on the layer scan.
+  join and leave mid-run), prefill in chunks of 8 for up to 2 sequences per call, a prompt's
+  samples sharing its pages, new prompts joining the later turns; Qwen3 on per-layer weight
+  copies, MiMo on the layer scan.
 * Draws: top-k / top-p / temperature frequencies over 20k draws within 3 standard errors of the
   truncated distribution worked out in NumPy; the processed log-prob is that distribution's;
   the same key gives the same token, alone or in a batch.
@@ -31,7 +32,7 @@ def served(request):
     # Qwen3 runs on per-layer weight copies (`layer_copies`), MiMo on the stacked scan: both
     # paths, no extra compile.
     sampler = Sampler(model, SamplerConfig(slots=3, page=4, max_len=64, decode_steps=2,
-                                           max_chunk=8,
+                                           max_chunk=8, max_prefill_rows=2,
                                            layer_copies=request.param == "qwen3_moe"))
     return cfg, model, sampler
 

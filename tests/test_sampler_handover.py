@@ -76,7 +76,7 @@ def test_same_and_resharded_hand_over_equal_the_published_sampler(learner, devic
     assert same.sampler.state is state and same.version == 3      # the learner's own arrays
     _same(_answers(same), want)
 
-    sampler_mesh = _mesh(devices[4:], data=2, tensor=2)
+    sampler_mesh = _mesh(devices[4:], fsdp=2, tensor=2)
     shardings = handover.sampler_shardings(state, sampler_mesh)
     first = handover.reshard(state, shardings)
     other = JaxEngine(Sampler(nnx.merge(graphdef, first), SAMPLER, sampler_mesh), "", OPTIONS, 0)

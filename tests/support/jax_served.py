@@ -7,7 +7,8 @@ The sampler is sized to exercise its machinery on short sequences: pages of 4 po
 MiMo window of 5 needs a ring of one page; the 12-token prompts span three), 4 decode slots (a
 request of 4 samples fills them; the next waits for a free one), 3 decode steps per call
 (sequences join and leave mid-turn), prefill chunks of at most 16 tokens (a continuation past
-that is prefilled in two).
+that is prefilled in two), one sequence per prefill call (tests/test_paged_sampler.py runs
+several: one compile less here).
 """
 import pytest
 
@@ -18,7 +19,8 @@ from support.engine_scenario import run as run_scenario
 from support.vllm_served import CONFIGS, GEN, PROMPT, PROMPT_B
 
 MAX_LEN = 64
-SAMPLER = SamplerConfig(slots=4, page=4, max_len=MAX_LEN, decode_steps=3, max_chunk=16)
+SAMPLER = SamplerConfig(slots=4, page=4, max_len=MAX_LEN, decode_steps=3, max_chunk=16,
+                        max_prefill_rows=1)
 
 
 @pytest.fixture(scope="session")
