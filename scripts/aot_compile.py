@@ -3,6 +3,8 @@
     JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/flash_310b.py \
         --topology v5p:8x8x8 [--out docs/aot/flash_310b.json] [--config.KEY=VALUE ...]
     ... --what=weights_io     per-host load/publish bytes and the compiled publish reshard
+    ... --what=decode --slots=32 --context=200000 --sampler_mesh=expert=16,tensor=4
+                              the JAX sampler's decode step (gagar_jax/aot/decode.py)
 
 Prints a table (per-device memory, FLOPs, collective counts, compile time), writes the JSON
 report, and prints as its LAST line a JSON object with `per_device_bytes`, `hbm_bytes` and
@@ -41,9 +43,17 @@ def main(argv) -> int:
     flags.DEFINE_string("out", None, "JSON report path (default: aot_<config>_<topology>.json).",
                         flag_values=fv)
     flags.DEFINE_string("dump_dir", "", "Keep the compiler's HLO dump here.", flag_values=fv)
-    flags.DEFINE_enum("what", "train_step", ["train_step", "weights_io"],
+    flags.DEFINE_enum("what", "train_step", ["train_step", "weights_io", "decode"],
                       "train_step, or weights_io: per-host load/publish bytes and the compiled "
-                      "publish reshard (gagar_jax/aot/weights_io.py).", flag_values=fv)
+                      "publish reshard (gagar_jax/aot/weights_io.py), or decode: the JAX "
+                      "sampler's decode step (gagar_jax/aot/decode.py).", flag_values=fv)
+    flags.DEFINE_integer("slots", 32, "decode: concurrent sequences.", flag_values=fv)
+    flags.DEFINE_integer("context", 200_000, "decode: tokens each sequence holds.",
+                         flag_values=fv)
+    flags.DEFINE_integer("page", 256, "decode: positions per KV page.", flag_values=fv)
+    flags.DEFINE_string("sampler_mesh", "expert=16,tensor=4",
+                        "decode: the sampler's mesh sizes, axis=size,... (others 1).",
+                        flag_values=fv)
     try:
         fv(argv)
     except (flags.Error, AttributeError, OSError) as e:
@@ -66,6 +76,25 @@ def main(argv) -> int:
         return 0
     overrides = tuple(a for a in argv[1:] if a.startswith("--config."))
     commit = _commit()   # before the (minutes-long) compile: the tree it reads
+    if fv.what == "decode":
+        from gagar_jax.aot import decode as aot_decode
+        try:
+            mesh = {k: int(v) for k, v in (kv.split("=") for kv in fv.sampler_mesh.split(","))}
+        except ValueError:
+            print(f"aot_compile: error: --sampler_mesh {fv.sampler_mesh!r}: expected "
+                  "axis=size,...", file=sys.stderr)
+            return 2
+        report = {"commit": commit, "overrides": list(overrides),
+                  **aot_decode.decode_report(fv.config, fv.topology, mesh=mesh, slots=fv.slots,
+                                             context=fv.context, page=fv.page, name=name,
+                                             dump_dir=fv.dump_dir)}
+        out = fv.out or f"aot_decode_{name}_{fv.topology.replace(':', '_')}.json"
+        with open(out, "w") as f:
+            json.dump(report, f, indent=2, sort_keys=True)
+            f.write("\n")
+        print(json.dumps({k: report[k] for k in ("config", "topology", "slots", "context",
+                                                 "per_device_bytes", "hbm_bytes", "fits")}))
+        return 0
     report = aot.compile_report(fv.config, fv.topology, name=name, dump_dir=fv.dump_dir,
                                 overrides=overrides)
     report = dataclasses.replace(report, commit=commit)

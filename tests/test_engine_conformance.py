@@ -2,7 +2,8 @@
 engines and both families: one fixed scenario of interface calls (tests/support/engine_scenario.py)
 checked against the learner's own model on the same published weights (float32, weights
 randomised as tests/test_vllm.py does). vLLM answers from the test run's one engine per family
-(tests/support/vllm_served.py); an engine that runs in-process (the JAX sampler) joins `ENGINES`.
+(tests/support/vllm_served.py); the JAX sampler (`gagar_jax.sample.engine`) runs the same scenario
+in process (tests/support/jax_served.py).
 
 Checked: the version it starts on and moves to; the same seed gives the same tokens; N samples
 of one prompt, sample j = seed + j; a stop token ends a sample at its first occurrence; log-probs
@@ -11,12 +12,10 @@ two requests in one call each get their own routing; a live sequence continued o
 equals one request on the concatenation; cancel ends a sequence and leaves the others; after
 `move_to` the outputs are the new weights' greedy tokens.
 """
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from support.engine_scenario import APPENDED
+from support.learner_ref import teacher
 from support.vllm_served import CONFIGS, GEN, PROMPT, PROMPT_B, TOL
 
 
@@ -26,8 +25,13 @@ def _vllm(request, family):
     return cfg, refs, models, got["scenario"]
 
 
-ENGINES = {"vllm": _vllm}
-LENGTH = 64                 # one padded length for every teacher-forced pass: one compile
+def _jax(request, family):
+    """The same from the JAX sampler's engine (in process; no vLLM)."""
+    cfg, refs, _, models = request.getfixturevalue("published_families")[family]
+    return cfg, refs, models, request.getfixturevalue("jax_served")[family][1]
+
+
+ENGINES = {"vllm": _vllm, "jax": _jax}
 
 
 @pytest.fixture(scope="module", params=[(e, f) for e in ENGINES for f in CONFIGS],
@@ -35,24 +39,6 @@ LENGTH = 64                 # one padded length for every teacher-forced pass: o
 def run(request):
     engine, family = request.param
     return ENGINES[engine](request, family)
-
-
-@nnx.jit
-def _forward(model, tokens):
-    return model(tokens)
-
-
-def teacher(model, tokens):
-    """The learner on `tokens` (padded to LENGTH; causal, so the padding is inert): per position
-    i >= 1, log p(tokens[i] | before) and the argmax it would pick; per input position, the
-    experts it was routed to [L][K]."""
-    assert len(tokens) <= LENGTH
-    logits, aux = _forward(model, jnp.asarray([list(tokens) + [0] * (LENGTH - len(tokens))]))
-    lp = np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
-    n = len(tokens)
-    return {"logprobs": [float(lp[i - 1, tokens[i]]) for i in range(1, n)],
-            "argmax": [int(np.argmax(lp[i - 1])) for i in range(1, n)],
-            "routes": np.asarray(aux.routed_experts_BxSxLxK[0, :n - 1])}
 
 
 def matches_learner(model, context, comp, cfg, greedy):

@@ -77,20 +77,23 @@ def test_no_private_names_across_modules():
 
 # The layers, lowest first (docs/architecture.md): a module may import its own layer and the ones
 # before it, never a later one. `gagar_jax/__init__.py` (the lazy public API) and `__main__` are
-# above every layer; `rollout` imports no JAX and only the JAX-free ground and feed modules.
+# above every layer; `rollout` imports no JAX and only the JAX-free ground and feed modules, so it
+# sits right above them: the JAX packages that implement its engine interface (`sample`) or run
+# its tasks and graders in process (`run`'s colocated loop) import it downwards.
 LAYERS = [
     ("ground", ["gagar_jax.config", "gagar_jax.batch", "gagar_jax.sharding",
                 "gagar_jax.distributed", "gagar_jax.audit_file", "gagar_jax.grading",
                 "gagar_jax.publish_format"]),
     ("algo", ["gagar_jax.algo"]),
     ("feed", ["gagar_jax.feed"]),
+    ("rollout", ["gagar_jax.rollout"]),
     ("kernels", ["gagar_jax.kernels"]),
     ("model", ["gagar_jax.model"]),
     ("hf", ["gagar_jax.hf"]),
+    ("sample", ["gagar_jax.sample"]),
     ("run", ["gagar_jax.run"]),
     ("aot", ["gagar_jax.aot"]),
     ("sim", ["gagar_jax.sim"]),
-    ("rollout", ["gagar_jax.rollout"]),
 ]
 TOP = {"gagar_jax", "gagar_jax.__main__"}
 
@@ -121,10 +124,11 @@ def test_imports_go_down_the_layers():
 MAY_IMPORT = {
     "ground": set(), "algo": {"ground"}, "feed": {"ground"}, "kernels": {"ground"},
     "model": {"ground", "kernels"}, "hf": {"ground", "model"},
-    "run": {"ground", "algo", "feed", "kernels", "model", "hf"},
-    "aot": {"ground", "algo", "feed", "kernels", "model", "hf", "run"},
-    "sim": {"ground", "algo", "feed", "kernels", "model", "hf", "run"},
     "rollout": {"ground", "feed"},
+    "sample": {"ground", "kernels", "model", "hf", "rollout"},
+    "run": {"ground", "algo", "feed", "rollout", "kernels", "model", "hf", "sample"},
+    "aot": {"ground", "algo", "feed", "kernels", "model", "hf", "sample", "run"},
+    "sim": {"ground", "algo", "feed", "kernels", "model", "hf", "sample", "run"},
 }
 
 

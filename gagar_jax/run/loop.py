@@ -90,11 +90,14 @@ def _stop(procs: list) -> None:
             proc.kill()
 
 
+ENGINES = {"vllm": "gagar_jax.rollout.vllm_engine:make", "jax": "gagar_jax.sample.engine:make"}
+
+
 def run_loop(workdir: str, paths: LoopPaths, *, seed: int = 0, steps: int = 40,
              learning_rate: float | None = None, workers: int = 1, tasks: str = "",
              grader: str = "", worker_args: tuple = (), learner_args: tuple = (),
              timeout_s: float = 1800.0, on_version: Optional[Callable[[dict], None]] = None,
-             poll_s: float = 2.0) -> dict:
+             poll_s: float = 2.0, engine: str = "vllm") -> dict:
     """Runs learner and workers until the learner has trained `steps` steps; returns the report.
 
     Args:
@@ -107,12 +110,17 @@ def run_loop(workdir: str, paths: LoopPaths, *, seed: int = 0, steps: int = 40,
       timeout_s: the learner is killed after this long.
       on_version: called with `VersionWatch`'s summary of each policy version as it closes.
       poll_s: how often the logs are read for `on_version`.
+      engine: the workers' engine, "vllm" (in the vLLM environment) or "jax" (the JAX sampler,
+        `gagar_jax.sample.engine`, in this interpreter's environment, reading the published
+        files; for the in-memory hand-over see `run/colocated.py`).
     Returns:
       `report(workdir, steps)` plus seed, learning_rate and wall_s (also loop_report.json).
     """
     from gagar_jax.config import load_config_file
     config = paths.config
-    if not os.access(paths.vllm_python, os.X_OK):
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {sorted(ENGINES)}, got {engine!r}")
+    if engine == "vllm" and not os.access(paths.vllm_python, os.X_OK):
         raise FileNotFoundError(f"{paths.vllm_python} is missing: run `make vllm`")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
@@ -134,11 +142,14 @@ def run_loop(workdir: str, paths: LoopPaths, *, seed: int = 0, steps: int = 40,
     root = paths.source_root
     worker_env = _env(root, {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                              # beside the learner: no thread pinned to one core
-                             "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
+                             "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+                      if engine == "vllm" else {"JAX_PLATFORMS": "cpu"})
+    worker_python = paths.vllm_python if engine == "vllm" else sys.executable
     t0 = time.perf_counter()
     procs = []
     for i in range(workers):
-        cmd = [paths.vllm_python, "-m", "gagar_jax.rollout.worker", f"--workdir={workdir}",
+        cmd = [worker_python, "-m", "gagar_jax.rollout.worker", f"--workdir={workdir}",
+               f"--engine={ENGINES[engine]}",
                f"--spool={spool}", f"--seed={seed + 1000 * i}", f"--writer-id=worker{i}",
                f"--mixed-per-version={2 * cfg.feed.groups_per_batch}",
                f"--groups-per-version={4 * cfg.feed.groups_per_batch}", "--stall-s=20",

@@ -24,7 +24,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
 import jax
@@ -78,7 +78,8 @@ def _abstract(state: Any, shardings: Any) -> Any:
 
 
 def run(cfg: Any, workdir: str, *, source: Any = None, start_fresh: bool = False,
-        explicit: Iterable[str] = ()) -> Optional[dict]:
+        explicit: Iterable[str] = (), on_state: Optional[Callable[..., None]] = None,
+        devices: Optional[Sequence[Any]] = None) -> Optional[dict]:
     """Trains until `train.steps` or the end of a finite feed; returns the run summary.
 
     Args:
@@ -92,6 +93,10 @@ def run(cfg: Any, workdir: str, *, source: Any = None, start_fresh: bool = False
         raising `resume.ResumeRefused` (`resume.guard_fresh_start`).
       explicit: config keys the user set themselves; a `recipe` (`recipes.py`) sets the others
         of its row.
+      on_state: called as `on_state(step, graphdef, state)` once the state is built or
+        restored and after every step is dispatched (the colocated loop's sampler reads the
+        parameters from it before the feed asks for the next batch; `run/colocated.py`).
+      devices: the devices of the training mesh (default: all of them).
     Returns:
       The summary dict (also written to `workdir/summary.json` by process 0).
     Raises:
@@ -104,7 +109,7 @@ def run(cfg: Any, workdir: str, *, source: Any = None, start_fresh: bool = False
         workdir_lock.acquire(workdir)
     # SIGTERM or Ctrl-C at any point of the run becomes a checkpoint and a clean exit.
     with Preemption() as preemption:
-        return _run(cfg, workdir, source, preemption, start_fresh)
+        return _run(cfg, workdir, source, preemption, start_fresh, on_state, devices)
 
 
 class _Resources:
@@ -127,12 +132,13 @@ class _Resources:
                 pass
 
 
-def _run(cfg: Any, workdir: str, source: Any, preemption: Preemption,
-         start_fresh: bool) -> Optional[dict]:
+def _run(cfg: Any, workdir: str, source: Any, preemption: Preemption, start_fresh: bool,
+         on_state: Optional[Callable[..., None]], devices: Optional[Sequence[Any]]
+         ) -> Optional[dict]:
     """`run` with the SIGTERM flag installed and background writers stopped on failure."""
     res = _Resources()
     try:
-        return _train(cfg, workdir, source, preemption, res, start_fresh)
+        return _train(cfg, workdir, source, preemption, res, start_fresh, on_state, devices)
     except BaseException:
         res.abort()
         raise
@@ -157,6 +163,12 @@ class _Run:
     step: int
     start_step: int
     pending: Any = None     # (step, BatchInfo, numpy Batch, device metrics) not yet read back
+    on_state: Optional[Callable[..., None]] = None   # the colocated sampler's view of the state
+
+    def show_state(self) -> None:
+        """Hands the current state to `on_state` (the colocated loop's sampler)."""
+        if self.on_state is not None:
+            self.on_state(self.step, self.graphdef, self.state)
 
     def drain(self) -> None:
         """Reads back the pending step's metrics (audit lines, ledger, progress)."""
@@ -187,7 +199,7 @@ class _Run:
 
 def _setup(
     cfg: ConfigDict, workdir: str, source: Any, preemption: Preemption, res: _Resources,
-    start_fresh: bool = False,
+    start_fresh: bool = False, devices: Optional[Sequence[Any]] = None,
 ) -> _Run:
     """Checks the config, builds the mesh, state, feed and writers; restores a checkpoint."""
     rc = RunConfig.from_config(cfg)
@@ -196,7 +208,7 @@ def _setup(
     pidx, pcount = jax.process_index(), jax.process_count()
     # Every cross-section rule before anything compiles (docs/reliability.md: exit 2).
     try:
-        mesh = make_mesh(cfg.mesh)
+        mesh = make_mesh(cfg.mesh, devices)
         # The rows and S range of the batch this host's devices hold: with the context axis
         # spanning hosts, several hosts share rows, each building only its part of S.
         rows, cols = process_row_block(mesh, rc.feed.rows_per_batch, rc.feed.seq_len)
@@ -289,6 +301,7 @@ def _loop(run: _Run, preemption: Preemption) -> bool:
         batch = make_global_batch(batch_np, batch_sh, rc.feed.rows_per_batch, rc.feed.seq_len)
         run.state, device_metrics = step_fn(run.state, batch)
         run.step += 1
+        run.show_state()
         run.drain()                   # step - 1's metrics, read while this step runs
         run.pending = (run.step, info, batch_np, device_metrics)
         preempted = preemption.agreed(run.step)
@@ -346,9 +359,12 @@ def _finish(run: _Run, preempted: bool, elapsed: float, stop_signal: Optional[st
 
 
 def _train(cfg: ConfigDict, workdir: str, source: Any, preemption: Preemption,
-           res: _Resources, start_fresh: bool) -> Optional[dict]:
+           res: _Resources, start_fresh: bool, on_state: Optional[Callable[..., None]] = None,
+           devices: Optional[Sequence[Any]] = None) -> Optional[dict]:
     """Setup, the loop, the summary; registers what it opens in `res`."""
-    run = _setup(cfg, workdir, source, preemption, res, start_fresh)
+    run = _setup(cfg, workdir, source, preemption, res, start_fresh, devices)
+    run.on_state = on_state
+    run.show_state()
     if run.start_step == 0 and run.rc.train.publish_every and run.rc.train.publish_initial:
         # Version 0 before the first step: that step needs groups that rollout workers can
         # only sample from published weights (a resume has published already).

@@ -9,7 +9,9 @@ step 1 in place, then `latest` (step 2) again. For each: the greedy tokens, thei
 prompt log-probs and the captured routing [rows][L][K]. With "delta" ({"base", "delta",
 "full"}): then the chain's base and its delta applied (`gagar_apply_version`), against a full
 reload of the delta's step (answers and `gagar_weights_digest`). With "prompt_b": then
-`engine_scenario.run` through the engine interface (it moves back to step 2 first).
+`engine_scenario.run` through the engine interface (it moves back to step 2 first). With
+"parity_prompts": then, on step 2, the greedy continuations of every one of those prompts in
+one batched `LLM.generate` (no routing capture), for the JAX sampler's argmax parity.
 """
 import json
 import sys
@@ -55,7 +57,17 @@ def one(spec):
     if "prompt_b" in spec:
         import engine_scenario
         res["scenario"] = engine_scenario.run(engine, spec)
+    if "parity_prompts" in spec:
+        res["parity"] = batch_greedy(llm, spec["parity_prompts"], spec["gen"])
     return engine, res
+
+
+def batch_greedy(llm, prompts, gen):
+    """The greedy continuation of each prompt (one batched call; `latest` = step 2 served)."""
+    from vllm import SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=gen, detokenize=False, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def delta(llm, spec):

@@ -25,6 +25,11 @@ from support.vllm_env import run_vllm
 PROMPT = [5, 17, 33, 101, 7, 9, 200, 3, 44, 12, 250, 61]     # 12 tokens > the MiMo window (5)
 PROMPT_B = [9, 1, 77, 140, 2, 66, 31, 8, 190, 4]              # a second request beside it
 GEN = 8
+# 12 more prompts (random tokens, 6 to 17 long: most exceed the MiMo window) whose greedy
+# continuations on step 2 vLLM reports too: 12 x GEN = 96 positions for the JAX sampler's
+# teacher-forced argmax parity (tests/test_sampler_vllm.py).
+PARITY_PROMPTS = [np.random.default_rng(100 + i).integers(0, 256, 6 + i).tolist()
+                  for i in range(12)]
 CONFIGS = {"qwen3_moe": "tiny_vllm", "mimo_v2_flash": "tiny_mimo_vllm"}
 TOL = 2e-5                      # float32 end to end (measured: <= 5e-6)
 
@@ -47,6 +52,14 @@ def randomize(model, seed):
                 return jnp.asarray((1.0 if key == "norm" else 0.0) + s * n)
         return jnp.asarray(0.15 * n)
     nnx.update(model, jax.tree_util.tree_map_with_path(draw, nnx.state(model)))
+
+
+def random_model(cfg, seed):
+    """`Transformer(cfg)` with `randomize(seed)`'s weights, built without running its init (every
+    leaf is drawn again anyway: the eager init's compiles cost seconds per model)."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
+    randomize(model, seed)
+    return model
 
 
 @nnx.jit
@@ -119,28 +132,40 @@ def delta_chain(cfg, family, root):
 
 
 @pytest.fixture(scope="session")
-def vllm_served(tmp_path_factory):
-    """Publishes both families (two weight draws each, and a delta chain) and runs the one vLLM
-    subprocess: one engine per family for the whole test run (test_vllm.py and
-    test_engine_conformance.py read it; `make test` keeps them on one xdist worker, conftest.py).
-    Returns {family: (family, model config, learner answers per step, published dirs, the
-    engine's results, learner models per step)}."""
-    work = tmp_path_factory.mktemp("vllm")
-    learner, specs = {}, {}
+def published_families(tmp_path_factory):
+    """Both families published by the learner (float32): two weight draws each, `latest` naming
+    step 2. Returns {family: (model config, learner answers per step, published dirs per step
+    and the workdir under "workdir", learner models per step)}."""
+    work = tmp_path_factory.mktemp("published")
+    out = {}
     for family in CONFIGS:
         cfg = model_config(family)
         wd = str(work / family)
-        refs, dirs, models = {}, {}, {}
+        refs, dirs, models = {}, {"workdir": wd}, {}
         for step in (1, 2):
-            model = Transformer(cfg, rngs=nnx.Rngs(step))
-            randomize(model, step)
+            model = random_model(cfg, step)
             refs[step], models[step] = learner_answers(model), model
             dirs[step] = publish.publish_weights(model, step, wd,
                                                  lambda m, d: hf.save_pretrained(m, d))
         assert publish.read_latest(wd)["step"] == 2
-        learner[family] = (cfg, refs, dirs, models)
-        specs[family] = {"workdir": wd, "step1": dirs[1], "step2": dirs[2], "prompt": PROMPT,
-                         "prompt_b": PROMPT_B, "gen": GEN,
+        out[family] = (cfg, refs, dirs, models)
+    return out
+
+
+@pytest.fixture(scope="session")
+def vllm_served(published_families, tmp_path_factory):
+    """The one vLLM subprocess on `published_families` (plus a delta chain per family): one
+    engine per family for the whole test run (test_vllm.py, test_engine_conformance.py and
+    test_sampler_vllm.py read it; `make test` keeps them on one xdist worker, conftest.py).
+    Returns {family: (family, model config, learner answers per step, published dirs, the
+    engine's results, learner models per step)}."""
+    work = tmp_path_factory.mktemp("vllm")
+    specs = {}
+    for family in CONFIGS:
+        cfg, refs, dirs, models = published_families[family]
+        specs[family] = {"workdir": dirs["workdir"], "step1": dirs[1], "step2": dirs[2],
+                         "prompt": PROMPT, "prompt_b": PROMPT_B, "gen": GEN,
+                         "parity_prompts": PARITY_PROMPTS,
                          "delta": delta_chain(cfg, family, work / f"{family}_delta")}
     spec, out = str(work / "spec.json"), str(work / "vllm.json")
     with open(spec, "w") as f:
@@ -149,5 +174,5 @@ def vllm_served(tmp_path_factory):
     run_vllm([driver, spec, out], timeout=600)
     with open(out) as f:
         got = json.load(f)
-    return {family: (family, *learner[family][:3], got[family], learner[family][3])
-            for family in CONFIGS}
+    return {family: (family, *published_families[family][:3], got[family],
+                     published_families[family][3]) for family in CONFIGS}

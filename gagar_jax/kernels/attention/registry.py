@@ -9,6 +9,11 @@ model's `block` and the platform's `interpret` it takes.
 
 `"auto"` is resolved once, when the train state (or a model) is built (`resolve`); the
 dispatchers (`attention` here, `context.attention`) reject an unresolved "auto".
+
+The sampler's paged kernels (`paged.py`) have records of their own (`PagedKernel`, `PAGED`):
+what each serves (prefill chunks or decode only, window rings, sinks, unequal q/k and v
+widths), and `resolve_paged` picks one per layer kind: the XLA reference everywhere, JAX's
+Pallas `paged_attention` for the decode of plain full layers on TPU.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from typing import Any, Optional, Union
 import jax
 
 from gagar_jax import sharding
-from gagar_jax.kernels.attention import blockwise, splash
+from gagar_jax.kernels.attention import blockwise, paged, splash
 
 MeshLike = Union[jax.sharding.Mesh, jax.sharding.AbstractMesh]
 
@@ -106,3 +111,76 @@ def attention(q_BxSxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
     kernel = get(impl)
     return kernel.full(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, window=window,
                        sinks_H=sinks_H, **kernel.kwargs(block, sharding.device_platform(mesh)))
+
+
+# ----------------------------------------------------------------------------- paged (sampler)
+@dataclasses.dataclass(frozen=True)
+class PagedKernel:
+    """One paged attention kernel of the sampler and what it serves.
+
+    `xla` takes `paged.paged_attention_xla`'s arguments (attends before the chunk is written);
+    a `write_first` kernel attends one decode query per row to pages that already hold it
+    (`paged.paged_decode_pallas`'s arguments).
+    """
+    name: str
+    fn: Callable[..., jax.Array]
+    platforms: tuple[str, ...]
+    decode_only: bool = False      # N = 1 queries per row only
+    window: bool = True            # sliding layers (a window ring)
+    sinks: bool = True
+    unequal_dims: bool = True      # v width != q/k width
+    write_first: bool = False
+    lanes: int = 1                 # the head width must be a multiple of this
+
+    def supports(self, *, decode: bool, window: int, sinks: bool, same_dims: bool,
+                 head_dim: int = 0) -> bool:
+        return ((decode or not self.decode_only) and (not window or self.window)
+                and (not sinks or self.sinks) and (same_dims or self.unequal_dims)
+                and head_dim % self.lanes == 0)
+
+
+PAGED: dict[str, PagedKernel] = {}
+
+
+def register_paged(kernel: PagedKernel) -> PagedKernel:
+    """Adds (or replaces) a paged kernel; the sampler's `paged_attention` option may name it."""
+    if kernel.name == "auto":
+        raise ValueError("'auto' is not a kernel name")
+    PAGED[kernel.name] = kernel
+    return kernel
+
+
+register_paged(PagedKernel("xla", paged.paged_attention_xla, platforms=("cpu", "gpu", "tpu")))
+register_paged(PagedKernel("pallas", paged.paged_decode_pallas, platforms=("tpu",),
+                           decode_only=True, window=False, sinks=False, unequal_dims=False,
+                           write_first=True, lanes=128))
+PAGED_AUTO = {"tpu": "pallas"}     # platform -> the preferred kernel where it applies
+
+
+def resolve_paged(impl: str, mesh: Optional[MeshLike] = None, *, decode: bool, window: int,
+                  sinks: bool, same_dims: bool, head_dim: int = 0) -> str:
+    """The paged kernel for one layer kind: `impl` itself (it must support the layer), or for
+    "auto" the platform's preferred kernel where it supports the layer, else "xla"."""
+    need = dict(decode=decode, window=window, sinks=sinks, same_dims=same_dims,
+                head_dim=head_dim)
+    if impl != "auto":
+        if impl not in PAGED:
+            raise ValueError(f"paged attention must be one of {('auto',) + tuple(PAGED)}, "
+                             f"got {impl!r}")
+        if not PAGED[impl].supports(**need):
+            raise ValueError(f"paged kernel {impl!r} cannot serve this layer (decode={decode}, "
+                             f"window={window}, sinks={sinks}, same q/k and v width={same_dims},"
+                             f" head width {head_dim})")
+        return impl
+    pick = PAGED_AUTO.get(sharding.device_platform(mesh))
+    if pick and PAGED[pick].supports(**need):
+        return pick
+    return "xla"
+
+
+def paged_kernel(impl: str) -> PagedKernel:
+    """The record of a resolved paged kernel name."""
+    if impl not in PAGED:
+        raise ValueError(f"paged attention {impl!r} is unresolved or unknown "
+                         f"(one of {tuple(PAGED)})")
+    return PAGED[impl]
