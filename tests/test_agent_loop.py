@@ -3,6 +3,11 @@ agent_grading.py): a scripted engine and environment (tests/support/agent_fakes.
 engine and environment interfaces. Records are checked token by token against what the engine
 produced and the environment showed, and taken by the learner's own feed (validated, packed)."""
 import dataclasses
+import glob
+import json
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -12,12 +17,13 @@ from hypothesis import strategies as st
 from support import agent_fakes as F
 
 from gagar_jax.feed import Feed, FeedConfig, IteratorSource, schema
-from gagar_jax.rollout import agent_grading
+from gagar_jax.rollout import agent_grading, worker
 from gagar_jax.rollout.agent_loop import AgentLoop, AgentOptions
 from gagar_jax.rollout.agent_record import AgentTrajectory
 from gagar_jax.rollout.engine import SamplingSpec
 
 SPEC = SamplingSpec(max_tokens=4)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def drive(loop, tasks, groups, timeout_s=20.0):
@@ -255,3 +261,42 @@ def test_is_mixed_counts_hacked_passes_as_failures():
     assert not f([{"outcome": "pass"}, {"outcome": "infra_error"}])
     assert dataclasses.replace(AgentOptions(max_model_len=8, max_traj_tokens=6)).limit == (
         6, "token_limit")
+
+
+def _worker(workdir, *flags):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
+    return subprocess.run([sys.executable, "-m", "gagar_jax.rollout.worker", "--workdir", workdir,
+                           "--wait-s", "5", "--engine", "support.agent_fakes:make_engine",
+                           *flags], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_the_worker_runs_the_agent_loop_with_env(tmp_path):
+    """`--env` (tasks from the env's module by default), `--tokenizer module:function`: records
+    in the spool, a log line per group, the counts on stdout."""
+    wd = str(tmp_path)
+    F.publish(wd, 3)
+    proc = _worker(wd, "--env", "support.agent_fakes:make_env", "--tokenizer",
+                   "support.agent_fakes:tokenizer", "--max-groups", "2", "--n", "3",
+                   "--max-tokens", "4", "--concurrent-groups", "2")
+    assert proc.returncode == 0, proc.stderr
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["groups"] == 2 and counts["turns"] == 18 and counts["passes"] == 2
+    shards = sorted(glob.glob(os.path.join(wd, "spool", "*.jsonl")))
+    groups = [schema.decode(line, "json") for s in shards for line in open(s, "rb")]
+    assert sorted(g.task_id for g in groups) == ["scripted-0-0", "scripted-0-1"]
+    assert all(g.policy_version == 3 and len(g.trajectories) == 3 for g in groups)
+    log = [json.loads(x) for x in open(os.path.join(wd, "rollout", "worker0.jsonl"))]
+    assert [r["turns"] for r in log] == [9, 9] and all(r["mixed"] for r in log)
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--env", "nosuch.module:make_env"], "--env"),
+    (["--env", "support.agent_fakes:make_env", "--tokenizer", "support.agent_fakes:publish"],
+     "--tokenizer"),
+    (["--env", "support.agent_fakes:make_env", "--max-version-lag", "-2"], "max_version_lag"),
+    (["--env", "support.agent_fakes:make_env", "--max-turns", "0"], "max_turns")])
+def test_bad_agent_flags_exit_2_in_one_line(tmp_path, flags, msg, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        worker.main(["--workdir", str(tmp_path), "--wait-s", "1", *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1, err

@@ -34,12 +34,15 @@ def load_tokenizer(spec: str, load_callable: Callable) -> Tokenizer:
     (the hf_tokenizer adapter of rollout/envs); `module:function` = what `function()` returns."""
     if not spec:
         return ByteTokenizer()
-    if os.path.isdir(spec):
-        from transformers import AutoTokenizer
+    try:
+        if os.path.isdir(spec):
+            from transformers import AutoTokenizer
 
-        from gagar_jax.rollout.envs.hf_tokenizer import HFTokenizer
-        return HFTokenizer(AutoTokenizer.from_pretrained(spec))
-    tok = load_callable(spec, "--tokenizer")()
+            from gagar_jax.rollout.envs.hf_tokenizer import HFTokenizer
+            return HFTokenizer(AutoTokenizer.from_pretrained(spec))
+        tok = load_callable(spec, "--tokenizer")()
+    except Exception as e:     # a usage error in one line, whatever the loader raised
+        raise ValueError(f"--tokenizer {spec!r}: {type(e).__name__}: {e}") from e
     missing = [m for m in ("stop_token_ids", "encode", "decode", "prompt", "observation")
                if not hasattr(tok, m)]
     if missing:
