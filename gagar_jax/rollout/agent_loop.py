@@ -34,16 +34,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import queue
 import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
 
 from gagar_jax.rollout import agent_grading, delta
-from gagar_jax.rollout.agent_record import AgentTrajectory, agent_group_record
+from gagar_jax.rollout.agent_episode import Episode, Group, Jobs, judge, quiet
+from gagar_jax.rollout.agent_record import agent_group_record
 from gagar_jax.rollout.engine import Request, SamplingSpec
-from gagar_jax.rollout.envs.base import EnvOptions, check_verdict
+from gagar_jax.rollout.envs.base import EnvOptions
 from gagar_jax.rollout.pointer import read_latest
 
 log = logging.getLogger("gagar_jax.rollout.agent_loop")
@@ -96,75 +96,6 @@ class AgentOptions:
         return self.max_model_len, "context_full"
 
 
-class _Episode:
-    def __init__(self, group: _Group, j: int):
-        self.group, self.j = group, j
-        self.env = None
-        self.traj = AgentTrajectory()
-        self.sequence: str | None = None    # the engine's live sequence
-        self.pending: list = []             # observation ids the engine has not seen yet
-        self.turns = self.tool_calls = self.tool_errors = 0
-        self.state = "resetting"            # resetting | ready | stepping | judging | done
-        self.reason: str | None = None
-        self.truncated = False
-        self.verdict: dict | None = None
-        self.deadline = 0.0
-        self.epoch = 0                      # bumped when a job's answer is no longer wanted
-        self.closing = False                # its environment is closed or being closed
-
-    def info(self) -> dict:
-        return {"end_reason": self.reason, "truncated": self.truncated, "turns": self.turns,
-                "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
-                "workspace": getattr(self.env, "workspace", None)}
-
-
-class _Group:
-    def __init__(self, no: int, task: dict, version: int, n: int):
-        self.no, self.task, self.version, self.t0 = no, task, version, time.perf_counter()
-        self.episodes = [_Episode(self, j) for j in range(n)]
-        self.grading = False
-
-
-class _Jobs:
-    """Environment calls in daemon threads (a hung one never blocks the worker's exit), their
-    answers in one queue; inline when `threads` is False."""
-
-    def __init__(self, threads: bool):
-        self.threads, self.answers = threads, queue.Queue()
-
-    def submit(self, key: tuple, fn: Callable, *args) -> None:
-        def call():
-            try:
-                self.answers.put((key, fn(*args), None))
-            except Exception as e:   # an environment bug ends its episode, never the worker
-                self.answers.put((key, None, e))
-        if self.threads:
-            threading.Thread(target=call, daemon=True).start()
-        else:
-            call()
-
-    def collect(self, wait_s: float) -> list:
-        out = []
-        try:
-            out.append(self.answers.get(timeout=wait_s) if wait_s > 0
-                       else self.answers.get_nowait())
-            while True:
-                out.append(self.answers.get_nowait())
-        except queue.Empty:
-            pass
-        return out
-
-
-def _judge(env: object, end_reason: str | None, task_id: str) -> dict:
-    """Ends the episode (when the loop ended it), takes the verdict, closes the environment."""
-    try:
-        if end_reason is not None:
-            env.end(end_reason)
-        return check_verdict(env.verdict(), task_id)
-    finally:
-        env.close()
-
-
 class AgentLoop:
     """Runs groups of episodes on `engine`; see the module docstring.
 
@@ -193,7 +124,7 @@ class AgentLoop:
         self.groups: list = []
         self.requeued: list = []
         self._numbers = itertools.count()
-        self._jobs = _Jobs(options.threads)
+        self._jobs = Jobs(options.threads)
         self.counts = dict(groups=0, mixed=0, passes=0, trajectories=0, turns=0, tool_calls=0,
                            tool_errors=0, truncated=0, spanning=0, infra_errors=0,
                            grader_errors=0, stale_restarts=0, reloads=0)
@@ -217,21 +148,21 @@ class AgentLoop:
 
     def start(self, task: dict) -> None:
         """Starts a group of `n` episodes of `task` (their environments reset in threads)."""
-        g = _Group(next(self._numbers), task, self.version, self.options.n)
+        g = Group(next(self._numbers), task, self.version, self.options.n)
         self.groups.append(g)
         for e in g.episodes:
             e.deadline = time.monotonic() + self._step_timeout()
             self._jobs.submit(("reset", e, e.epoch), self._reset, e, task)
 
-    def _reset(self, e: _Episode, task: dict) -> list:
+    def _reset(self, e: Episode, task: dict) -> list:
         e.env = self.env_factory(task, self.tokenizer, self.env_options)
         return list(e.env.reset())
 
-    def _close(self, e: _Episode) -> None:
+    def _close(self, e: Episode) -> None:
         """Closes an episode's environment once, in a thread (it may be hung)."""
         if e.env is not None and not e.closing:
             e.closing = True
-            threading.Thread(target=_quiet(e.env.close), daemon=True).start()
+            threading.Thread(target=quiet(e.env.close), daemon=True).start()
 
     # -- versions ---------------------------------------------------------------------------
     def sync(self) -> dict | None:
@@ -282,7 +213,7 @@ class AgentLoop:
                 g.grading = True
                 self._jobs.submit(("grade", g, 0), self._grade, g)
 
-    def _seed(self, e: _Episode) -> int:
+    def _seed(self, e: Episode) -> int:
         key = f"{self.options.seed}/{self.prefix}/{e.group.no}/{e.j}/{e.turns}"
         return zlib.crc32(key.encode())
 
@@ -339,7 +270,7 @@ class AgentLoop:
         elif kind == "judge":
             e.verdict, e.state = value, "done"
 
-    def _observe(self, e: _Episode, ids: Sequence[int]) -> None:
+    def _observe(self, e: Episode, ids: Sequence[int]) -> None:
         """Appends an observation, or ends the episode when it leaves no room for a turn."""
         limit, reason = self.options.limit
         if len(e.traj) + len(ids) >= limit:
@@ -349,23 +280,23 @@ class AgentLoop:
         e.pending += [int(t) for t in ids]
         e.state = "ready"
 
-    def _end(self, e: _Episode, reason: str, truncated: bool = False) -> None:
+    def _end(self, e: Episode, reason: str, truncated: bool = False) -> None:
         e.reason, e.truncated = reason, truncated
         self._judge(e, reason)
 
-    def _cancel(self, e: _Episode) -> None:
+    def _cancel(self, e: Episode) -> None:
         if e.sequence is not None:
             self.engine.cancel([e.sequence])
             e.sequence = None
 
-    def _judge(self, e: _Episode, loop_reason: str | None) -> None:
+    def _judge(self, e: Episode, loop_reason: str | None) -> None:
         self._cancel(e)
         e.closing = True                   # `_judge` closes it
         e.state, e.deadline = "judging", time.monotonic() + self._step_timeout()
-        self._jobs.submit(("judge", e, e.epoch), _judge, e.env, loop_reason,
+        self._jobs.submit(("judge", e, e.epoch), judge, e.env, loop_reason,
                           e.group.task["task_id"])
 
-    def _fail(self, e: _Episode, why: str) -> None:
+    def _fail(self, e: Episode, why: str) -> None:
         """The environment failed (raised, hung): `infra_error`, its answer no longer wanted."""
         log.warning("task %s, trajectory %d: %s", e.group.task["task_id"], e.j, why)
         e.epoch += 1
@@ -375,7 +306,7 @@ class AgentLoop:
         e.reason = e.reason or "tool_error"
         e.state = "done"
 
-    def _abandon(self, g: _Group) -> None:
+    def _abandon(self, g: Group) -> None:
         self.groups.remove(g)
         for e in g.episodes:
             e.epoch += 1
@@ -389,12 +320,12 @@ class AgentLoop:
             self._abandon(g)
 
     # -- a finished group -----------------------------------------------------------------------
-    def _grade(self, g: _Group) -> tuple:
+    def _grade(self, g: Group) -> tuple:
         views = [agent_grading.grader_view(f"t{e.j}", e.traj, e.verdict, e.info(),
                                            self.tokenizer.decode) for e in g.episodes]
         return agent_grading.grade_group(self.grader, self.grader_name, g.task, views)
 
-    def _emit(self, g: _Group, graded: tuple) -> None:
+    def _emit(self, g: Group, graded: tuple) -> None:
         if g not in self.groups:
             return
         self.groups.remove(g)
@@ -431,12 +362,3 @@ class AgentLoop:
         for k in ("turns", "spanning", "truncated", "tool_calls", "tool_errors"):
             c[k] += info[k]
         self.emit(rec, info)
-
-
-def _quiet(fn: Callable) -> Callable:
-    def call():
-        try:
-            fn()
-        except Exception as e:
-            log.warning("closing an environment failed: %r", e)
-    return call
