@@ -1,0 +1,29 @@
+"""Tiny Qwen3-MoE for the closed agent loop (`make agent_loop`, docs/rollout.md): the lookup task
+(gagar_jax/rollout/envs/lookup.py), three turns per trajectory, vLLM's CPU build as the engine.
+
+configs/tiny_vllm.py with the task's nine-token vocabulary, trajectories of at most 21 tokens
+(3 prompt + 3 turns of 4 + 2 observations of 3), binary credit (the environment's verdict, no
+grader) and partial rollouts: the worker moves to each new version between turns, so a
+trajectory's turns may come from two versions; the learner judges staleness on its oldest token.
+
+Run:  make agent_loop   (or: python scripts/agent_loop.py --workdir runs/agent_loop --seeds 0)
+"""
+import pathlib
+
+import ml_collections
+
+from gagar_jax.config import load_config_file
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = load_config_file(str(pathlib.Path(__file__).with_name("tiny_vllm.py")))
+    c.model.vocab_size = 9          # the lookup task's symbols (envs/lookup.py)
+
+    lo = c.loss
+    lo.mode = "binary"              # the environment's verdict alone: plain Dr. GRPO credit
+    lo.max_response_len = 12        # 3 turns of at most 4 generated tokens (Dr. GRPO normalizer)
+
+    f = c.feed
+    f.overlong = "drop"             # a trajectory cut by a limit stays in its group's statistics
+    f.staleness_from = "oldest"     # partial rollouts: judged on their oldest token
+    return c
