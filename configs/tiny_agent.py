@@ -22,8 +22,13 @@ def get_config() -> ml_collections.ConfigDict:
     lo = c.loss
     lo.mode = "binary"              # the environment's verdict alone: plain Dr. GRPO credit
     lo.max_response_len = 12        # 3 turns of at most 4 generated tokens (Dr. GRPO normalizer)
+    # The worker samples without routing capture (`--no-routing`): on vLLM's CPU build capture
+    # serialises every request (16 turns: 1.0 s against 0.12 s batched), so the learner routes
+    # itself (R2); R3 across turns is checked in tests/test_agent_vllm.py.
+    lo.routing_replay = "r2"
 
     f = c.feed
+    f.routing_replay = False
     f.overlong = "drop"             # a trajectory cut by a limit stays in its group's statistics
     f.staleness_from = "oldest"     # partial rollouts: judged on their oldest token
     return c

@@ -10,7 +10,8 @@ environment, the environment's verdict as the outcome (docs/rollout.md, "The age
 turns follows `latest` (`AgentLoop.sync`). The single-turn mode's bounds apply per version:
 after `--mixed-per-version` mixed or `--groups-per-version` groups from the current version no
 new group starts (those in flight finish), and `--stall-s` after that without a new version ends
-the feed (`_DONE`). Imports no JAX.
+the feed (`_DONE`; ten times as long before the engine first moved, while the learner's first
+step compiles). Imports no JAX.
 """
 from __future__ import annotations
 
@@ -110,9 +111,11 @@ def run_agent(args: argparse.Namespace, engine: Any, spec: Any, tasks: Iterator,
             if not loop.live:
                 if exhausted or (wanted and started >= wanted):
                     break
-                # Capped and idle: wait for a new version (the single-turn mode's --stall-s).
+                # Capped and idle: wait for a new version (the single-turn mode's --stall-s;
+                # ten times as long before the first move: the learner's first step compiles).
                 capped_since = capped_since or time.monotonic()
-                if args.stall_s and time.monotonic() - capped_since > args.stall_s:
+                stall = args.stall_s * (1 if loop.counts["reloads"] else 10)
+                if args.stall_s and time.monotonic() - capped_since > stall:
                     log.info("no new policy %.0f s after version %d's %d groups: ending the "
                              "feed", args.stall_s, loop.version, here["groups"])
                     writer.done()

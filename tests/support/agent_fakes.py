@@ -9,8 +9,10 @@ sequence's ids, and refuses (like vLLM) a prompt that fills `max_model_len`.
 `ScriptedEnv`: a task {"task_id", "turns": k, "obs": m, "pass": [bool per trajectory j] or
 bool} submits after k model turns (each a tool call), every observation is m tokens
 `[200 + turn] * m`; `"hang_at"` / `"raise_at"`: turn whose step hangs (sleeps 30 s) or raises;
-`"verdict_raises"`: the verdict raises; `"move_latest_at"`: after that turn the step points
-`<workdir>/published/latest` at version `move_to` (a partial rollout). Environments record
+`"verdict_raises"`: the verdict raises; `"move_latest_at"`: after that turn trajectory 0's step
+points `<workdir>/published/latest` at the version directory `move_path`, or at a made-up
+version `move_to` (a partial rollout); `"prompt"`: the first observation (default `PROMPT`).
+Environments record
 themselves in `ENVS` (for the tests to read what was closed).
 """
 from __future__ import annotations
@@ -119,6 +121,16 @@ def tokenizer() -> Tok:
     return Tok()
 
 
+def point(workdir: str, path: str) -> None:
+    """`<workdir>/published/latest` names the version directory `path` (its manifest's version)."""
+    version = int(read_manifest(path)["policy_version"])
+    os.makedirs(os.path.join(workdir, "published"), exist_ok=True)
+    tmp = os.path.join(workdir, "published", ".latest.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"step": version, "policy_version": version, "path": path}, f)
+    os.replace(tmp, os.path.join(workdir, "published", "latest"))
+
+
 def publish(workdir: str, version: int) -> str:
     """A version directory with a manifest (no weights: the scripted engine reads none), and
     `latest` pointing at it."""
@@ -126,10 +138,7 @@ def publish(workdir: str, version: int) -> str:
     os.makedirs(step, exist_ok=True)
     with open(os.path.join(step, "gagar_publish.json"), "w") as f:
         json.dump({"step": version, "policy_version": version, "seq": 1, "kind": "full"}, f)
-    tmp = os.path.join(workdir, "published", ".latest.tmp")
-    with open(tmp, "w") as f:
-        json.dump({"step": version, "policy_version": version, "path": step}, f)
-    os.replace(tmp, os.path.join(workdir, "published", "latest"))
+    point(workdir, step)
     return step
 
 
@@ -152,7 +161,10 @@ class ScriptedEnv:
         if t.get("raise_at") == self.turns:
             raise RuntimeError("tool crashed")
         if t.get("move_latest_at") == self.turns and self.j == 0:
-            publish(t["workdir"], t["move_to"])
+            if "move_path" in t:
+                point(t["workdir"], t["move_path"])
+            else:
+                publish(t["workdir"], t["move_to"])
         errors = int(STOP not in turn and t.get("count_unstopped", False))
         if self.turns >= t.get("turns", 3):
             return Step(done=True, reason="submitted", tool_calls=1, tool_errors=errors)

@@ -52,10 +52,18 @@ def one(spec):
     res["reloaded"] = greedy(llm, spec["prompt"], spec["gen"])
     if "delta" in spec:
         res["delta"] = delta(llm, spec)
+    res["agent"] = agent(engine, spec)
     if "prompt_b" in spec:
         import engine_scenario
         res["scenario"] = engine_scenario.run(engine, spec)
     return engine, res
+
+
+def agent(engine, spec):
+    """The agent loop's multi-turn groups on this engine across a version move
+    (tests/support/agent_scenario.py; tests/test_agent_vllm.py reads them)."""
+    import agent_scenario
+    return agent_scenario.run(engine, spec)
 
 
 def delta(llm, spec):
