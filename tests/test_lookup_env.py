@@ -12,9 +12,9 @@ TOK = lookup.tokenizer()
 L, E, D = lookup.LOOK, lookup.END, lookup.DIGITS     # D: "0" -> 5 ... "3" -> 8
 
 
-def episode(task, turns):
+def episode(task, turns, seed=0):
     """Plays `turns` (id lists) through a fresh environment: (observations, steps, verdict)."""
-    env = lookup.make_env(task, TOK, EnvOptions(max_turns=3))
+    env = lookup.make_env(task, TOK, EnvOptions(max_turns=3, seed=seed))
     assert isinstance(env, base.Environment)
     obs, steps = [env.reset()], []
     for t in turns:
@@ -38,7 +38,7 @@ def test_tokenizer_symbols_and_chat_format():
 
 
 def test_the_reference_agent_passes_every_task_and_others_fail():
-    for task in [next(lookup.tasks(s)) for s in range(8)]:
+    for task in [{"task_id": f"t{c}", "code": c} for c in range(4)]:
         code = D[str(task["code"])]
         wrong = D[str((task["code"] + 1) % 4)]
         obs, steps, v = episode(task, [[L, E], [E], [code, E]])      # look, then copy
@@ -51,6 +51,14 @@ def test_the_reference_agent_passes_every_task_and_others_fail():
         assert episode(task, [[E], [E], [code]])[2]["outcome"] == "fail"         # no look
         assert episode(task, [[L], [L], [wrong, code]])[2]["outcome"] == "fail"  # wrong copy
         assert episode(task, [[code, L], [E], [L, E]])[2]["outcome"] == "fail"   # no answer
+
+
+def test_each_episode_draws_its_code_from_its_seed():
+    codes = [lookup.make_env({"task_id": "t"}, TOK, EnvOptions(seed=s)).code for s in range(40)]
+    assert sorted(set(codes)) == [0, 1, 2, 3]
+    assert codes == [lookup.make_env({"task_id": "t"}, TOK, EnvOptions(seed=s)).code
+                     for s in range(40)]
+    assert lookup.make_env({"task_id": "t", "code": 3}, TOK, EnvOptions(seed=5)).code == 3
 
 
 def test_an_episode_ended_by_the_loop_fails():
@@ -77,8 +85,8 @@ def test_a_uniform_random_policy_passes_its_closed_form_rate():
                 break
         return out
     n, tasks = 3000, lookup.tasks(1)
-    rate = sum(episode(next(tasks), [turn(), turn(), turn()])[2]["outcome"] == "pass"
-               for _ in range(n)) / n
+    rate = sum(episode(next(tasks), [turn(), turn(), turn()], seed=i)[2]["outcome"] == "pass"
+               for i in range(n)) / n
     p_look = (1 / 9) * (1 - (7 / 9) ** 4) / (2 / 9)
     want = (1 - (1 - p_look) ** 2) * (4 / 5) * (1 - (4 / 9) ** 4) / 4
     assert abs(want - 0.103) < 0.001 and abs(rate - want) < 0.025, (rate, want)   # 4.5 sd

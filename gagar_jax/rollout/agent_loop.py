@@ -65,7 +65,8 @@ class AgentOptions:
       max_version_lag: the most versions a trajectory's oldest token may lag the engine's
         (-1 = no bound); see the module docstring.
       workspace_root: where environments keep their per-trajectory directories.
-      seed: requests are seeded from it, the group number, the episode and the turn.
+      seed: requests are seeded from it, the group number, the episode and the turn; each
+        episode's environment gets `EnvOptions.seed` from it, the group and the episode.
       threads: environment calls in threads (False: inline, for tests).
     """
     n: int = 8
@@ -155,7 +156,10 @@ class AgentLoop:
             self._jobs.submit(("reset", e, e.epoch), self._reset, e, task)
 
     def _reset(self, e: Episode, task: dict) -> list:
-        e.env = self.env_factory(task, self.tokenizer, self.env_options)
+        # Each episode its own seed (an environment that draws, draws differently per episode).
+        seed = zlib.crc32(f"{self.options.seed}/{self.prefix}/{e.group.no}/{e.j}".encode())
+        e.env = self.env_factory(task, self.tokenizer,
+                                 dataclasses.replace(self.env_options, seed=seed))
         return list(e.env.reset())
 
     def _close(self, e: Episode) -> None:

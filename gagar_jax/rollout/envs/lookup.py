@@ -1,22 +1,27 @@
 """Look up and copy: a three-turn tool-use task a tiny model learns from a random start
 (`make agent_loop`, docs/rollout.md "The agent loop, closed").
 
-Each task hides a code, one of the digits 0-3. An episode is three model turns: two tool turns,
-then the answer turn. A tool turn calls `look` with the compact form (`tools.CompactCalls`: the
-one token `<look>` anywhere in the turn); the tool's result, the code, comes back as the next
-observation (`<|tool|>` code `<|assistant|>`; a turn without the call gets an empty result,
-`<|tool|><|assistant|>`). The answer turn has no call: its first digit is the answer. The
-episode passes when the agent looked in a tool turn and the answer is the code, so the tool's
-result has to be copied into the answer: a policy that never looks, or answers a digit of its
-own, passes at most by never (no look) or 1 in 4 (a guess after a look).
+An episode hides a code, one of the digits 0-3, and runs three model turns: two tool turns, then
+the answer turn. A tool turn calls `look` in the compact form (`tools.CompactCalls`: the one
+token `<look>` anywhere in the turn); the tool's result, the code, is the next observation
+(`<|tool|>` code `<|assistant|>`; a turn without the call gets an empty result,
+`<|tool|><|assistant|>`). The answer turn has no call: its first digit is the answer. The episode
+passes when the agent looked in a tool turn and the answer is the code, so the tool's result has
+to be copied into the answer: a policy that never looks never passes, one that looks and
+answers a digit of its own passes 1 in 4.
+
+The code is drawn from the episode's seed (`EnvOptions.seed`, one per episode), so the
+trajectories of a group face different codes behind the same prompt: a group stays mixed while
+the policy copies some codes and not others. With one code per group, a policy that answers a
+fixed digit makes all-pass and all-fail groups, which carry no signal (measured: the first
+calibration run stalled at a pass rate of 0.5 that way). A task may fix its "code".
 
 The vocabulary is nine tokens (`LookupTokenizer`; `configs/tiny_agent.py` has `vocab_size` 9):
 `<|end|>` (the stop token that ends a model turn), `<look>`, `<|user|>`, `<|tool|>`,
-`<|assistant|>` and the digits 0-3. The prompt is `<|user|><look><|assistant|>` (every task
-reads the same; only the code differs). A uniform random policy with 4-token turns looks in a
-tool turn with p = (1/9)(1 - (7/9)^4)/(2/9) = 0.317, so in one of two with 0.534, and its answer
-turn's first digit is the code with 0.769 / 4 = 0.192: it passes 0.103 of its episodes, so most
-groups of 8 start mixed; a policy that looks and copies passes all.
+`<|assistant|>` and the digits 0-3; the prompt is `<|user|><look><|assistant|>`. A uniform
+random policy with 4-token turns looks in a tool turn with p = (1/9)(1 - (7/9)^4)/(2/9) = 0.317,
+so in one of two with 0.534, and its answer turn's first digit is the code with 0.769 / 4 =
+0.192: it passes 0.103 of its episodes, so most groups of 8 start mixed.
 
     --env gagar_jax.rollout.envs.lookup:make_env --tasks gagar_jax.rollout.envs.lookup:tasks
     --tokenizer gagar_jax.rollout.envs.lookup:tokenizer --max-turns 3 --max-tokens 4
@@ -81,11 +86,12 @@ def tokenizer() -> LookupTokenizer:
 
 
 def tasks(seed: int = 0) -> Iterator[dict]:
-    """An endless stream of tasks {"task_id", "code"} (the same seed, the same stream)."""
-    rng = random.Random(seed)
+    """An endless stream of tasks {"task_id"}: each episode draws its own code (from its
+    `EnvOptions.seed`), so the trajectories of a group see different codes behind the same
+    prompt; a task with a "code" fixes it for every episode."""
     i = 0
     while True:
-        yield {"task_id": f"lookup-{seed}-{i}", "code": rng.randrange(CODES)}
+        yield {"task_id": f"lookup-{seed}-{i}"}
         i += 1
 
 
@@ -99,9 +105,10 @@ class LookupEnv:
     """One episode of one task (the `Environment` interface of `envs/base.py`)."""
 
     def __init__(self, task: dict, tokenizer: LookupTokenizer, options: EnvOptions):
-        if not 0 <= int(task["code"]) < CODES:
+        code = task.get("code", random.Random(options.seed).randrange(CODES))
+        if not 0 <= int(code) < CODES:
             raise ValueError(f"task {task.get('task_id')}: code must be in [0, {CODES})")
-        self.task_id, self.code = task["task_id"], int(task["code"])
+        self.task_id, self.code = task["task_id"], int(code)
         self.tok, self.options = tokenizer, options
         self.workspace = None
         self.turns, self.looked, self.answer, self.reason = 0, False, None, None
