@@ -300,3 +300,31 @@ def test_bad_agent_flags_exit_2_in_one_line(tmp_path, flags, msg, capsys):
         worker.main(["--workdir", str(tmp_path), "--wait-s", "1", *flags])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_tokenizer_flag_takes_a_hugging_face_directory(tmp_path):
+    """`--tokenizer DIR`: a Hugging Face tokenizer saved there (a word-level one built here,
+    nothing downloaded, with a ChatML template), behind the `Tokenizer` interface through the
+    adapter of rollout/envs (the repository environment's branch brings it: until it is merged
+    this test reports the module missing as a skip)."""
+    pytest.importorskip("gagar_jax.rollout.envs.hf_tokenizer")
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from gagar_jax.rollout import agent_worker
+    from gagar_jax.rollout.envs.tokenizer import Tokenizer
+    words = ["<|im_start|>", "<|im_end|>", "user", "assistant", "tool", "fix", "it", "\n"]
+    raw = RawTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="it"))
+    raw.pre_tokenizer = pre_tokenizers.Split("\n", "isolated")
+    raw.add_special_tokens(words[:2])
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=raw, eos_token="<|im_end|>",
+        chat_template=("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                       "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
+                       "assistant\n{% endif %}"))
+    hf.save_pretrained(str(tmp_path / "tok"))
+    tok = agent_worker.load_tokenizer(str(tmp_path / "tok"), worker.load_callable)
+    assert isinstance(tok, Tokenizer) and tok.stop_token_ids == (1,)
+    # <|im_start|> user \n fix <|im_end|> \n <|im_start|> assistant \n, by the template
+    assert tok.prompt([{"role": "user", "content": "fix"}]) == [0, 2, 7, 5, 1, 7, 0, 3, 7]
