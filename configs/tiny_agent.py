@@ -1,8 +1,8 @@
 """Tiny Qwen3-MoE for the closed agent loop (`make agent_loop`, docs/rollout.md): the lookup task
 (gagar_jax/rollout/envs/lookup.py), three turns per trajectory, vLLM's CPU build as the engine.
 
-configs/tiny_vllm.py with the task's nine-token vocabulary, trajectories of at most 21 tokens
-(3 prompt + 3 turns of 4 + 2 observations of 3), binary credit (the environment's verdict, no
+configs/tiny_vllm.py with the task's nine-token vocabulary, trajectories of at most 19 tokens
+(3 prompt + 3 turns of 4 + 2 observations of 2), binary credit (the environment's verdict, no
 grader) and partial rollouts: the worker moves to each new version between turns, so a
 trajectory's turns may come from two versions; the learner judges staleness on its oldest token.
 

@@ -32,7 +32,7 @@ def test_tokenizer_symbols_and_chat_format():
     assert isinstance(TOK, Tokenizer) and TOK.vocab_size == 9 and TOK.stop_token_ids == (0,)
     assert TOK.encode("<look>3<|end|>") == [1, 8, 0] and TOK.decode([1, 8, 0]) == "<look>3<|end|>"
     assert TOK.prompt([{"role": "user", "content": "<look>"}]) == [2, 1, 4]
-    assert TOK.observation([{"role": "tool", "content": "2"}]) == [3, 7, 4]
+    assert TOK.observation([{"role": "tool", "content": "2"}]) == [3, 7]     # no header after
     with pytest.raises(ValueError, match="not a symbol"):
         TOK.encode("x")
 
@@ -43,7 +43,7 @@ def test_the_reference_agent_passes_every_task_and_others_fail():
         wrong = D[str((task["code"] + 1) % 4)]
         obs, steps, v = episode(task, [[L, E], [E], [code, E]])      # look, then copy
         assert v["outcome"] == "pass" and [s.done for s in steps] == [False, False, True]
-        assert obs == [[2, 1, 4], [3, code, 4], [3, 4]] and steps[0].tool_calls == 1
+        assert obs == [[2, 1, 4], [3, code], [3]] and steps[0].tool_calls == 1
         assert steps[-1].reason == "submitted"
         # the second tool turn looks instead; noise around the call and the answer
         assert episode(task, [[7, 7, E], [6, L, 5], [4, code, wrong]])[2]["outcome"] == "pass"

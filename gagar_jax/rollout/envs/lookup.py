@@ -4,8 +4,8 @@
 An episode hides a code, one of the digits 0-3, and runs three model turns: two tool turns, then
 the answer turn. A tool turn calls `look` in the compact form (`tools.CompactCalls`: the one
 token `<look>` anywhere in the turn); the tool's result, the code, is the next observation
-(`<|tool|>` code `<|assistant|>`; a turn without the call gets an empty result,
-`<|tool|><|assistant|>`). The answer turn has no call: its first digit is the answer. The episode
+(`<|tool|>` code; a turn without the call gets an empty result, `<|tool|>`), and the model's
+next turn follows it. The answer turn has no call: its first digit is the answer. The episode
 passes when the agent looked in a tool turn and the answer is the code, so the tool's result has
 to be copied into the answer: a policy that never looks never passes, one that looks and
 answers a digit of its own passes 1 in 4.
@@ -14,7 +14,10 @@ The code is drawn from the episode's seed (`EnvOptions.seed`, one per episode), 
 trajectories of a group face different codes behind the same prompt: a group stays mixed while
 the policy copies some codes and not others. With one code per group, a policy that answers a
 fixed digit makes all-pass and all-fail groups, which carry no signal (measured: the first
-calibration run stalled at a pass rate of 0.5 that way). A task may fix its "code".
+calibration run stalled at a pass rate of 0.5 that way). A task may fix its "code". (A second
+design put the header `<|assistant|>` after each result, so copying needed an attention head:
+its calibration run learned to look and then answered one digit for every code, pass rate 0.22
+after 60 steps; docs/rollout.md has both.)
 
 The vocabulary is nine tokens (`LookupTokenizer`; `configs/tiny_agent.py` has `vocab_size` 9):
 `<|end|>` (the stop token that ends a model turn), `<look>`, `<|user|>`, `<|tool|>`,
@@ -47,8 +50,11 @@ CALLS = CompactCalls({LOOK: ("look", "")})
 class LookupTokenizer:
     """The task's nine symbols as token ids 0-8 (`SYMBOLS`); `<|end|>` ends a model turn.
 
-    Chat format: each message is its role's header token and its content, and the model's turn
-    opens with `<|assistant|>` (stateless: a new turn renders the same alone as in context)."""
+    Chat format (stateless: a new turn renders the same alone as in context): each message is
+    its role's header token and its content; the first model turn opens with `<|assistant|>`,
+    and a tool's result is spliced into the conversation with no header after it: the model's
+    next turn follows the result directly (its first token is predicted from the result's last
+    token, so copying a one-token result needs no attention at all: a tiny model finds it)."""
 
     stop_token_ids = (END,)
     vocab_size = len(SYMBOLS)
@@ -71,10 +77,10 @@ class LookupTokenizer:
         ids = []
         for m in messages:
             ids += self.encode(f"<|{m['role']}|>{m['content']}")
-        return ids + [ASSISTANT]
+        return ids
 
     def prompt(self, messages: Sequence[Mapping]) -> list:
-        return self._render(messages)
+        return self._render(messages) + [ASSISTANT]
 
     def observation(self, messages: Sequence[Mapping]) -> list:
         return self._render(messages)
