@@ -6,7 +6,7 @@
 
 Each run is `gagar-loop --env gagar_jax.rollout.envs.lookup:make_env` on configs/tiny_agent.py
 (`run_loop`, the library under `gagar-loop`) in a fresh `<workdir>/<name>`; a run whose
-`loop_report.json` exists is not run again (`--only NAME` runs one: each run is one chunk of a
+loop_report.json exists is not run again (`--only NAME` runs one: each run is one chunk of a
 few minutes). `--calibrate SEEDS` runs only the learning (binary) arm on seeds of its own, to
 fix the number of steps before the seeds run. Per run it prints the pass rate per version, the
 trajectories that span two versions, the ledger; at the end the table and `<workdir>/summary.json`:
@@ -36,7 +36,8 @@ def worker_rows(wd: str) -> list:
     return [r for r in map(json.loads, open(path)) if "group_id" in r]
 
 
-def one(name: str, wd: str, seed: int, steps: int, lr: float | None) -> dict:
+def one(name: str, wd: str, seed: int, steps: int, lr: float | None,
+        learner_args: tuple = ()) -> dict:
     """One loop run (or its saved report); adds the spanning trajectories to the report."""
     done = os.path.join(wd, "loop_report.json")
     if not os.path.exists(done):
@@ -44,6 +45,7 @@ def one(name: str, wd: str, seed: int, steps: int, lr: float | None) -> dict:
         print(f"== {name}", flush=True)
         run_loop(wd, LoopPaths.of_checkout(REPO, os.path.join("configs", "tiny_agent.py")),
                  seed=seed, steps=steps, learning_rate=lr, worker_args=WORKER_ARGS,
+                 learner_args=learner_args,
                  timeout_s=1800, on_version=lambda v: print(format_version(v), flush=True))
     r = json.load(open(done))
     rows = worker_rows(wd)
@@ -72,20 +74,22 @@ def main():
                    help="run only the learning arm on these seeds (the calibration)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--only", default="", help="run only this one (seed<S>, control<S>, calib<S>)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a learner config override (--config.KEY=VALUE), repeatable")
     args = p.parse_args()
     if args.calibrate is not None:
         runs = [(f"calib{s}", s, None) for s in args.calibrate]
     else:
         runs = [(f"seed{s}", s, None) for s in args.seeds]
         runs += [(f"control{s}", s, 0.0) for s in args.seeds] if args.control else []
-    results = {}
+    results, sets = {}, tuple(f"--config.{x}" for x in args.set)
     for name, seed, lr in runs:
         wd = os.path.abspath(os.path.join(args.workdir, name))
         if args.only and name != args.only:
             if os.path.exists(os.path.join(wd, "loop_report.json")):
-                results[name] = one(name, wd, seed, args.steps, lr)
+                results[name] = one(name, wd, seed, args.steps, lr, sets)
             continue
-        results[name] = r = one(name, wd, seed, args.steps, lr)
+        results[name] = r = one(name, wd, seed, args.steps, lr, sets)
         print(" ".join(f"v{v}:{x:.2f}" for v, x in r["pass_rate_by_version"].items()))
     print()
     for name, r in results.items():
