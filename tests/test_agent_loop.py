@@ -328,3 +328,17 @@ def test_tokenizer_flag_takes_a_hugging_face_directory(tmp_path):
     assert isinstance(tok, Tokenizer) and tok.stop_token_ids == (1,)
     # <|im_start|> user \n fix <|im_end|> \n <|im_start|> assistant \n, by the template
     assert tok.prompt([{"role": "user", "content": "fix"}]) == [0, 2, 7, 5, 1, 7, 0, 3, 7]
+
+
+def test_gagar_loop_passes_the_agent_flags_to_its_workers():
+    """`gagar-loop --env ...`: the workers' agent flags come after the loop's own worker flags
+    (so `--worker-arg=--max-tokens=4` wins over the learner's max_response_len)."""
+    from gagar_jax.run import loop_cli
+    a, rest = loop_cli._args(["--workdir", "w", "--env", "m:make_env", "--tokenizer", "m:tok",
+                              "--max-turns", "3", "--worker-arg=--max-tokens=4",
+                              "--worker-arg=--no-routing", "--config.train.steps=2"])
+    assert loop_cli.agent_args(a) == ("--env=m:make_env", "--tokenizer=m:tok", "--max-turns=3",
+                                      "--max-tokens=4", "--no-routing")
+    assert rest == ["--config.train.steps=2"]
+    a, _ = loop_cli._args(["--workdir", "w"])
+    assert loop_cli.agent_args(a) == ()
