@@ -42,6 +42,8 @@ def load_tokenizer(spec: str, load_callable: Callable) -> Tokenizer:
             from gagar_jax.rollout.envs.hf_tokenizer import HFTokenizer
             return HFTokenizer(AutoTokenizer.from_pretrained(spec))
         tok = load_callable(spec, "--tokenizer")()
+    except ValueError:         # load_callable's usage error names the flag already
+        raise
     except Exception as e:     # a usage error in one line, whatever the loader raised
         raise ValueError(f"--tokenizer {spec!r}: {type(e).__name__}: {e}") from e
     missing = [m for m in ("stop_token_ids", "encode", "decode", "prompt", "observation")
