@@ -35,15 +35,14 @@ def load_tokenizer(spec: str, load_callable: Callable) -> Tokenizer:
     (the hf_tokenizer adapter of rollout/envs); `module:function` = what `function()` returns."""
     if not spec:
         return ByteTokenizer()
+    factory = None if os.path.isdir(spec) else load_callable(spec, "--tokenizer")
     try:
-        if os.path.isdir(spec):
+        if factory is None:
             from transformers import AutoTokenizer
 
             from gagar_jax.rollout.envs.hf_tokenizer import HFTokenizer
             return HFTokenizer(AutoTokenizer.from_pretrained(spec))
-        tok = load_callable(spec, "--tokenizer")()
-    except ValueError:         # load_callable's usage error names the flag already
-        raise
+        tok = factory()
     except Exception as e:     # a usage error in one line, whatever the loader raised
         raise ValueError(f"--tokenizer {spec!r}: {type(e).__name__}: {e}") from e
     missing = [m for m in ("stop_token_ids", "encode", "decode", "prompt", "observation")
