@@ -342,3 +342,24 @@ def test_gagar_loop_passes_the_agent_flags_to_its_workers():
     assert rest == ["--config.train.steps=2"]
     a, _ = loop_cli._args(["--workdir", "w"])
     assert loop_cli.agent_args(a) == ()
+
+
+def test_long_trajectories_send_compact_arrays_the_feed_reads_back(tmp_path, monkeypatch):
+    """Past `COMPACT_FROM` tokens, tokens, log-probs and routing go as compact base64 arrays
+    (docs/feed.md); the learner's feed packs them into the same batch as the list form."""
+    from gagar_jax.rollout import agent_record
+
+    def batch(compact_from, where):
+        monkeypatch.setattr(agent_record, "COMPACT_FROM", compact_from)
+        loop, _ = make(AgentOptions(n=3, seed=1, threads=False))
+        [(rec, _)] = drive(loop, iter([{**task(), "task_id": "same"}]), 1)
+        return rec, feed_takes([rec], tmp_path / where)[0]
+    packed_rec, packed = batch(10, "packed")
+    listed_rec, listed = batch(4096, "listed")
+    t = packed_rec.trajectories[0]
+    assert isinstance(t.tokens, schema.PackedArray) and isinstance(t.logprobs, schema.PackedArray)
+    assert isinstance(t.routed_experts, schema.PackedArray) and t.routed_experts.shape == [12, 2, 2]
+    assert isinstance(listed_rec.trajectories[0].tokens, list)
+    for name in ("tokens_BxS", "loss_mask_BxS", "old_logprobs_BxS", "routed_experts_BxSxLxK"):
+        np.testing.assert_array_equal(np.asarray(getattr(packed, name)),
+                                      np.asarray(getattr(listed, name)), err_msg=name)
