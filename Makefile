@@ -86,6 +86,13 @@ $(TASKS_STAMP):
 loop: $(STAMP) $(VLLM_STAMP)
 	$(PY) scripts/loop.py --workdir runs/loop --seeds 0 1 2 --control --steps 40
 
+# The closed agent loop on CPU: learner + an agent-mode worker on the lookup task, 3 seeds and
+# their lr-0 controls, 60 steps (the calibration: docs/agent_loop_calibration.json); each run a
+# few minutes, one at a time (docs/rollout.md, "The agent loop, closed").
+.PHONY: agent_loop
+agent_loop: $(STAMP) $(VLLM_STAMP)
+	$(PY) scripts/agent_loop.py --workdir runs/agent_loop --seeds 0 1 2 --control --steps 60
+
 # MaxText 0.2.5 beside the learner, in its own venv (docs/scaling.md, "Side by side with
 # MaxText"); neither target is part of `make test` or CI. The [tpu] extra brings libtpu; its pins
 # are lower bounds (jax>=0.11.1, libtpu>=0.0.46), so jax[tpu] is held at that floor (libtpu

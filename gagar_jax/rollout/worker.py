@@ -21,6 +21,11 @@ mixed / G groups at the current one (bounded staleness, and no flood of uniform 
 the policy solves the task: the learner trains `feed.groups_per_batch` mixed groups per step);
 with `--stall-s` it ends the feed (`_DONE`) when no new version comes.
 SIGTERM / SIGINT end it after the group in flight. Imports no JAX.
+
+Agent mode (`--env module:factory`, `gagar_jax/rollout/agent_worker.py`): each trajectory is a
+multi-turn episode in an environment, each model turn one engine request, the environment's
+verdict the outcome and `--grader` (optional) quality on top; the engine follows `latest`
+between turns, so a trajectory may span versions (`policy_version_spans`).
 """
 from __future__ import annotations
 
@@ -35,12 +40,14 @@ import sys
 import time
 from collections.abc import Callable
 
-from gagar_jax.rollout import delta
+from gagar_jax.rollout import agent_worker, delta
 from gagar_jax.rollout import engine as engine_lib
 from gagar_jax.rollout.feed_writer import SpoolWriter, group_record
 from gagar_jax.rollout.pointer import read_latest
 
 DEFAULT_ENGINE = "gagar_jax.rollout.vllm_engine:make"
+DEFAULT_TASKS = "gagar_jax.rollout.example_task:tasks"
+DEFAULT_GRADER = "gagar_jax.rollout.example_task:grade"
 
 log = logging.getLogger("gagar_jax.rollout.worker")
 
@@ -99,8 +106,19 @@ def run(args: argparse.Namespace) -> dict:
     """The worker loop; returns counts {"groups", "mixed", "passes", "completions", "reloads"}."""
     if args.n < 1:
         raise UsageError(f"--n must be >= 1, got {args.n}")
-    tasks = load_callable(args.tasks, "--tasks")(args.seed)
-    grader = load_callable(args.grader, "--grader")
+    if args.env:     # agent mode: the tasks beside the environment, a grader only if given
+        env = load_callable(args.env, "--env")
+        tasks_spec = args.tasks or f"{args.env.partition(':')[0]}:tasks"
+        grader = load_callable(args.grader, "--grader") if args.grader else None
+        try:
+            tokenizer = agent_worker.load_tokenizer(args.tokenizer, load_callable)
+            agent_worker.agent_options(args)
+        except (ValueError, OSError) as e:
+            raise UsageError(str(e)) from e
+    else:
+        tasks_spec = args.tasks or DEFAULT_TASKS
+        grader = load_callable(args.grader or DEFAULT_GRADER, "--grader")
+    tasks = load_callable(tasks_spec, "--tasks")(args.seed)
     factory = load_callable(args.engine, "--engine")
     try:
         spec = engine_lib.SamplingSpec(temperature=args.temperature, top_p=args.top_p,
@@ -125,6 +143,12 @@ def run(args: argparse.Namespace) -> dict:
     log_path = args.log or os.path.join(args.workdir, "rollout", f"{args.writer_id}.jsonl")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     counts = dict(groups=0, mixed=0, passes=0, completions=0, reloads=0, grader_errors=0)
+    if args.env:
+        with open(log_path, "a") as logf, contextlib.closing(engine):
+            counts = agent_worker.run_agent(args, engine, spec, tasks, env, tokenizer, grader,
+                                            writer, logf, lambda: stop.requested)
+        log.info("worker done: %s", counts)
+        return counts
     with open(log_path, "a") as logf, contextlib.closing(engine):    # close() on any exit
         while not stop.requested and (not args.max_groups or counts["groups"] < args.max_groups):
             ptr = read_latest(args.workdir)
@@ -201,10 +225,30 @@ def parser() -> argparse.ArgumentParser:
                    help="the learner's feed.spool_dir (default WORKDIR/spool)")
     p.add_argument("--engine", default=DEFAULT_ENGINE,
                    help="module:factory(path, EngineOptions) -> an engine (rollout/engine.py)")
-    p.add_argument("--tasks", default="gagar_jax.rollout.example_task:tasks",
-                   help="module:function(seed) -> iterator of {'task_id', 'prompt'}")
-    p.add_argument("--grader", default="gagar_jax.rollout.example_task:grade",
-                   help="module:function(task, completions) -> verdicts")
+    p.add_argument("--tasks", default="",
+                   help="module:function(seed) -> iterator of {'task_id', 'prompt'} (default "
+                   f"{DEFAULT_TASKS}; with --env: the env module's `tasks`)")
+    p.add_argument("--grader", default="",
+                   help=f"module:function(task, completions) -> verdicts (default "
+                   f"{DEFAULT_GRADER}; with --env: none, or one for agent groups)")
+    agent = p.add_argument_group("agent mode (multi-turn episodes in an environment)")
+    agent.add_argument("--env", default="",
+                       help="module:factory(task, tokenizer, EnvOptions) -> Environment")
+    agent.add_argument("--tokenizer", default="",
+                       help="'' = bytes; a Hugging Face tokenizer directory; module:function")
+    agent.add_argument("--max-turns", type=int, default=8, help="model turns per trajectory")
+    agent.add_argument("--max-traj-tokens", type=int, default=0,
+                       help="tokens per trajectory (0 = --max-model-len); longer: truncated")
+    agent.add_argument("--concurrent-groups", type=int, default=2, help="groups in flight")
+    agent.add_argument("--tool-timeout-s", type=float, default=30.0,
+                       help="seconds per tool call")
+    agent.add_argument("--episode-timeout-s", type=float, default=0.0,
+                       help="seconds per episode (0 = none)")
+    agent.add_argument("--max-version-lag", type=int, default=-1,
+                       help="restart a group whose oldest token lags the engine by more "
+                       "versions (-1 = no bound)")
+    agent.add_argument("--workspace-root", default="",
+                       help="per-trajectory workspaces (default WORKDIR/workspaces/ID)")
     p.add_argument("--n", type=int, default=8, help="completions per group")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)

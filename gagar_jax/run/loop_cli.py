@@ -5,6 +5,8 @@
                [--sampler-devices K]]
                [--tasks module:factory] [--grader module:factory] [--config FILE]
                [--config.KEY=VALUE ...]       (passed to the learner)
+    gagar-loop ... --env module:factory [--tokenizer T] [--max-turns N] [--worker-arg=--F=V]
+                                      (agent mode: multi-turn episodes, rollout/agent_worker.py)
 
 Prints a line per policy version while it runs (pass rate, groups, the staleness the learner
 trained at), then the report (`run/loop.py`). The learner runs in this interpreter's
@@ -44,6 +46,14 @@ def _args(argv: Sequence[str]) -> tuple[argparse.Namespace, list]:
                    "(default gagar_jax.rollout.example_task:tasks)")
     p.add_argument("--grader", default="", help="the workers' grader, module:factory "
                    "(default gagar_jax.rollout.example_task:grade)")
+    p.add_argument("--env", default="", help="agent mode: the workers' environment, "
+                   "module:factory (multi-turn episodes; tasks default to the module's `tasks`)")
+    p.add_argument("--tokenizer", default="", help="agent mode: the workers' --tokenizer")
+    p.add_argument("--max-turns", type=int, default=0, help="agent mode: the workers' "
+                   "--max-turns (0: theirs)")
+    p.add_argument("--worker-arg", action="append", default=[], metavar="--FLAG=VALUE",
+                   help="a flag passed to every worker (repeatable), e.g. "
+                   "--worker-arg=--max-tokens=4")
     p.add_argument("--vllm-python", default=os.path.join(SOURCE_ROOT, ".venv-vllm", "bin",
                                                          "python"))
     p.add_argument("--timeout-s", type=float, default=3600.0, help="kill the learner after this")
@@ -65,6 +75,15 @@ def _args(argv: Sequence[str]) -> tuple[argparse.Namespace, list]:
     return a, rest
 
 
+def agent_args(a: argparse.Namespace) -> tuple:
+    """The workers' agent-mode flags (`--env`, `--tokenizer`, `--max-turns`) and `--worker-arg`s;
+    they come after the loop's own worker flags, so they win (`--max-tokens` per turn)."""
+    out = [f"--env={a.env}"] if a.env else []
+    out += [f"--tokenizer={a.tokenizer}"] if a.tokenizer else []
+    out += [f"--max-turns={a.max_turns}"] if a.max_turns else []
+    return (*out, *a.worker_arg)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a, learner_args = _args(sys.argv[1:] if argv is None else argv)
     if a.workers < 1:
@@ -81,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"gagar-loop: learner + {a.workers} worker(s) in {workdir} (logs: learner.log, "
           "worker<i>.log); a line per policy version follows", flush=True)
     try:
-        rep = loop.run_loop(workdir, paths, seed=a.seed, steps=a.steps,
+        rep = loop.run_loop(workdir, paths, seed=a.seed, steps=a.steps, worker_args=agent_args(a),
                             learning_rate=a.learning_rate, workers=a.workers, tasks=a.tasks,
                             grader=a.grader, timeout_s=a.timeout_s,
                             learner_args=tuple(learner_args), engine=a.engine,

@@ -54,6 +54,7 @@ def one(spec):
     res["reloaded"] = greedy(llm, spec["prompt"], spec["gen"])
     if "delta" in spec:
         res["delta"] = delta(llm, spec)
+    res["agent"] = agent(engine, spec)
     if "prompt_b" in spec:
         import engine_scenario
         res["scenario"] = engine_scenario.run(engine, spec)
@@ -68,6 +69,13 @@ def batch_greedy(llm, prompts, gen):
     sp = SamplingParams(temperature=0.0, max_tokens=gen, detokenize=False, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def agent(engine, spec):
+    """The agent loop's multi-turn groups on this engine across a version move
+    (tests/support/agent_scenario.py; tests/test_agent_vllm.py reads them)."""
+    import agent_scenario
+    return agent_scenario.run(engine, spec)
 
 
 def delta(llm, spec):
