@@ -14,7 +14,12 @@ memory (`gagar-loop --engine jax --colocated`, docs/sampler.md).
    source returns, so no reference survives into the train step that donates them.
 3. The rollout function talks to the engine interface only (`generate`, `cancel`):
    `single_turn` (one request of `n` samples per task, the rollout worker's tasks and graders)
-   is the default; an agent loop over environments is another function of the same signature.
+   is the default. With `env` set (`gagar-loop --engine jax --colocated --env module:factory`)
+   each round is the rollout worker's agent loop instead (`rollout/agent_loop.py`: groups of
+   multi-turn episodes, environment calls in threads, the environment's verdict the outcome,
+   an agent `--grader` on mixed groups): learner, sampler and the agent environments in one
+   program. No version moves inside a round (the learner waits for the source), so every
+   trajectory is on-policy.
 4. Per group the worker's log line goes to `<workdir>/rollout/worker-colocated.jsonl` (and per
    hand-over its mode, bytes and seconds), so `loop.report` reads this loop like the others.
 """
@@ -33,6 +38,8 @@ from flax import nnx
 
 from gagar_jax.feed.sources import IteratorSource
 from gagar_jax.rollout import engine as engine_lib
+from gagar_jax.rollout.agent_loop import AgentLoop, AgentOptions
+from gagar_jax.rollout.agent_worker import load_tokenizer
 from gagar_jax.rollout.feed_writer import group_record
 from gagar_jax.rollout.worker import load_callable, normalize_grades
 from gagar_jax.run import train
@@ -42,6 +49,8 @@ from gagar_jax.sample.sampler import Sampler, SamplerConfig
 from gagar_jax.sharding import make_mesh
 
 WRITER = "worker-colocated"
+SINGLE_TURN_TASKS = "gagar_jax.rollout.example_task:tasks"
+SINGLE_TURN_GRADER = "gagar_jax.rollout.example_task:grade"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +58,8 @@ class ColocatedOptions:
     """What the colocated loop samples, and how the weights reach the sampler.
 
     Attributes:
-      tasks, grader: the rollout worker's `module:function` task source and grader.
+      tasks, grader: the rollout worker's `module:function` task source and grader ("": the
+        mode's default: the example task and its grader in single turn, see `env`).
       n: samples per task (a group). spec: their `SamplingSpec`.
       seed: task stream and sampling seeds.
       handover: "same" (the learner's arrays), "copy" (a copy on its devices) or "reshard"
@@ -58,9 +68,15 @@ class ColocatedOptions:
       sampler: the sampler's `SamplerConfig`.
       groups_per_version: the feed ends after this many groups of one version without a new
         step (the policy solved the task: every group uniform; 0 = never).
+      env: agent mode, the environment factory `module:factory` ("" = single turn); `tasks`
+        then defaults to the environment module's `tasks` and `grader` to none (the
+        environment's verdict alone), `spec.max_tokens` is per turn.
+      tokenizer: agent mode, the worker's `--tokenizer` ("" = bytes).
+      agent: agent mode, the loop's limits (`n`, `seed`, `concurrent_groups` and
+        `max_model_len` are set from the options above).
     """
-    tasks: str = "gagar_jax.rollout.example_task:tasks"
-    grader: str = "gagar_jax.rollout.example_task:grade"
+    tasks: str = ""
+    grader: str = ""
     n: int = 8
     spec: engine_lib.SamplingSpec = engine_lib.SamplingSpec(max_tokens=8)
     seed: int = 0
@@ -68,6 +84,9 @@ class ColocatedOptions:
     sampler_devices: int = 0
     sampler: SamplerConfig = SamplerConfig(slots=16, max_len=64)
     groups_per_version: int = 64
+    env: str = ""
+    tokenizer: str = ""
+    agent: AgentOptions = AgentOptions(max_turns=8, threads=True)
 
     def __post_init__(self):
         if self.handover not in handover.MODES:
@@ -119,11 +138,71 @@ class _Live:
         return handover.timed_hand_over(self.engine, params, self.step, mode, self.shardings)
 
 
+def agent_round(engine: Any, tasks: Sequence[dict], opts: ColocatedOptions, env: Callable,
+                tokenizer: Any, grader: Optional[Callable], seed: int, prefix: str) -> list:
+    """One round of the agent loop on the sampler's engine: a group of `opts.n` episodes per
+    task, all concurrent, to the end. Returns [(record, the worker's per-group info)]."""
+    out = []
+    agent = dataclasses.replace(opts.agent, n=opts.n, seed=seed,
+                                concurrent_groups=len(tasks),
+                                max_model_len=opts.sampler.max_len)
+    loop = AgentLoop(engine, env, tokenizer, opts.spec, agent,
+                     emit=lambda rec, info: out.append((rec, info)), grader=grader,
+                     grader_name=opts.grader, prefix=prefix)
+    try:
+        for t in tasks:
+            loop.start(t)
+        while loop.live:
+            loop.tick()
+    finally:
+        loop.close()
+    return out
+
+
 def colocated_records(live: _Live, rollout: Callable[..., list], log: Any) -> Iterator:
     """The source's records: rounds of tasks sampled with the live parameters, graded."""
     opts = live.opts
-    tasks = load_callable(opts.tasks, "--tasks")(opts.seed)
-    grader = load_callable(opts.grader, "--grader")
+    if opts.env:
+        return _agent_records(live, log)
+    return _single_turn_records(live, rollout, log)
+
+
+def _agent_records(live: _Live, log: Any) -> Iterator:
+    opts = live.opts
+    env = load_callable(opts.env, "--env")
+    tasks = load_callable(opts.tasks or opts.env.rpartition(":")[0] + ":tasks",
+                          "--tasks")(opts.seed)
+    tokenizer = load_tokenizer(opts.tokenizer, load_callable)
+    grader = load_callable(opts.grader, "--grader") if opts.grader else None
+    drawn, at_version, version = 0, 0, -1
+    while True:
+        if live.step != version:
+            version, at_version = live.step, 0
+        if opts.groups_per_version and at_version >= opts.groups_per_version:
+            return
+        info = live.hand_over()
+        round_tasks = [next(tasks) for _ in range(max(1, opts.sampler.slots // opts.n))]
+        try:
+            done = agent_round(live.engine, round_tasks, opts, env, tokenizer, grader,
+                               opts.seed * 1_000_003 + drawn, f"colocated-v{version}-{drawn}")
+        finally:
+            if opts.handover == "same":
+                live.engine.sampler.release_params()
+        drawn += opts.n * len(round_tasks)
+        log.write(json.dumps({"handover": info["mode"], "bytes": info["bytes"],
+                              "s": round(info["seconds"], 6), "policy_version": version}) + "\n")
+        for rec, row in done:
+            log.write(json.dumps(row) + "\n")
+            at_version += 1
+            yield rec
+        log.flush()
+
+
+def _single_turn_records(live: _Live, rollout: Callable[..., list], log: Any) -> Iterator:
+    opts = live.opts
+    tasks = load_callable(opts.tasks or SINGLE_TURN_TASKS, "--tasks")(opts.seed)
+    grader_name = opts.grader or SINGLE_TURN_GRADER
+    grader = load_callable(grader_name, "--grader")
     drawn, at_version, version = 0, 0, -1
     while True:
         if live.step != version:
@@ -146,7 +225,7 @@ def colocated_records(live: _Live, rollout: Callable[..., list], log: Any) -> It
             verdicts, status, evidence = normalize_grades(grader(task, [c.tokens for c in comps]),
                                                           opts.n)
             rec = group_record(f"colocated-{task['task_id']}-v{version}", task["task_id"],
-                               version, task["prompt"], comps, verdicts, grader=opts.grader,
+                               version, task["prompt"], comps, verdicts, grader=grader_name,
                                sampling=opts.spec.record(live.engine.name), evidence=evidence,
                                grading_ok=status == "ok")
             n_pass = sum(t.outcome == "pass" and not t.hacked for t in rec.trajectories)

@@ -6,7 +6,8 @@
                [--tasks module:factory] [--grader module:factory] [--config FILE]
                [--config.KEY=VALUE ...]       (passed to the learner)
     gagar-loop ... --env module:factory [--tokenizer T] [--max-turns N] [--worker-arg=--F=V]
-                                      (agent mode: multi-turn episodes, rollout/agent_worker.py)
+                                      (agent mode: multi-turn episodes, rollout/agent_worker.py;
+                                      with --colocated: the agent loop in this program)
 
 Prints a line per policy version while it runs (pass rate, groups, the staleness the learner
 trained at), then the report (`run/loop.py`). The learner runs in this interpreter's
@@ -68,6 +69,8 @@ def _args(argv: Sequence[str]) -> tuple[argparse.Namespace, list]:
     p.add_argument("--sampler-devices", type=int, default=0,
                    help="colocated reshard: devices of the sampler's own mesh")
     p.add_argument("--n", type=int, default=8, help="colocated: samples per task")
+    p.add_argument("--max-tokens", type=int, default=0, help="colocated: tokens per "
+                   "completion, per turn with --env (0: the config's loss.max_response_len)")
     a, rest = p.parse_known_args(list(argv))
     bad = [x for x in rest if not x.startswith("--config.")]
     if bad:
@@ -143,6 +146,7 @@ def apply_overrides(cfg: object, args: Sequence[str]) -> None:
 
 def _colocated(a: argparse.Namespace, learner_args: list) -> int:
     """`--engine jax --colocated`: `run/colocated.py` in this process, then the report."""
+    import dataclasses
     import time
 
     from gagar_jax.config import load_config_file
@@ -158,11 +162,14 @@ def _colocated(a: argparse.Namespace, learner_args: list) -> int:
         cfg.optim.learning_rate = a.learning_rate
     try:
         apply_overrides(cfg, learner_args)
+        agent = colocated.ColocatedOptions.agent
+        if a.max_turns:
+            agent = dataclasses.replace(agent, max_turns=a.max_turns)
         opts = colocated.ColocatedOptions(
-            tasks=a.tasks or colocated.ColocatedOptions.tasks,
-            grader=a.grader or colocated.ColocatedOptions.grader, n=a.n, seed=a.seed,
-            spec=SamplingSpec(max_tokens=int(cfg.loss.max_response_len)),
-            handover=a.handover, sampler_devices=a.sampler_devices)
+            tasks=a.tasks, grader=a.grader, n=a.n, seed=a.seed,
+            spec=SamplingSpec(max_tokens=a.max_tokens or int(cfg.loss.max_response_len)),
+            handover=a.handover, sampler_devices=a.sampler_devices, env=a.env,
+            tokenizer=a.tokenizer, agent=agent)
     except (ValueError, KeyError) as e:
         print(f"gagar-loop: error: {e}", file=sys.stderr)
         return 2
