@@ -15,7 +15,8 @@ MAXTEXT_STAMP := $(MAXTEXT_VENV)/.installed-$(MAXTEXT_VERSION)
 # The interpreter the repository tasks' tests run with, in the sandbox (docs/rollout.md, "The
 # sandbox"): a venv of its own with pytest, made from a world-readable Python, since agent code
 # runs as `nobody` when the worker is root and cannot execute an interpreter under a mode-700
-# /root (pyenv's). The project directory must be traversable by that user too.
+# /root (pyenv's). A checkout that user cannot reach (under /root) has it copied to
+# /var/cache/gagar_jax by the sandbox (docs/rollout.md, "The task interpreter").
 TASKS_PYTHON ?= /usr/bin/python3
 TASKS_VENV := .venv-tasks
 TASKS_PYTEST := 9.2.0

@@ -162,3 +162,31 @@ def test_without_namespaces_and_cgroups_the_limits_that_remain_hold_and_the_gaps
     assert run.status == "ok" and run.exit_code == 0, run
     assert run.output.strip() == f"refused {65534 if IS_ROOT else os.getuid()}"
     assert run.enforced == record
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="the copy is made for root workers only")
+def test_a_task_venv_others_cannot_reach_is_copied_where_they_can(monkeypatch):
+    """A checkout under a mode-700 directory (/root) would leave `nobody` without pytest."""
+    import pathlib
+    import tempfile
+    cache = tempfile.mkdtemp(prefix="gagar-venv-test-")      # under /tmp (1777): reachable
+    os.chmod(cache, 0o755)
+    monkeypatch.setattr(sandbox, "VENV_CACHE", os.path.join(cache, "c"))
+    locked = pathlib.Path(cache) / "locked"
+    venv = locked / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    os.symlink("/usr/bin/python3", venv / "bin" / "python")
+    locked.chmod(0o700)
+    try:
+        assert not sandbox._others_reach(str(venv))
+        copy = sandbox.reachable_venv(str(venv))
+        assert copy.startswith(sandbox.VENV_CACHE) and sandbox._others_reach(copy)
+        assert os.readlink(os.path.join(copy, "bin", "python")) == "/usr/bin/python3"
+        assert sandbox.reachable_venv(str(venv)) == copy          # made once
+        locked.chmod(0o755)
+        assert sandbox.reachable_venv(str(venv)) == str(venv)     # reachable: itself
+    finally:
+        locked.chmod(0o755)
+        import shutil
+        shutil.rmtree(cache)

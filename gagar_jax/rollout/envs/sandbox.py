@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import pwd
@@ -40,6 +41,7 @@ from gagar_jax.rollout.envs import cgroups
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_launch.py")
 PROJECT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
+VENV_CACHE = "/var/cache/gagar_jax"   # root's copies of a task venv others cannot reach
 SUPERVISOR_GRACE_S = 20.0   # beyond `wall_s`: the supervisor's own set-up and clean-up
 
 
@@ -73,12 +75,55 @@ class Limits:
 
 def default_python() -> str:
     """The interpreter task tests run with: `$GAGAR_TASK_PYTHON`, else the project's
-    `.venv-tasks` (`make tasks_env`), else /usr/bin/python3."""
+    `.venv-tasks` (`make tasks_env`; copied where others can reach it when the checkout is not,
+    `reachable_venv`), else /usr/bin/python3."""
     env = os.environ.get("GAGAR_TASK_PYTHON")
     if env:
         return env
-    venv = os.path.join(PROJECT, ".venv-tasks", "bin", "python")
-    return venv if os.path.exists(venv) else "/usr/bin/python3"
+    venv = os.path.join(PROJECT, ".venv-tasks")
+    if not os.path.exists(os.path.join(venv, "bin", "python")):
+        return "/usr/bin/python3"
+    return os.path.join(reachable_venv(venv), "bin", "python")
+
+
+def _others_reach(path: str) -> bool:
+    """Every directory from / down to `path` lets others through (the execute bit)."""
+    path = os.path.abspath(path)
+    while True:
+        if not os.stat(path).st_mode & 0o001:
+            return False
+        parent = os.path.dirname(path)
+        if parent == path:
+            return True
+        path = parent
+
+
+def reachable_venv(venv: str) -> str:
+    """`venv`, or, when the worker is root and an unprivileged user cannot reach it (a checkout
+    under a mode-700 home, /root for one), a copy under `VENV_CACHE` that it can (not under
+    /tmp: the sandbox mounts a fresh /tmp over it).
+
+    A virtual environment may move: its interpreter is a link to the base Python and
+    `pyvenv.cfg` is found beside it; only its scripts' shebangs name the old path, and the
+    sandbox runs `python -m pytest`. The copy is named by the venv's path and the time of its
+    last install, made once per machine (atomically: processes racing to make it agree)."""
+    if os.geteuid() != 0 or _others_reach(venv):
+        return venv
+    stamp = max(os.stat(os.path.join(venv, f)).st_mtime_ns for f in os.listdir(venv))
+    key = hashlib.sha256(f"{os.path.abspath(venv)}:{stamp}".encode()).hexdigest()[:16]
+    dest = os.path.join(VENV_CACHE, f"task-venv-{key}")
+    if os.path.exists(os.path.join(dest, "bin", "python")) and _others_reach(dest):
+        return dest
+    os.makedirs(VENV_CACHE, mode=0o755, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f"task-venv-{key}.", dir=VENV_CACHE)
+    os.chmod(tmp, 0o755)
+    shutil.copytree(venv, os.path.join(tmp, "v"), symlinks=True)
+    try:
+        os.rename(os.path.join(tmp, "v"), dest)
+    except OSError:        # another process made it first: theirs is the same copy
+        pass
+    shutil.rmtree(tmp, ignore_errors=True)
+    return dest
 
 
 @dataclasses.dataclass(frozen=True)
