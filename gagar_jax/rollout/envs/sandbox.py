@@ -104,7 +104,7 @@ def reachable_venv(venv: str) -> str:
     /tmp: the sandbox mounts a fresh /tmp over it).
 
     A virtual environment may move: its interpreter is a link to the base Python and
-    `pyvenv.cfg` is found beside it; only its scripts' shebangs name the old path, and the
+    its pyvenv.cfg is found beside it; only its scripts' shebangs name the old path, and the
     sandbox runs `python -m pytest`. The copy is named by the venv's path and the time of its
     last install, made once per machine (atomically: processes racing to make it agree)."""
     if os.geteuid() != 0 or _others_reach(venv):
