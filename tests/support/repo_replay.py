@@ -15,11 +15,10 @@ import json
 import os
 import threading
 
-from support.repo_agents import TOKENIZER, call, replay_turns
-
 from gagar_jax.rollout.engine import Completion, EngineOptions
 from gagar_jax.rollout.envs import repo_tasks
 from gagar_jax.rollout.pointer import read_manifest
+from support.repo_agents import TOKENIZER, call, replay_turns
 
 
 class ReplayEngine:
