@@ -113,6 +113,8 @@ def test_learner_logprobs_and_routing_equal_the_records_per_version(agent, tmp_p
         at = mask & (tok_version == v)
         checked[v] = int(at.sum())
         diff = np.abs(np.asarray(lp)[at] - record_lp[at])
+        print(f"{family} version {v}: {checked[v]} generated tokens, max |learner - record| "
+              f"log-prob {diff.max():.2e}")           # docs/rollout.md quotes it (pytest -s)
         assert diff.max() < TOL, (family, v, diff.max())
         # generated token t was produced by the forward whose input is token t - 1
         inputs = np.roll(at, -1, axis=1)
