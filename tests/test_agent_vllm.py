@@ -87,6 +87,7 @@ def test_learner_logprobs_and_routing_equal_the_records_per_version(agent, tmp_p
     weights of the token's version gives the record's log-prob (within 1e-4) and routes the
     token's input to the recorded experts (as sets: vLLM orders the top-k its own way)."""
     family, cfg, models, got, recs = agent
+    print(f"{family}: the agent scenario took {got['s']:.1f} s in the engine fixture")
     batch, info, _ = feed_batch(recs, cfg, tmp_path)
     versions = {}                        # (group id, trajectory id) -> per-token version
     for r in recs:
