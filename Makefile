@@ -88,8 +88,9 @@ loop: $(STAMP) $(VLLM_STAMP)
 	$(PY) scripts/loop.py --workdir runs/loop --seeds 0 1 2 --control --steps 40
 
 # The closed agent loop on CPU: learner + an agent-mode worker on the lookup task, 3 seeds and
-# their lr-0 controls, 60 steps (the calibration: docs/agent_loop_calibration.json); each run a
-# few minutes, one at a time (docs/rollout.md, "The agent loop, closed").
+# their lr-0 controls, 60 steps (the calibration: docs/agent_loop_calibration.json); each run
+# 1.5-3.5 minutes, one at a time, about 16 minutes in all on two shared cores (2026-12-05;
+# docs/rollout.md, "The agent loop, closed").
 .PHONY: agent_loop
 agent_loop: $(STAMP) $(VLLM_STAMP)
 	$(PY) scripts/agent_loop.py --workdir runs/agent_loop --seeds 0 1 2 --control --steps 60

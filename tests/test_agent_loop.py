@@ -305,9 +305,7 @@ def test_bad_agent_flags_exit_2_in_one_line(tmp_path, flags, msg, capsys):
 def test_tokenizer_flag_takes_a_hugging_face_directory(tmp_path):
     """`--tokenizer DIR`: a Hugging Face tokenizer saved there (a word-level one built here,
     nothing downloaded, with a ChatML template), behind the `Tokenizer` interface through the
-    adapter of rollout/envs (the repository environment's branch brings it: until it is merged
-    this test reports the module missing as a skip)."""
-    pytest.importorskip("gagar_jax.rollout.envs.hf_tokenizer")
+    adapter of rollout/envs (`hf_tokenizer.HFTokenizer`)."""
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -363,3 +361,63 @@ def test_long_trajectories_send_compact_arrays_the_feed_reads_back(tmp_path, mon
     for name in ("tokens_BxS", "loss_mask_BxS", "old_logprobs_BxS", "routed_experts_BxSxLxK"):
         np.testing.assert_array_equal(np.asarray(getattr(packed, name)),
                                       np.asarray(getattr(listed, name)), err_msg=name)
+
+
+def test_the_worker_runs_the_repository_environment_by_its_names(tmp_path):
+    """`--env gagar_jax.rollout.envs.repo:make_env --tasks gagar_jax.rollout.envs.repo:tasks`
+    through the worker's agent mode, in the real sandbox: a scripted engine
+    (tests/support/repo_replay.py) plays one trajectory per group that replays the task's
+    reference fix through the tools (pass) and one that submits at once (fail), on 2 tasks. The
+    records pass the feed's validator, each group is mixed, and the grader sees each
+    trajectory's workspace (its final diff: the fix, or nothing)."""
+    from gagar_jax.feed.validate import ModelShape, validate_group
+    from gagar_jax.rollout.envs import patch, repo_tasks, workspace
+    from gagar_jax.rollout.envs.tokenizer import ByteTokenizer
+    wd, seen = str(tmp_path / "wd"), tmp_path / "grader"
+    seen.mkdir()
+    F.publish(wd, 1)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
+           "REPLAY_GRADER_OUT": str(seen)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "gagar_jax.rollout.worker", "--workdir", wd, "--wait-s", "5",
+         "--engine", "support.repo_replay:make_engine",
+         "--env", "gagar_jax.rollout.envs.repo:make_env",
+         "--tasks", "gagar_jax.rollout.envs.repo:tasks",
+         "--grader", "support.repo_replay:grade", "--max-groups", "2", "--n", "2",
+         "--max-turns", "4", "--max-tokens", "4096", "--max-model-len", "16384",
+         "--no-routing", "--tool-timeout-s", "30"],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["groups"] == 2 and counts["passes"] == 2 and counts["mixed"] == 2, counts
+    assert counts["tool_errors"] == 0 and counts["infra_errors"] == 0, counts
+    shards = sorted(glob.glob(os.path.join(wd, "spool", "*.jsonl")))
+    groups = [schema.decode(line, "json") for s in shards for line in open(s, "rb")]
+    assert len(groups) == 2
+    cfg = FeedConfig(path="", seq_len=16384, max_traj_tokens=16384, routing_replay=False)
+    tok = ByteTokenizer()
+    for g in groups:
+        parsed = validate_group(g, cfg, ModelShape(vocab_size=tok.vocab_size))
+        assert len(parsed.trajectories) == 2
+        # which trajectory replays the fix is the engine's order of first turns: either
+        assert sorted(t.outcome for t in g.trajectories) == ["fail", "pass"], g.task_id
+        trajs = sorted(g.trajectories, key=lambda t: t.outcome != "pass")
+        assert g.grading.grader == "support.repo_replay:grade" and g.grading.status == "ok"
+        assert trajs[0].quality.tier == "strong" and trajs[1].quality is None
+        task = repo_tasks.load_task(os.path.join(repo_tasks.SHIPPED, g.task_id))
+        # the passing trajectory: apply_patch, run_tests, submit: 3 model turns; the other 1
+        masks = [np.asarray(t.loss_mask) for t in trajs]
+        assert [int(np.sum(np.diff(np.r_[0, m]) == 1)) for m in masks] == [3, 1]
+        assert '"name": "apply_patch"' in tok.decode(np.asarray(trajs[0].tokens)[masks[0] == 1])
+        view = json.load(open(seen / f"{g.task_id}.json"))
+        views = sorted(view["views"], key=lambda v: v["outcome"] != "pass")
+        assert [v["trajectory_id"] for v in views] == [t.trajectory_id for t in trajs]
+        assert [v["outcome"] for v in views] == ["pass", "fail"]
+        assert [v["end_reason"] for v in views] == ["submitted", "submitted"]
+        dirs = [v["workspace"] for v in views]
+        assert len(set(dirs)) == 2
+        assert all(d.startswith(os.path.join(wd, "workspaces")) for d in dirs), dirs
+        original = workspace.read_tree(task.repo_dir)
+        final = [open(os.path.join(d, "final.diff")).read() for d in dirs]
+        assert patch.apply(original, final[0]) == patch.apply(original, open(task.fix_path).read())
+        assert final[1].strip() == ""

@@ -87,6 +87,7 @@ def test_learner_logprobs_and_routing_equal_the_records_per_version(agent, tmp_p
     weights of the token's version gives the record's log-prob (within 1e-4) and routes the
     token's input to the recorded experts (as sets: vLLM orders the top-k its own way)."""
     family, cfg, models, got, recs = agent
+    print(f"{family}: the agent scenario took {got['s']:.1f} s in the engine fixture")
     batch, info, _ = feed_batch(recs, cfg, tmp_path)
     versions = {}                        # (group id, trajectory id) -> per-token version
     for r in recs:
@@ -113,6 +114,8 @@ def test_learner_logprobs_and_routing_equal_the_records_per_version(agent, tmp_p
         at = mask & (tok_version == v)
         checked[v] = int(at.sum())
         diff = np.abs(np.asarray(lp)[at] - record_lp[at])
+        print(f"{family} version {v}: {checked[v]} generated tokens, max |learner - record| "
+              f"log-prob {diff.max():.2e}")           # docs/rollout.md quotes it (pytest -s)
         assert diff.max() < TOL, (family, v, diff.max())
         # generated token t was produced by the forward whose input is token t - 1
         inputs = np.roll(at, -1, axis=1)
