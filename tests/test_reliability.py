@@ -2,7 +2,7 @@
 idle spool, and fatal errors (full disk, read-only workdir, file-size limit) that stop the
 background writers and exit at once, naming the failing path.
 
-In-process runs of configs/tiny_cpu.py share one compilation; one CLI subprocess.
+In-process runs of configs/tiny_cpu.py share one traced and compiled step; one CLI subprocess.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import time
 import pytest
 from support.paths import REPO, TINY_CONFIG
 from support.paths import load_tiny_config as tiny_config
+from support.warm_steps import share_train_steps
 from support.xla_flags import cpu_flags
 
 from gagar_jax.feed import ledger as ledger_lib
@@ -26,6 +27,11 @@ from gagar_jax.run import train
 
 SAMPLE = os.path.join(REPO, "data", "sample_feed.jsonl")
 
+
+@pytest.fixture(autouse=True)
+def _one_step_program(monkeypatch):
+    """The in-process runs here share one traced train step (support/warm_steps.py)."""
+    share_train_steps(monkeypatch)
 
 
 def _jsonl(path):
