@@ -16,6 +16,13 @@ fast-math by default); they only pick cheaper code generation:
   - one LLVM module per program instead of XLA:CPU's split into parallel codegen parts (CPU_ONLY):
     the parts are compiled on a thread pool, which buys nothing on 2 busy cores and costs the
     split itself (test_train_step.py 201.9 -> 181.4 CPU-seconds, fresh cache, Zen 1, 2026-12-05).
+    A step's result can differ from the default split's in its last bits, as between two CPUs:
+    what a test compares runs under the same flags, or within a tolerance.
+Tried and left out (compile CPU-seconds of a tiny train step, Zen 1, 2026-12-05): the
+FAST_COMPILE opt preset, no XNNPACK, the memory-optimized or non-concurrency scheduler, no
+region analysis in copy insertion (none faster); -O1 for the pytest processes (compiles 2-2.5x
+slower). Subprocesses that compile a program for one short run use FAST_COMPILE too
+(trainer_runs.env(level)): a cold 4-step 4-device trainer 38-40 -> 30-32 CPU-seconds.
 """
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 SUBPROCESS = "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true"
