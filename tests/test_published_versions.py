@@ -14,6 +14,7 @@ import time
 import pytest
 from support.delta_models import applicable, model_and_states, raw, set_state
 from support.paths import load_tiny_config as tiny_config
+from support.warm_steps import share_train_steps
 
 from gagar_jax import publish_format
 from gagar_jax.hf import delta as hf_delta
@@ -88,6 +89,7 @@ def test_a_resume_republishes_into_a_new_directory_while_latest_stays_complete(t
                                                                                 monkeypatch):
     cfg = tiny_config(train__steps=3, train__checkpoint_every=2, train__publish_every=3,
                       train__keep_published=2, train__publish_dtype="float32")
+    share_train_steps(monkeypatch)          # the resume reuses the first run's traced step
     train.run(cfg, str(tmp_path))
     pub = tmp_path / "published"
     first3 = pointer.read_latest(str(tmp_path))["path"]

@@ -2,7 +2,7 @@
 idle spool, and fatal errors (full disk, read-only workdir, file-size limit) that stop the
 background writers and exit at once, naming the failing path.
 
-In-process runs of configs/tiny_cpu.py share one compilation; one CLI subprocess.
+In-process runs of configs/tiny_cpu.py share one traced and compiled step; one CLI subprocess.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import time
 import pytest
 from support.paths import REPO, TINY_CONFIG
 from support.paths import load_tiny_config as tiny_config
-from support.xla_flags import cpu_flags
+from support.warm_steps import share_train_steps
+from support.xla_flags import FAST_COMPILE, cpu_flags
 
 from gagar_jax.feed import ledger as ledger_lib
 from gagar_jax.run import metrics as metrics_lib
@@ -26,6 +27,11 @@ from gagar_jax.run import train
 
 SAMPLE = os.path.join(REPO, "data", "sample_feed.jsonl")
 
+
+@pytest.fixture(autouse=True)
+def _one_step_program(monkeypatch):
+    """The in-process runs here share one traced train step (support/warm_steps.py)."""
+    share_train_steps(monkeypatch)
 
 
 def _jsonl(path):
@@ -153,7 +159,8 @@ def test_read_only_workdir_stops_the_writers_and_fails_fast(tmp_path, monkeypatc
 
 def test_cli_fatal_error_is_one_line_exit_1_and_no_libtpu_noise(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env.update(XLA_FLAGS=cpu_flags(8), PYTHONPATH=REPO,
+    # -O0 (FAST_COMPILE): the step is compiled for the few steps before the limit (xla_flags.py)
+    env.update(XLA_FLAGS=cpu_flags(8, FAST_COMPILE), PYTHONPATH=REPO,
                JAX_COMPILATION_CACHE_DIR=os.environ["JAX_COMPILATION_CACHE_DIR"],
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     limit = 12_000      # groups.jsonl passes it within a few steps; nothing else does before

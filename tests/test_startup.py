@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 from support.paths import load_tiny_config as tiny_config
+from support.warm_steps import share_train_steps
 
 from gagar_jax.config import ConfigError
 from gagar_jax.run import init_weights, train
@@ -117,6 +118,7 @@ def test_kl_run_from_init_from_in_a_bucket_workdir_trains_and_resumes_without_it
     with cfg.unlocked():
         cfg.train.init_from = str(hf_dir)
     work = "gs://bucket/run"
+    share_train_steps(monkeypatch)          # the resume reuses the first run's traced step
     summary = train.run(cfg, work)       # before: "attempt to donate the same buffer twice"
     assert summary["steps"] == 1 and np.isfinite(summary["final_loss"])
 

@@ -20,6 +20,7 @@ from safetensors.numpy import load_file
 from support import counting_fs
 from support.close import assert_rel_close
 from support.trainer_runs import REPO, env, free_port
+from support.xla_flags import FAST_COMPILE
 
 from gagar_jax import sharding
 from gagar_jax.hf import api as hf
@@ -276,7 +277,7 @@ def test_two_processes_load_and_publish_their_shares(tmp_path):
     runs = [(1, 0, 8), (2, 0, 4), (2, 1, 4)]   # (processes, process id, devices per process)
     procs = []
     for nproc, pid, ndev in runs:
-        e = env(ndev)
+        e = env(ndev, FAST_COMPILE)     # -O0: each program is compiled for one call here
         e.update(GAGAR_TEST_STORE_ROOT=str(store),
                  PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
         procs.append(

@@ -11,16 +11,19 @@ import sys
 import time
 
 from support.paths import REPO, TINY_CONFIG
-from support.xla_flags import cpu_flags
+from support.xla_flags import SUBPROCESS, cpu_flags
 
 STEPS = 4
 COMMON = [f"--config.train.steps={STEPS}", "--config.train.checkpoint_every=1",
           "--config.train.keep_checkpoints=10"]
 
 
-def env(devices: int = 8) -> dict:
+def env(devices: int = 8, level: str = SUBPROCESS) -> dict:
+    """The trainer subprocesses' environment: `level` is xla_flags.SUBPROCESS (-O1: fast steps,
+    for the programs the cache serves to several runs) or FAST_COMPILE (-O0: for a program
+    compiled for one short run, where the compile is most of the cost)."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = cpu_flags(devices)   # fast compiles, fast steps (xla_flags.py)
+    env["XLA_FLAGS"] = cpu_flags(devices, level)   # fast compiles, fast steps (xla_flags.py)
     env["JAX_PLATFORMS"] = "cpu"
     env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(REPO, ".cache", "jax")
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
@@ -48,9 +51,9 @@ def output_path(workdir) -> str:
                         os.path.basename(os.path.abspath(workdir)) + ".cli_output.txt")
 
 
-def run(workdir, *extra, devices: int = 8, timeout: int = 600) -> dict:
-    proc = subprocess.run(cmd(workdir, *extra), cwd=REPO, env=env(devices), capture_output=True,
-                          text=True, timeout=timeout)
+def run(workdir, *extra, devices: int = 8, level: str = SUBPROCESS, timeout: int = 600) -> dict:
+    proc = subprocess.run(cmd(workdir, *extra), cwd=REPO, env=env(devices, level),
+                          capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(output_path(workdir), "w") as f:
         f.write(proc.stderr + proc.stdout)

@@ -12,11 +12,21 @@ fast-math by default); they only pick cheaper code generation:
     MLIR pipelines were about half of every compile (measured with perf on a train step)
     (CPU_ONLY). libtpu, which the TPU AOT tests load in-process, dies on this flag ("Unknown
     flag in XLA_FLAGS"), so conftest drops it from the environment once XLA:CPU has read its
-    flags (each XLA library parses XLA_FLAGS once, when it starts).
+    flags (each XLA library parses XLA_FLAGS once, when it starts);
+  - one LLVM module per program instead of XLA:CPU's split into parallel codegen parts (CPU_ONLY):
+    the parts are compiled on a thread pool, which buys nothing on 2 busy cores and costs the
+    split itself (test_train_step.py 201.9 -> 181.4 CPU-seconds, fresh cache, Zen 1, 2026-12-05).
+    A step's result can differ from the default split's in its last bits, as between two CPUs:
+    what a test compares runs under the same flags, or within a tolerance.
+Tried and left out (compile CPU-seconds of a tiny train step, Zen 1, 2026-12-05): the
+FAST_COMPILE opt preset, no XNNPACK, the memory-optimized or non-concurrency scheduler, no
+region analysis in copy insertion (none faster); -O1 for the pytest processes (compiles 2-2.5x
+slower). Subprocesses that compile a program for one short run use FAST_COMPILE too
+(trainer_runs.env(level)): a cold 4-step 4-device trainer 38-40 -> 30-32 CPU-seconds.
 """
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 SUBPROCESS = "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true"
-CPU_ONLY = "--xla_cpu_use_fusion_emitters=false"
+CPU_ONLY = "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
 
 
 def cpu_flags(devices: int, level: str = SUBPROCESS) -> str:
