@@ -58,6 +58,8 @@ def grade_workspace(grader: GroupGrader, ws: GroupWorkspace) -> dict:
     t0 = time.monotonic()
     try:
         answer = tiers.verdicts(ids, passing, grader.grade(ws), grader.name)
+    except agent_grading.GraderCrashed:
+        raise                       # the pool re-queues the group
     except Exception as e:          # any grader bug or bad answer: binary credit, with reason
         answer = {"verdicts": [{} for _ in ids], "status": "failed",
                   "evidence": {"grader": grader.name, "error": f"{type(e).__name__}: {e}"[:2000]}}
