@@ -1,12 +1,16 @@
 """The grader pool (issue 40 item 4): groups graded beside the rollouts, a crashed grader's
 groups re-queued and never lost, the spool (emit) receives graded groups only."""
+import glob
+import json
+import os
 import threading
 import time
 
 import pytest
 from support import agent_fakes as F
-from test_agent_loop import SPEC, drive, task
+from test_agent_loop import SPEC, _worker, drive, task
 
+from gagar_jax.feed import schema
 from gagar_jax.rollout import agent_grading
 from gagar_jax.rollout.agent_loop import AgentLoop, AgentOptions
 from gagar_jax.rollout.grading.pool import GraderPool
@@ -99,3 +103,22 @@ def test_a_group_whose_grader_always_crashes_falls_back_to_binary_credit():
     assert rec.grading.status == "failed" and "every attempt" in str(rec.grading.evidence)
     assert rec.trajectories[0].quality is None and loop.counts["grader_errors"] == 1
     assert loop.pool.stats()["fallbacks"] == 1
+
+
+def test_the_worker_flag_runs_the_pool_and_logs_queue_depth_and_latency(tmp_path):
+    """`--grader-workers 2` end to end: graded groups in the spool, the ledger in the log."""
+    wd = str(tmp_path)
+    F.publish(wd, 1)
+    proc = _worker(wd, "--env", "support.agent_fakes:make_env", "--tokenizer",
+                   "support.agent_fakes:tokenizer", "--max-groups", "3", "--n", "3",
+                   "--max-tokens", "4", "--concurrent-groups", "2",
+                   "--grader", "support.planted:tier_grader", "--grader-workers", "2")
+    assert proc.returncode == 0, proc.stderr
+    shards = sorted(glob.glob(os.path.join(wd, "spool", "*.jsonl")))
+    groups = [schema.decode(line, "json") for s in shards for line in open(s, "rb")]
+    assert len(groups) == 3
+    assert all(g.grading.grader == "support.planted:tier_grader" and
+               g.trajectories[0].quality.tier == "strong" for g in groups)
+    log = [json.loads(x) for x in open(os.path.join(wd, "rollout", "worker0.jsonl"))]
+    assert len(log) == 3 and all(r["grade_s"] is not None for r in log)
+    assert log[-1]["grade_queue"]["submitted"] >= 3 and log[-1]["grade_queue"]["queued"] >= 0

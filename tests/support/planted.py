@@ -85,3 +85,9 @@ def group(task, root, kinds=(("minimal", "pass"), ("sprawling", "pass"), ("nothi
 def meta(view):
     with open(os.path.join(view["workspace"], "meta.json")) as f:
         return json.load(f)
+
+
+def tier_grader(task, views):
+    """`--grader support.planted:tier_grader`: passes strong (rank by id), failures nothing."""
+    return [{"quality": {"tier": "strong", "rank": i}} if v["outcome"] == "pass" else {}
+            for i, v in enumerate(views)]
