@@ -3,9 +3,10 @@
 `GroupWorkspace.from_views(task, views)` takes what the agent loop hands a `--grader` (the task
 dict and one `agent_grading.grader_view` per trajectory) and reads each view's workspace
 directory (docs/rollout.md, "The trajectory workspace"): final.diff, tests/run_*.log,
-tests/verdict.log, transcript.jsonl. A view without a workspace (another environment, or one
-whose directory is gone) still becomes a candidate: its diff is empty and its transcript is the
-view's decoded turns. Imports no JAX.
+tests/verdict.log, transcript.jsonl. A view without a workspace (`workspace` None: another
+environment) still becomes a candidate: its diff is empty and its transcript is the view's
+decoded turns; a workspace named but missing is an error (the group's grading fails, loudly).
+Imports no JAX.
 """
 from __future__ import annotations
 
