@@ -40,6 +40,11 @@ from gagar_jax.rollout.agent_record import AgentTrajectory
 NO_GRADER = "env"         # the record's grading.grader when no grader ran
 
 
+class GraderCrashed(RuntimeError):
+    """The grader itself died (its process, its server), not its answer: `grade_group` lets it
+    through, so a grader pool (`grading/pool.py`) re-queues the group instead of failing it."""
+
+
 def transcript(traj: AgentTrajectory, decode: Callable) -> list:
     """The trajectory's runs of observation and model tokens, decoded, in order."""
     out, start = [], 0
@@ -119,6 +124,8 @@ def grade_group(grader: Callable | None, grader_name: str, task: dict, views: Se
                 v["quality"] = a["quality"]
             if a.get("adjustment") is not None:
                 v["adjustment"] = float(a["adjustment"])
+    except GraderCrashed:
+        raise
     except Exception as e:   # any grader bug: binary credit for this group, with the reason
         verdicts = [{"outcome": v["outcome"], "hacked": v["hacked"]} for v in views]
         return verdicts, {"status": "failed", "grader": grader_name,

@@ -44,6 +44,7 @@ from gagar_jax.rollout.agent_episode import Episode, Group, Jobs, judge, quiet
 from gagar_jax.rollout.agent_record import agent_group_record
 from gagar_jax.rollout.engine import Request, SamplingSpec
 from gagar_jax.rollout.envs.base import EnvOptions
+from gagar_jax.rollout.grading.pool import GraderPool
 from gagar_jax.rollout.pointer import read_latest
 
 log = logging.getLogger("gagar_jax.rollout.agent_loop")
@@ -111,16 +112,20 @@ class AgentLoop:
       grader: `--grader` for agent groups (`agent_grading`), or None.
       grader_name: the grader field of the record's grading.
       prefix: group ids start with it (the worker's id).
+      grader_workers: > 0: finished groups go to a `grading.pool.GraderPool` of that many
+        threads and free their slot at once (grading overlapped with the next rollouts).
     """
 
     def __init__(self, engine: object, env_factory: Callable, tokenizer: object,
                  spec: SamplingSpec, options: AgentOptions, *, workdir: str | None = None,
                  emit: Callable = lambda rec, info: None, grader: Callable | None = None,
-                 grader_name: str = "", prefix: str = "agent"):
+                 grader_name: str = "", prefix: str = "agent", grader_workers: int = 0):
         self.engine, self.env_factory, self.tokenizer = engine, env_factory, tokenizer
         self.spec = dataclasses.replace(spec, stop_token_ids=tuple(tokenizer.stop_token_ids))
         self.options, self.workdir, self.emit = options, workdir, emit
         self.grader, self.grader_name, self.prefix = grader, grader_name, prefix
+        self.pool = GraderPool(grader_workers, self._grade_crashed) if grader_workers else None
+        self.grading: list = []            # groups handed to the pool, not yet emitted
         self.version = int(engine.version)
         self.groups: list = []
         self.requeued: list = []
@@ -136,13 +141,15 @@ class AgentLoop:
 
     @property
     def live(self) -> int:
-        """Groups in flight."""
-        return len(self.groups)
+        """Groups in flight (being graded included)."""
+        return len(self.groups) + len(self.grading)
 
     @property
     def room(self) -> int:
-        """Groups that may start now."""
-        return self.options.concurrent_groups - len(self.groups)
+        """Groups that may start now (with a grader pool: fewer once more than two groups per
+        grader wait, so a slow grader holds the rollouts back instead of growing a backlog)."""
+        backlog = max(0, len(self.grading) - 2 * len(self.pool.threads)) if self.pool else 0
+        return self.options.concurrent_groups - len(self.groups) - backlog
 
     def _step_timeout(self) -> float:
         return self.options.step_timeout_s or 4 * self.options.tool_timeout_s + 60
@@ -215,7 +222,14 @@ class AgentLoop:
         for g in list(self.groups):
             if not g.grading and all(e.state == "done" for e in g.episodes):
                 g.grading = True
-                self._jobs.submit(("grade", g, 0), self._grade, g)
+                if self.pool is None:
+                    self._jobs.submit(("grade", g, 0), self._grade, g)
+                else:                      # its slot is free for the next group at once
+                    self.groups.remove(g)
+                    self.grading.append(g)
+                    self.pool.submit(("grade", g, 0), self._grade, g)
+        for key, value, err in self.pool.collect() if self.pool else ():
+            self._answer(key, value, err)
 
     def _seed(self, e: Episode) -> int:
         key = f"{self.options.seed}/{self.prefix}/{e.group.no}/{e.j}/{e.turns}"
@@ -322,6 +336,8 @@ class AgentLoop:
         """Abandons every group in flight (nothing written for them)."""
         for g in list(self.groups):
             self._abandon(g)
+        if self.pool is not None:
+            self.pool.close()
 
     # -- a finished group -----------------------------------------------------------------------
     def _grade(self, g: Group) -> tuple:
@@ -329,10 +345,21 @@ class AgentLoop:
                                            self.tokenizer.decode) for e in g.episodes]
         return agent_grading.grade_group(self.grader, self.grader_name, g.task, views)
 
+    def _grade_crashed(self, g: Group, err: Exception) -> tuple:
+        """The pool's answer for a group whose grader crashed every attempt: binary credit."""
+        def crashed(task: dict, views: list) -> None:
+            raise RuntimeError(f"the grader crashed on every attempt: {err}")
+        views = [agent_grading.grader_view(f"t{e.j}", e.traj, e.verdict, e.info(),
+                                           self.tokenizer.decode) for e in g.episodes]
+        return agent_grading.grade_group(crashed, self.grader_name, g.task, views)
+
     def _emit(self, g: Group, graded: tuple) -> None:
-        if g not in self.groups:
+        if g in self.grading:
+            self.grading.remove(g)
+        elif g in self.groups:
+            self.groups.remove(g)
+        else:
             return
-        self.groups.remove(g)
         verdicts, grading, error = graded
         if error is not None:
             self.counts["grader_errors"] += 1
@@ -357,6 +384,9 @@ class AgentLoop:
                 "tool_errors": sum(e.tool_errors for e in g.episodes),
                 "end_reasons": sorted(str(e.reason) for e in g.episodes),
                 "s": round(time.perf_counter() - g.t0, 4)}
+        if self.pool is not None:          # the worker's log: queue depth, grading latency
+            info.update(grade_s=self.pool.latency.pop(("grade", g, 0), None),
+                        grade_queue=self.pool.stats())
         c = self.counts
         c["groups"] += 1
         c["mixed"] += info["mixed"]

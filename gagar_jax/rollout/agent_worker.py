@@ -87,7 +87,8 @@ def run_agent(args: argparse.Namespace, engine: Any, spec: Any, tasks: Iterator,
 
     loop = AgentLoop(engine, env, tokenizer, spec, agent_options(args), workdir=args.workdir,
                      emit=emit, grader=grader, grader_name=args.grader or "",
-                     prefix=args.writer_id)
+                     prefix=args.writer_id,
+                     grader_workers=getattr(args, "grader_workers", 0))
     started, exhausted, capped_since, ended = 0, False, None, False
     try:
         while not stopped() and not (args.max_groups and loop.counts["groups"] >= args.max_groups):

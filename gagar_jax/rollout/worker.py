@@ -232,6 +232,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"module:function(task, completions) -> verdicts (default "
                    f"{DEFAULT_GRADER}; with --env: none, or one for agent groups)")
     agent = p.add_argument_group("agent mode (multi-turn episodes in an environment)")
+    agent.add_argument("--grader-workers", type=int, default=0,
+                       help="> 0: grade finished groups in a pool of that many threads while "
+                       "the next groups roll out (docs/grader.md)")
     agent.add_argument("--env", default="",
                        help="module:factory(task, tokenizer, EnvOptions) -> Environment")
     agent.add_argument("--tokenizer", default="",
