@@ -61,6 +61,14 @@ def _args(argv=None):
     p.add_argument("--seeds", default="0,1,2,3,4,5")
     p.add_argument("--independent-warm", action="store_true",
                    help="one warm start per seed (warm seed = seed) instead of --warm-seed's")
+    p.add_argument("--warm-mod", type=int, default=0,
+                   help="with --independent-warm: seed s uses warm start s mod N (N warm starts)")
+    p.add_argument("--flaky-target", type=float, default=0.0,
+                   help="adaptive difficulty (sim/difficulty.py): a flaky test runner keeps the "
+                        "training batches' reported pass rate near this target (0 = off)")
+    p.add_argument("--max-minutes", type=float, default=0.0,
+                   help="stop after about this many minutes, saving progress (exit 3); a rerun "
+                        "resumes (0 = no limit)")
     p.add_argument("--steps", type=int, default=45, help="RL steps per run")
     p.add_argument("--groups", type=int, default=16, help="groups (tasks) per step / round")
     p.add_argument("--group-size", type=int, default=8)
@@ -175,30 +183,42 @@ def _feed_overrides(a) -> list:
 
 
 def _warm(a, cfg, task_cfg, warm_seed: int):
-    """The warm start of `warm_seed`, cached under the workdir (a resumed sweep reuses it)."""
-    import pickle
-
+    """The warm start of `warm_seed`, cached under the workdir (a resumed sweep reuses it; an
+    SFT phase cut by --max-minutes resumes from its snapshot there)."""
     from gagar_jax.sim import experiment as X
+    from gagar_jax.sim import resume
     path = os.path.join(a.workdir, f"warm-{warm_seed}.pkl")
-    if os.path.exists(path):
-        with open(path, "rb") as f:
-            return pickle.load(f)
+    warm = resume.load_pickle(path)
+    if warm is not None:
+        return warm
+    snapshot = os.path.join(a.workdir, f"warm-{warm_seed}.sft.pkl")
     warm = X.warm_start(cfg, task_cfg, seed=warm_seed, sft_steps=a.sft_steps, lr=a.sft_lr,
                         batch_size=a.sft_batch, num_demos=a.demos, recipe=_recipe(a),
                         eval_tasks=a.eval_tasks, group_size=a.group_size,
-                        lam_cap=float(cfg.loss.lam_cap), table=_table(a))
-    os.makedirs(a.workdir, exist_ok=True)
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump(warm, f)
-    os.replace(path + ".tmp", path)
+                        lam_cap=float(cfg.loss.lam_cap), table=_table(a), snapshot=snapshot,
+                        deadline=a.deadline)
+    resume.save_pickle(path, warm)
+    if os.path.exists(snapshot):
+        os.remove(snapshot)
     return warm
+
+
+def _run_workdir(a, arm: str, seed: int) -> str:
+    """A run's feed ledgers and resume file (top-p in the name: B and B-exact share --workdir)."""
+    return os.path.join(a.workdir, f"{arm}-{seed}" + (f"-p{a.top_p:g}" if a.top_p < 1 else ""))
+
+
+def _warm_seed(a, seed: int) -> int:
+    if not a.independent_warm:
+        return a.warm_seed
+    return seed % a.warm_mod if a.warm_mod > 0 else seed
 
 
 def sweep(a) -> None:
     """Every arm x seed, each saved to OUT/runs/<arm>-s<seed>.json as it finishes; runs whose
     file exists are skipped (a rerun resumes)."""
+    from gagar_jax.sim import difficulty, measure
     from gagar_jax.sim import experiment as X
-    from gagar_jax.sim import measure
     t_start = time.perf_counter()
     cfg = _config(_feed_overrides(a) + a.set)
     task_cfg = _task(a)
@@ -208,13 +228,13 @@ def sweep(a) -> None:
     probe = measure.ProbeSet(task_cfg, a.probe_size, _recipe(a))
     meta_path = os.path.join(a.out, "meta.json")
     meta = {"command": "python scripts/miniature.py " + " ".join(sys.argv[1:]),
-            "args": {k: v for k, v in vars(a).items() if k not in ("workdir", "out")},
+            "args": {k: v for k, v in vars(a).items() if k not in ("workdir", "out", "deadline")},
             "warm": {}}
     if os.path.exists(meta_path):
         with open(meta_path) as f:
             meta["warm"] = json.load(f).get("warm", {})
     for seed in [int(s) for s in a.seeds.split(",")]:
-        warm_seed = seed if a.independent_warm else a.warm_seed
+        warm_seed = _warm_seed(a, seed)
         for arm in a.arms.split(","):
             path = os.path.join(runs_dir, f"{arm}-s{seed}.json")
             if os.path.exists(path):
@@ -225,14 +245,16 @@ def sweep(a) -> None:
                                             "sft_final_loss": (warm.sft_losses or [None])[-1],
                                             "fbar": warm.extra,
                                             "seconds": warm.seconds}
-            t0 = time.perf_counter()
             rows = X.run_loop(learner, arm, warm, task_cfg, seed=seed, rl_steps=a.steps,
-                              workdir=os.path.join(a.workdir, f"{arm}-{seed}"), groups=a.groups,
+                              workdir=_run_workdir(a, arm, seed), groups=a.groups,
                               group_size=a.group_size, eval_tasks=a.eval_tasks,
                               eval_every=a.eval_every, probe=probe, top_p=a.top_p,
-                              log=lambda s: print(s, flush=True))
+                              flaky=(difficulty.FlakyRunner(target=a.flaky_target)
+                                     if a.flaky_target > 0 else None),
+                              deadline=a.deadline, log=lambda s: print(s, flush=True))
+            # A resumed run's processes each timed their own steps: the total is their sum.
             out = {"arm": arm, "seed": seed, "warm_seed": warm_seed,
-                   "seconds": time.perf_counter() - t0, "rows": rows}
+                   "seconds": sum(r.get("seconds", 0.0) for r in rows), "rows": rows}
             with open(path + ".tmp", "w") as f:
                 json.dump(_rounded(out), f, separators=(",", ":"))
             os.replace(path + ".tmp", path)
@@ -357,6 +379,17 @@ def closed_loop(a) -> int:
 def main(argv=None) -> int:
     a = _args(argv)
     _table(a)     # a bad --factor-table fails before any work
+    from gagar_jax.sim import resume
+    a.deadline = resume.Deadline(a.max_minutes)
+    try:
+        return _main(a)
+    except resume.OutOfTime as e:
+        print(f"out of time ({a.max_minutes:g} min): {e}; rerun the command to resume",
+              flush=True)
+        return resume.EXIT_UNFINISHED
+
+
+def _main(a) -> int:
     if a.producer:
         produce(a)
         return 0
