@@ -43,6 +43,10 @@ def _args(argv=None):
     p.add_argument("--quick-b", action="store_true",
                    help="--quick with round three's Design B settings: its note language "
                         "(on the easy task), harsh factor table, top-p 0.9, 4 mini-batches")
+    p.add_argument("--quick-long", action="store_true",
+                   help="--quick-b with round four's B-long additions: the flaky runner, the "
+                        "length_aware arm, and a check that a run cut by its deadline and "
+                        "resumed gives the rows of the uninterrupted run (the suite's)")
     p.add_argument("--report", action="store_true",
                    help="rewrite tables, plots and the criteria from OUT/runs/*.json (no runs)")
     p.add_argument("--criteria-b", default="", metavar="EXACT_OUT",
@@ -99,6 +103,7 @@ def _args(argv=None):
     p.add_argument("--set", action="append", default=[],
                    help="extra --config.KEY=VALUE overrides for the trainer (and sweep)")
     a = p.parse_args(argv)
+    a.quick_b = a.quick_b or a.quick_long
     if a.quick or a.quick_b:   # the easy task, so a 150-step warm start already passes some
         a.arms, a.seeds, a.steps, a.groups, a.group_size = ",".join(_ARMS), "0", 2, 4, 8
         a.eval_tasks, a.eval_every, a.probe_size, a.sft_steps, a.sft_lr = 4, 2, 8, 150, 1e-2
@@ -107,6 +112,8 @@ def _args(argv=None):
         a.quick, a.task, a.factor_table, a.top_p = True, "easy-notes", "harsh", 0.9
         a.note_mean = 3.0       # every arm (binary too: the suite's one smoke test of the loop)
         a.set = a.set + ["train.mini_batches=4", "optim.learning_rate=5e-4"]
+    if a.quick_long:
+        a.arms, a.flaky_target = ",".join(_ARMS + ("length_aware",)), 0.5
     return a
 
 
@@ -233,6 +240,7 @@ def sweep(a) -> None:
     if os.path.exists(meta_path):
         with open(meta_path) as f:
             meta["warm"] = json.load(f).get("warm", {})
+    ran = 0
     for seed in [int(s) for s in a.seeds.split(",")]:
         warm_seed = _warm_seed(a, seed)
         for arm in a.arms.split(","):
@@ -261,8 +269,40 @@ def sweep(a) -> None:
             with open(meta_path, "w") as f:
                 json.dump(_rounded(meta), f, indent=1)
             print(f"saved {path} ({out['seconds']:.0f} s)", flush=True)
+            ran += 1
+    if a.quick_long and ran:    # a rerun that only rewrites the report checks nothing new
+        _resume_check(a, cfg, learner, task_cfg, probe, runs_dir)
     print(f"sweep: {(time.perf_counter() - t_start) / 60:.1f} min", flush=True)
     print(write_report(a.out), flush=True)
+
+
+def _resume_check(a, cfg, learner, task_cfg, probe, runs_dir: str) -> None:
+    """--quick-long: the first seed's downweight_only run again, cut by a deadline after its
+    first step and resumed in this process; its rows must equal the sweep's (but for seconds)."""
+    from gagar_jax.sim import difficulty, resume
+    from gagar_jax.sim import experiment as X
+    seed = int(a.seeds.split(",")[0])
+    warm = _warm(a, cfg, task_cfg, _warm_seed(a, seed))
+    looks = iter(range(10**6))
+    cut = resume.Deadline(0.5, clock=lambda: 60.0 * next(looks))   # passes at step 1's look
+    kw = dict(seed=seed, rl_steps=a.steps, workdir=os.path.join(a.workdir, "resume-check"),
+              groups=a.groups, group_size=a.group_size, eval_tasks=a.eval_tasks,
+              eval_every=a.eval_every, probe=probe, top_p=a.top_p, save_every=10**6,
+              log=lambda s: None)
+    runner = lambda: difficulty.FlakyRunner(target=a.flaky_target)
+    try:
+        X.run_loop(learner, "downweight_only", warm, task_cfg, flaky=runner(), deadline=cut, **kw)
+        raise SystemExit("resume check: the deadline did not cut the run")
+    except resume.OutOfTime as e:
+        print(f"resume check: {e}", flush=True)
+    rows = X.run_loop(learner, "downweight_only", warm, task_cfg, flaky=runner(), **kw)
+    with open(os.path.join(runs_dir, f"downweight_only-s{seed}.json")) as f:
+        want = json.load(f)["rows"]
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "seconds"} for r in rs]
+    if strip(_rounded(rows)) != strip(want):
+        raise SystemExit("resume check: the resumed run's rows differ from the sweep's")
+    print(f"resume check: a run cut at step 1 and resumed gave the sweep's {len(rows)} rows",
+          flush=True)
 
 
 def calibrate(a) -> None:

@@ -21,7 +21,7 @@ CHUNK_MIN=${CHUNK_MIN:-7}            # minutes of work per process (plus start-u
 OUT=$WT/docs/miniature/round4/B-long
 export JAX_PLATFORMS=cpu JAX_COMPILATION_CACHE_DIR=$WT/.cache/jax PYTHONPATH=$CODE
 B=(--workdir "$WT/runs/round4-B" --task hard --recipe round3b --factor-table harsh
-   --steps 120 --groups 16 --group-size 8 --eval-tasks 16 --eval-every 10
+   --steps 120 --groups 8 --group-size 8 --eval-tasks 8 --eval-every 10
    --sft-steps 2000 --sft-lr 5e-3 --set train.mini_batches=4 --set optim.learning_rate=5e-4
    --independent-warm --warm-mod 2 --flaky-target 0.5)
 
@@ -52,15 +52,16 @@ commit() {    # commit one results folder (retried: the author may be committing
 }
 
 case "$PHASE" in
-  warm)
-    for w in 0 1; do
-      chunked --calibrate --warm-seed "$w" "${B[@]}"
+  warm)        # WARM_SEEDS="1" runs one (two loops may run side by side, one seed each)
+    for w in ${WARM_SEEDS:-0 1}; do
+      chunked --calibrate --warm-seed "$w" "${B[@]}" --eval-tasks 16
     done ;;
-  calibrate)
-    chunked --out "$OUT/calibration" --arms binary --seeds 0 --top-p 0.9 "${B[@]}"
+  calibrate)   # 40 steps of binary on warm start 0 (the steps flag given last wins)
+    chunked --out "$OUT/calibration" --arms binary --seeds 0 --top-p 0.9 "${B[@]}" --steps 40
     commit "$OUT/calibration" "round four B-long: binary calibration run (flaky target 0.5)" ;;
-  main)
-    for s in 0 1 2 3; do
+  main)        # seeds of warm start 0 first; a seed waits for its warm start's pickle
+    for s in 0 2 1 3; do
+      while [ ! -e "$WT/runs/round4-B/warm-$((s % 2)).pkl" ]; do sleep 60; done
       chunked --out "$OUT/topp" --arms downweight_only,sum_preserving,length_aware \
         --seeds "$s" --top-p 0.9 "${B[@]}"
       commit "$OUT/topp" "round four B-long: top-p runs of seed $s"

@@ -43,7 +43,8 @@ from gagar_jax.sim import task as task_lib
 
 # Train-step metrics kept per step (see `step_metrics.StepMetrics`).
 STEP_KEYS = ("entropy", "mean_response_len", "pos_credit_before", "pos_credit_after",
-             "neg_credit", "lam_mean", "lam_max", "capped_groups", "fallback_groups",
+             "neg_credit", "net_credit_per_traj", "token_net_credit", "token_net_frac",
+             "token_outcome_credit", "lam_mean", "lam_max", "capped_groups", "fallback_groups",
              "mixed_groups", "groups", "trajectories", "loss", "grad_norm", "approx_kl",
              "clip_frac_low", "clip_frac_high")
 

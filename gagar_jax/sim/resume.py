@@ -64,25 +64,30 @@ def load_pickle(path: str) -> Any:
         return pickle.load(f)
 
 
+class HostKey:
+    """A typed PRNG key on the host: its implementation's name and its key data (a leaf)."""
+
+    def __init__(self, impl: str, data: np.ndarray):
+        self.impl, self.data = impl, data
+
+
 def _is_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def to_host(tree: Any) -> Any:
-    """A picklable numpy copy of a pytree of device arrays (typed PRNG keys as their data)."""
+    """A picklable numpy copy of a pytree of device arrays (typed PRNG keys as `HostKey`s)."""
     def one(x: Any) -> Any:
         if _is_key(x):
-            return ("prng_key", str(jax.random.key_impl(x)), np.asarray(jax.random.key_data(x)))
+            return HostKey(str(jax.random.key_impl(x)), np.asarray(jax.random.key_data(x)))
         return np.asarray(jax.device_get(x))
     return jax.tree.map(one, tree)
 
 
 def from_host(tree: Any, shardings: Any) -> Any:
     """Inverse of `to_host`, placed with `shardings` (a pytree of the same structure)."""
-    is_leaf = lambda x: isinstance(x, tuple) and len(x) == 3 and x[0] == "prng_key"
-
     def one(x: Any, sharding: Any) -> Any:
-        if is_leaf(x):
-            return jax.device_put(jax.random.wrap_key_data(x[2], impl=x[1]), sharding)
+        if isinstance(x, HostKey):
+            return jax.device_put(jax.random.wrap_key_data(x.data, impl=x.impl), sharding)
         return jax.device_put(x, sharding)
-    return jax.tree.map(one, tree, shardings, is_leaf=is_leaf)
+    return jax.tree.map(one, tree, shardings)
