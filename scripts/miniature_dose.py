@@ -3,8 +3,9 @@
     JAX_PLATFORMS=cpu python scripts/miniature_dose.py            # docs/miniature/round4/dose
     JAX_PLATFORMS=cpu python scripts/miniature_dose.py --quick --out /tmp/dose   # the suite's
 
-Writes OUT/effects.csv (every optimizer, parameterisation, sampler, shift and seed: the filler
-entropy over the last 10 steps minus binary's, paired), OUT/table.md (means, 95% t-intervals,
+Each (optimizer, parameterisation) program's effects are saved to OUT/parts/ (a rerun skips
+it). Writes OUT/effects.csv (every optimizer, parameterisation, sampler, shift and seed: the
+filler entropy over the last 10 steps minus binary's, paired), OUT/table.md (means, 95% t-intervals,
 seeds positive, the criteria D1-D4), OUT/dose.png and OUT/meta.json.
 """
 from __future__ import annotations
@@ -83,9 +84,19 @@ def main(argv=None) -> int:
     eff, seconds, lines = {}, {}, ["optimizer,param,sampler,shift,seed,effect"]
     for o in a.optimizers.split(","):
         for p in a.params.split(","):
-            res = dose.run(cfg, o, p, log=lambda s: print(s, flush=True))
-            seconds[f"{o}/{p}"] = round(res["seconds"], 1)
-            for (s, c), x in dose.window_effects(cfg, res).items():
+            part = os.path.join(a.out, "parts", f"{o}-{p}.json")   # one program: resumable
+            if not os.path.exists(part):
+                res = dose.run(cfg, o, p, log=lambda s: print(s, flush=True))
+                done = {"seconds": res["seconds"], "effects": [
+                    [s, c, x.tolist()] for (s, c), x in dose.window_effects(cfg, res).items()]}
+                os.makedirs(os.path.dirname(part), exist_ok=True)
+                with open(part, "w") as f:
+                    json.dump(done, f)
+            with open(part) as f:
+                done = json.load(f)
+            seconds[f"{o}/{p}"] = round(done["seconds"], 1)
+            for s, c, x in done["effects"]:
+                x = np.asarray(x)
                 eff[(o, p, s, c)] = x
                 lines += [f"{o},{p},{s},{c:g},{i},{v:.6f}" for i, v in enumerate(x)]
     with open(os.path.join(a.out, "effects.csv"), "w") as f:
