@@ -43,6 +43,10 @@ def _args(argv=None):
     p.add_argument("--quick-b", action="store_true",
                    help="--quick with round three's Design B settings: its note language "
                         "(on the easy task), harsh factor table, top-p 0.9, 4 mini-batches")
+    p.add_argument("--quick-long", action="store_true",
+                   help="--quick-b with round four's B-long additions: the flaky runner, the "
+                        "length_aware arm, and a check that a run cut by its deadline and "
+                        "resumed gives the rows of the uninterrupted run (the suite's)")
     p.add_argument("--report", action="store_true",
                    help="rewrite tables, plots and the criteria from OUT/runs/*.json (no runs)")
     p.add_argument("--criteria-b", default="", metavar="EXACT_OUT",
@@ -61,6 +65,14 @@ def _args(argv=None):
     p.add_argument("--seeds", default="0,1,2,3,4,5")
     p.add_argument("--independent-warm", action="store_true",
                    help="one warm start per seed (warm seed = seed) instead of --warm-seed's")
+    p.add_argument("--warm-mod", type=int, default=0,
+                   help="with --independent-warm: seed s uses warm start s mod N (N warm starts)")
+    p.add_argument("--flaky-target", type=float, default=0.0,
+                   help="adaptive difficulty (sim/difficulty.py): a flaky test runner keeps the "
+                        "training batches' reported pass rate near this target (0 = off)")
+    p.add_argument("--max-minutes", type=float, default=0.0,
+                   help="stop after about this many minutes, saving progress (exit 3); a rerun "
+                        "resumes (0 = no limit)")
     p.add_argument("--steps", type=int, default=45, help="RL steps per run")
     p.add_argument("--groups", type=int, default=16, help="groups (tasks) per step / round")
     p.add_argument("--group-size", type=int, default=8)
@@ -91,6 +103,7 @@ def _args(argv=None):
     p.add_argument("--set", action="append", default=[],
                    help="extra --config.KEY=VALUE overrides for the trainer (and sweep)")
     a = p.parse_args(argv)
+    a.quick_b = a.quick_b or a.quick_long
     if a.quick or a.quick_b:   # the easy task, so a 150-step warm start already passes some
         a.arms, a.seeds, a.steps, a.groups, a.group_size = ",".join(_ARMS), "0", 2, 4, 8
         a.eval_tasks, a.eval_every, a.probe_size, a.sft_steps, a.sft_lr = 4, 2, 8, 150, 1e-2
@@ -99,6 +112,8 @@ def _args(argv=None):
         a.quick, a.task, a.factor_table, a.top_p = True, "easy-notes", "harsh", 0.9
         a.note_mean = 3.0       # every arm (binary too: the suite's one smoke test of the loop)
         a.set = a.set + ["train.mini_batches=4", "optim.learning_rate=5e-4"]
+    if a.quick_long:
+        a.arms, a.flaky_target = ",".join(_ARMS + ("length_aware",)), 0.5
     return a
 
 
@@ -175,30 +190,42 @@ def _feed_overrides(a) -> list:
 
 
 def _warm(a, cfg, task_cfg, warm_seed: int):
-    """The warm start of `warm_seed`, cached under the workdir (a resumed sweep reuses it)."""
-    import pickle
-
+    """The warm start of `warm_seed`, cached under the workdir (a resumed sweep reuses it; an
+    SFT phase cut by --max-minutes resumes from its snapshot there)."""
     from gagar_jax.sim import experiment as X
+    from gagar_jax.sim import resume
     path = os.path.join(a.workdir, f"warm-{warm_seed}.pkl")
-    if os.path.exists(path):
-        with open(path, "rb") as f:
-            return pickle.load(f)
+    warm = resume.load_pickle(path)
+    if warm is not None:
+        return warm
+    snapshot = os.path.join(a.workdir, f"warm-{warm_seed}.sft.pkl")
     warm = X.warm_start(cfg, task_cfg, seed=warm_seed, sft_steps=a.sft_steps, lr=a.sft_lr,
                         batch_size=a.sft_batch, num_demos=a.demos, recipe=_recipe(a),
                         eval_tasks=a.eval_tasks, group_size=a.group_size,
-                        lam_cap=float(cfg.loss.lam_cap), table=_table(a))
-    os.makedirs(a.workdir, exist_ok=True)
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump(warm, f)
-    os.replace(path + ".tmp", path)
+                        lam_cap=float(cfg.loss.lam_cap), table=_table(a), snapshot=snapshot,
+                        deadline=a.deadline)
+    resume.save_pickle(path, warm)
+    if os.path.exists(snapshot):
+        os.remove(snapshot)
     return warm
+
+
+def _run_workdir(a, arm: str, seed: int) -> str:
+    """A run's feed ledgers and resume file (top-p in the name: B and B-exact share --workdir)."""
+    return os.path.join(a.workdir, f"{arm}-{seed}" + (f"-p{a.top_p:g}" if a.top_p < 1 else ""))
+
+
+def _warm_seed(a, seed: int) -> int:
+    if not a.independent_warm:
+        return a.warm_seed
+    return seed % a.warm_mod if a.warm_mod > 0 else seed
 
 
 def sweep(a) -> None:
     """Every arm x seed, each saved to OUT/runs/<arm>-s<seed>.json as it finishes; runs whose
     file exists are skipped (a rerun resumes)."""
+    from gagar_jax.sim import difficulty, measure
     from gagar_jax.sim import experiment as X
-    from gagar_jax.sim import measure
     t_start = time.perf_counter()
     cfg = _config(_feed_overrides(a) + a.set)
     task_cfg = _task(a)
@@ -208,13 +235,14 @@ def sweep(a) -> None:
     probe = measure.ProbeSet(task_cfg, a.probe_size, _recipe(a))
     meta_path = os.path.join(a.out, "meta.json")
     meta = {"command": "python scripts/miniature.py " + " ".join(sys.argv[1:]),
-            "args": {k: v for k, v in vars(a).items() if k not in ("workdir", "out")},
+            "args": {k: v for k, v in vars(a).items() if k not in ("workdir", "out", "deadline")},
             "warm": {}}
     if os.path.exists(meta_path):
         with open(meta_path) as f:
             meta["warm"] = json.load(f).get("warm", {})
+    ran = 0
     for seed in [int(s) for s in a.seeds.split(",")]:
-        warm_seed = seed if a.independent_warm else a.warm_seed
+        warm_seed = _warm_seed(a, seed)
         for arm in a.arms.split(","):
             path = os.path.join(runs_dir, f"{arm}-s{seed}.json")
             if os.path.exists(path):
@@ -225,22 +253,56 @@ def sweep(a) -> None:
                                             "sft_final_loss": (warm.sft_losses or [None])[-1],
                                             "fbar": warm.extra,
                                             "seconds": warm.seconds}
-            t0 = time.perf_counter()
             rows = X.run_loop(learner, arm, warm, task_cfg, seed=seed, rl_steps=a.steps,
-                              workdir=os.path.join(a.workdir, f"{arm}-{seed}"), groups=a.groups,
+                              workdir=_run_workdir(a, arm, seed), groups=a.groups,
                               group_size=a.group_size, eval_tasks=a.eval_tasks,
                               eval_every=a.eval_every, probe=probe, top_p=a.top_p,
-                              log=lambda s: print(s, flush=True))
+                              flaky=(difficulty.FlakyRunner(target=a.flaky_target)
+                                     if a.flaky_target > 0 else None),
+                              deadline=a.deadline, log=lambda s: print(s, flush=True))
+            # A resumed run's processes each timed their own steps: the total is their sum.
             out = {"arm": arm, "seed": seed, "warm_seed": warm_seed,
-                   "seconds": time.perf_counter() - t0, "rows": rows}
+                   "seconds": sum(r.get("seconds", 0.0) for r in rows), "rows": rows}
             with open(path + ".tmp", "w") as f:
                 json.dump(_rounded(out), f, separators=(",", ":"))
             os.replace(path + ".tmp", path)
             with open(meta_path, "w") as f:
                 json.dump(_rounded(meta), f, indent=1)
             print(f"saved {path} ({out['seconds']:.0f} s)", flush=True)
+            ran += 1
+    if a.quick_long and ran:    # a rerun that only rewrites the report checks nothing new
+        _resume_check(a, cfg, learner, task_cfg, probe, runs_dir)
     print(f"sweep: {(time.perf_counter() - t_start) / 60:.1f} min", flush=True)
     print(write_report(a.out), flush=True)
+
+
+def _resume_check(a, cfg, learner, task_cfg, probe, runs_dir: str) -> None:
+    """--quick-long: the first seed's downweight_only run again, cut by a deadline after its
+    first step and resumed in this process; its rows must equal the sweep's (but for seconds)."""
+    from gagar_jax.sim import difficulty, resume
+    from gagar_jax.sim import experiment as X
+    seed = int(a.seeds.split(",")[0])
+    warm = _warm(a, cfg, task_cfg, _warm_seed(a, seed))
+    looks = iter(range(10**6))
+    cut = resume.Deadline(0.5, clock=lambda: 60.0 * next(looks))   # passes at step 1's look
+    kw = dict(seed=seed, rl_steps=a.steps, workdir=os.path.join(a.workdir, "resume-check"),
+              groups=a.groups, group_size=a.group_size, eval_tasks=a.eval_tasks,
+              eval_every=a.eval_every, probe=probe, top_p=a.top_p, save_every=10**6,
+              log=lambda s: None)
+    runner = lambda: difficulty.FlakyRunner(target=a.flaky_target)
+    try:
+        X.run_loop(learner, "downweight_only", warm, task_cfg, flaky=runner(), deadline=cut, **kw)
+        raise SystemExit("resume check: the deadline did not cut the run")
+    except resume.OutOfTime as e:
+        print(f"resume check: {e}", flush=True)
+    rows = X.run_loop(learner, "downweight_only", warm, task_cfg, flaky=runner(), **kw)
+    with open(os.path.join(runs_dir, f"downweight_only-s{seed}.json")) as f:
+        want = json.load(f)["rows"]
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "seconds"} for r in rs]
+    if strip(_rounded(rows)) != strip(want):
+        raise SystemExit("resume check: the resumed run's rows differ from the sweep's")
+    print(f"resume check: a run cut at step 1 and resumed gave the sweep's {len(rows)} rows",
+          flush=True)
 
 
 def calibrate(a) -> None:
@@ -357,6 +419,17 @@ def closed_loop(a) -> int:
 def main(argv=None) -> int:
     a = _args(argv)
     _table(a)     # a bad --factor-table fails before any work
+    from gagar_jax.sim import resume
+    a.deadline = resume.Deadline(a.max_minutes)
+    try:
+        return _main(a)
+    except resume.OutOfTime as e:
+        print(f"out of time ({a.max_minutes:g} min): {e}; rerun the command to resume",
+              flush=True)
+        return resume.EXIT_UNFINISHED
+
+
+def _main(a) -> int:
     if a.producer:
         produce(a)
         return 0

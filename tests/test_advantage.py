@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from support.reference_advantage import reference_advantages
 
 from gagar_jax.algo import advantage as adv
+from gagar_jax.algo import advantage_checks as chk
 from gagar_jax.grading import DEFECTIVE, INTERMEDIATE, STRONG, quality_factors
 
 T, G = 64, 12
@@ -30,12 +31,16 @@ BAD = [np.nan, 0.0, -0.5, 1.5, np.inf]
 
 
 def pad(rewards, group_ids, factors, valid=None, hacked=None, grading_ok=None, adjustments=None,
-        pad_gid=-1):
+        pad_gid=-1, weights=None):
     """A batch dict padded to (T, G): padding is invalid, \
-with a junk reward, NaN factor, pad_gid."""
+with a junk reward, NaN factor and weight, pad_gid.
+    Weights default to 1e-3 x (trajectory index mod 7 + 1): lengths of a token-mean batch."""
     n = len(rewards)
     full = lambda x, fill, dt: np.concatenate([np.asarray(x, dt), np.full(T - n, fill, dt)])
+    if weights is None:
+        weights = 1e-3 * (np.arange(n) % 7 + 1)
     return dict(
+        weights=full(weights, np.nan, np.float32),
         rewards=full(rewards, 1.0, np.float32), group_ids=full(group_ids, pad_gid, np.int32),
         factors=full(factors, np.nan, np.float32),
         valid=full(np.ones(n, bool) if valid is None else valid, False, bool),
@@ -48,18 +53,24 @@ def args(b):
     return tuple(b[k] for k in ARGS)
 
 
-# One trace per static (mode, lam_cap) the tests use: 3 modes + 2 extra caps. Every batch here has
-# the same shapes and dtypes, so any retrace is a bug that assert_max_traces turns into an error.
+# One trace per static (mode, lam_cap, weights or not) the tests use: 4 modes + 2 extra caps (x2
+# for the length-aware mode's), + 3 with weights in the other modes. Every batch here has the
+# same shapes and dtypes, so any retrace is a bug that assert_max_traces turns into an error.
 @functools.partial(jax.jit, static_argnames=("mode", "lam_cap"))
-@chex.assert_max_traces(n=5)
-def jitted(rewards, group_ids, factors, valid, hacked, grading_ok, adjustments, *, mode, lam_cap):
+@chex.assert_max_traces(n=11)
+def jitted(rewards, group_ids, factors, valid, hacked, grading_ok, adjustments, weights, *, mode,
+           lam_cap):
     return adv.gagar_advantages(rewards, group_ids, factors, valid, hacked, grading_ok,
-                                num_groups=G, lam_cap=lam_cap, mode=mode, adjustments=adjustments)
+                                num_groups=G, lam_cap=lam_cap, mode=mode, adjustments=adjustments,
+                                weights=weights)
 
 
-def run(b, mode="sum_preserving", lam_cap=CAP):
-    out = jitted(*args(b), b["adjustments"], mode=mode, lam_cap=lam_cap)
-    return jax.tree.map(np.asarray, out)
+def run(b, mode="sum_preserving", lam_cap=CAP, weights=None):
+    """The jitted advantages; the length-aware mode gets the batch's weights (others none,
+    unless `weights=True`)."""
+    w = b["weights"] if (weights or mode in adv.WEIGHTED_MODES) else None
+    out = jitted(*args(b), b["adjustments"], w, mode=mode, lam_cap=lam_cap)
+    return jax.tree.map(lambda x: None if x is None else np.asarray(x), out)
 
 
 @functools.cache
@@ -69,7 +80,7 @@ def jitted_equiv(mode):
 
 def reference(b, mode="sum_preserving", lam_cap=CAP):
     return reference_advantages(*args(b), num_groups=G, lam_cap=lam_cap, mode=mode,
-                                adjustments=b["adjustments"])
+                                adjustments=b["adjustments"], weights=b["weights"])
 
 
 @st.composite
@@ -86,14 +97,19 @@ def batches(draw):
             kind = draw(st.sampled_from(kinds[group_kind]))
             f = shared_f if shared_f is not None else draw(st.sampled_from(GRID * 2 + BAD))
             adj = draw(st.sampled_from([0.0, 0.0, -0.1, -0.25, -1.0, 0.3]))
+            # Token weights: lengths x a token-mean denominator; 0 = no trained token; an
+            # invalid member's weight is junk that must never be read.
+            wt = draw(st.sampled_from([0.0, 1.0, 3.0, 12.0, 40.0, 40.0, 100.0])) * 1e-3
+            wt = np.nan if kind == "invalid" and draw(st.booleans()) else wt
             rows.append((float(kind in ("pass", "hack") or (kind == "invalid" and g % 2)),
-                         g, f, kind != "invalid", kind == "hack", adj))
+                         g, f, kind != "invalid", kind == "hack", adj, wt))
     rows = rows[:T]
     ok = [draw(st.sampled_from([True, True, True, True, False])) for _ in range(G)]
-    r, gid, f, valid, hacked, adj = (
-        (list(c) for c in zip(*rows, strict=False)) if rows else ([],) * 6
+    r, gid, f, valid, hacked, adj, wt = (
+        (list(c) for c in zip(*rows, strict=False)) if rows else ([],) * 7
     )
-    b = pad(r, gid, f, valid, hacked, ok, adj, pad_gid=draw(st.sampled_from([-1, 0, 3, G, 999])))
+    b = pad(r, gid, f, valid, hacked, ok, adj, pad_gid=draw(st.sampled_from([-1, 0, 3, G, 999])),
+            weights=wt)
     perm = np.array(draw(st.permutations(range(T))))
     return {k: (v if k == "grading_ok" else v[perm]) for k, v in b.items()}
 
@@ -327,8 +343,9 @@ def test_matches_numpy_loop_reference_all_modes(b):
             np.testing.assert_allclose(getattr(out, name), ref[name], atol=2e-6, err_msg=name)
         for name in ("capped", "mixed", "fallback"):
             np.testing.assert_array_equal(getattr(out, name), ref[name], err_msg=name)
-        r_eq = np.asarray(jitted_equiv(mode)(*args(b)))
-        np.testing.assert_allclose(r_eq, ref["equivalent_rewards"], atol=2e-6)
+        if mode not in adv.WEIGHTED_MODES:   # equivalent_rewards takes no weights
+            r_eq = np.asarray(jitted_equiv(mode)(*args(b)))
+            np.testing.assert_allclose(r_eq, ref["equivalent_rewards"], atol=2e-6)
         gid, member, passed, fail, _ = masks(b, out)
         a = ref["redistributed_advantages"]
         np.testing.assert_allclose(
@@ -353,8 +370,10 @@ def random_batch(seed):
     factors = rng.choice(np.array(GRID * 2 + BAD, np.float32), T)
     valid = rng.random(T) < 0.9
     gid = np.where(valid | (rng.random(T) < 0.5), gid, rng.choice([-1, G, 99], T)).astype(np.int32)
+    weights = rng.choice([0.0, 2.0, 5.0, 30.0, 200.0], T) * 1e-3
     return pad(rewards, gid, factors, valid=valid, hacked=rng.random(T) < 0.05,
-               grading_ok=rng.random(G) < 0.9, adjustments=rng.normal(0, 0.1, T))
+               grading_ok=rng.random(G) < 0.9, adjustments=rng.normal(0, 0.1, T),
+               weights=np.where(valid, weights, np.nan))
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -366,7 +385,11 @@ def test_seeded_edge_case_batches_match_reference_and_pass_checks(seed):
             np.testing.assert_allclose(getattr(out, name), ref[name], atol=2e-6, err_msg=name)
         for name in ("capped", "mixed", "fallback"):
             np.testing.assert_array_equal(getattr(out, name), ref[name], err_msg=name)
-        checker(mode)(out, *args(b))
+        checker(mode)(out, *args(b), weights=_weights(b, mode))
+
+
+def _weights(b, mode):
+    return b["weights"] if mode in adv.WEIGHTED_MODES else None
 
 
 def test_jit_matches_no_jit_and_does_not_retrace():
@@ -374,7 +397,7 @@ def test_jit_matches_no_jit_and_does_not_retrace():
         b = random_batch(seed)
         for mode in adv.MODES:
             eager = adv.gagar_advantages(*args(b), num_groups=G, lam_cap=CAP, mode=mode,
-                                         adjustments=b["adjustments"])
+                                         adjustments=b["adjustments"], weights=_weights(b, mode))
             chex.assert_trees_all_close(run(b, mode), jax.tree.map(np.asarray, eager), rtol=1e-6,
                                         atol=1e-7)
     # Same shapes and dtypes -> no new trace or executable for new values.
@@ -391,7 +414,8 @@ def test_sharded_over_8_devices_matches_single_device(devices):
     sharded = {k: jax.device_put(v, repl if k == "grading_ok" else on_T) for k, v in b.items()}
     for mode in adv.MODES:
         fn = jax.jit(functools.partial(adv.gagar_advantages, num_groups=G, lam_cap=CAP, mode=mode))
-        out = fn(*args(sharded), adjustments=sharded["adjustments"])
+        out = fn(*args(sharded), adjustments=sharded["adjustments"],
+                 weights=_weights(sharded, mode))
         assert out.advantages.sharding.is_equivalent_to(on_T, 1)
         chex.assert_trees_all_close(jax.tree.map(np.asarray, out), run(b, mode), rtol=1e-6,
                                     atol=1e-7)
@@ -438,16 +462,17 @@ def test_trace_time_errors_name_the_argument(name, value, error):
 # ---------------------------------------------------------------- conservation checks in jit
 
 @functools.cache
-def checker(mode):
-    def check(out, *inputs):
-        adv.check_invariants(out, *inputs, num_groups=G, lam_cap=CAP, mode=mode)
+def checker(mode, lam_cap=CAP):
+    def check(out, *inputs, weights=None):
+        chk.check_invariants(out, *inputs, num_groups=G, lam_cap=lam_cap, mode=mode,
+                             weights=weights)
     return chex.chexify(jax.jit(check), async_check=False)
 
 
 @given(batches())
 def test_checks_quiet_on_correct_outputs_in_every_mode(b):
     for mode in adv.MODES:
-        checker(mode)(run(b, mode), *args(b))
+        checker(mode)(run(b, mode), *args(b), weights=_weights(b, mode))
 
 
 def _perturb(out, i, delta):
@@ -503,7 +528,7 @@ def test_fused_compute_and_check_in_one_jitted_step():
     def step(rewards, group_ids, factors, valid, hacked, grading_ok):
         out = adv.gagar_advantages(rewards, group_ids, factors, valid, hacked, grading_ok,
                                    num_groups=G, lam_cap=CAP)
-        adv.check_invariants(out, rewards, group_ids, factors, valid, hacked, grading_ok,
+        chk.check_invariants(out, rewards, group_ids, factors, valid, hacked, grading_ok,
                              num_groups=G, lam_cap=CAP)
         return out.advantages.sum()
     fused = chex.chexify(jax.jit(step))
@@ -519,9 +544,9 @@ def test_fused_compute_and_check_in_one_jitted_step():
 def test_eager_checks_raise_assertion_error():
     b = hand_example()
     out = run(b)
-    adv.check_invariants(out, *args(b), num_groups=G, lam_cap=CAP)
+    chk.check_invariants(out, *args(b), num_groups=G, lam_cap=CAP)
     with pytest.raises(AssertionError, match="INV-4"):
-        adv.check_invariants(_swap(out, 0, 1), *args(b), num_groups=G, lam_cap=CAP)
+        chk.check_invariants(_swap(out, 0, 1), *args(b), num_groups=G, lam_cap=CAP)
 
 
 def test_struct_form_equals_the_documented_signature():
@@ -576,9 +601,9 @@ def test_std_norm_by_hand():
 
 @functools.cache
 def _std_checker(mode):
-    def check(out, *inputs):
-        adv.check_invariants(out, *inputs, num_groups=G, lam_cap=CAP, mode=mode, atol=2e-5,
-                             std_norm=True)
+    def check(out, *inputs, weights=None):
+        chk.check_invariants(out, *inputs, num_groups=G, lam_cap=CAP, mode=mode, atol=2e-5,
+                             std_norm=True, weights=weights)
     return chex.chexify(jax.jit(check), async_check=False)
 
 
@@ -595,12 +620,183 @@ def test_std_norm_is_a_positive_per_group_scale_and_the_checks_hold(seed):
     scale_T = np.where(b["valid"] & (b["group_ids"] >= 0) & (b["group_ids"] < G),
                        _std_scales(b)[np.clip(b["group_ids"], 0, G - 1)], 1.0)
     for mode in adv.MODES:
-        out = jax.tree.map(np.asarray, _jitted_std(mode)(*args(b)))
+        out = jax.tree.map(np.asarray, _jitted_std(mode)(*args(b), weights=_weights(b, mode)))
         plain = run(b, mode)
         for name in ("outcome_advantages", "redistributed_advantages", "advantages"):
             np.testing.assert_allclose(getattr(out, name), getattr(plain, name) * scale_T,
                                        rtol=2e-5, atol=2e-5, err_msg=name)
         for name in ("lam", "capped", "mixed", "fallback"):
             np.testing.assert_array_equal(getattr(out, name), getattr(plain, name), err_msg=name)
-        if mode == "sum_preserving":            # every invariant, on the scaled A
-            _std_checker(mode)(out, *args(b))
+        if mode in ("sum_preserving", "length_aware"):   # every invariant, on the scaled A
+            _std_checker(mode)(out, *args(b), weights=_weights(b, mode))
+
+
+# -- per-trajectory weights and the length-aware mode (docs/advantage.md section 9) ----------
+
+
+def test_weights_leave_every_other_mode_bit_identical_and_add_the_token_credits():
+    """`weights=` changes nothing in sum_preserving / downweight_only / binary (today's output,
+    bit for bit) and adds sum_valid W A' and sum_valid W A per group (by a NumPy loop)."""
+    for seed in range(3):
+        b = random_batch(500 + seed)
+        for mode in ("sum_preserving", "downweight_only", "binary"):
+            plain, weighted = run(b, mode), run(b, mode, weights=True)
+            assert plain.token_credit is None and plain.token_outcome_credit is None
+            for name in adv.AdvantageOutput.__dataclass_fields__:
+                if name not in ("token_credit", "token_outcome_credit"):
+                    np.testing.assert_array_equal(getattr(weighted, name), getattr(plain, name),
+                                                  err_msg=name)
+            gid, member, *_ = masks(b, plain)
+            w = np.where(member, b["weights"], 0.0)
+            np.testing.assert_allclose(
+                weighted.token_credit,
+                np.bincount(gid[member], (w * plain.redistributed_advantages)[member],
+                            minlength=G), atol=1e-7)
+            np.testing.assert_allclose(
+                weighted.token_outcome_credit,
+                np.bincount(gid[member], (w * plain.outcome_advantages)[member], minlength=G),
+                atol=1e-7)
+
+
+def test_length_aware_hand_worked_group_of_six():
+    # The group of six with lengths: strong 40 tokens, intermediate 20, defective 10, failures
+    # 5, 5, 50 (token-mean weights: length / 130). Weighted pass mass 70, weighted factor mass
+    # 40 + 17 + 2 = 59: lambda = 70 / 59 = 1.18644 (sum_preserving's: 3 / 2.05 = 1.46341).
+    lengths = np.array([40, 20, 10, 5, 5, 50], np.float32)
+    b = hand_example()
+    b["weights"] = np.concatenate([lengths / 130, np.full(T - 6, np.nan)]).astype(np.float32)
+    out = run(b, "length_aware")
+    lam = 70 / 59
+    np.testing.assert_allclose(out.lam[0], lam, rtol=1e-6)
+    expect = [lam * 0.5, lam * 0.85 * 0.5, lam * 0.2 * 0.5, -0.5, -0.5, -0.5]
+    np.testing.assert_allclose(out.redistributed_advantages[:6], expect, rtol=1e-6)
+    assert not out.capped[0]
+    # Weighted positive credit preserved: 40 x 0.59322 + 20 x 0.50424 + 10 x 0.11864 = 35.
+    np.testing.assert_allclose(np.dot(lengths[:3], expect[:3]), 35.0, rtol=1e-6)
+    # ... so per trajectory it is net-negative here (the strong pass is the long one).
+    np.testing.assert_allclose(sum(expect), lam * 1.025 - 1.5, rtol=1e-5)     # -0.284
+    # The token credits: sum W A' = sum W A = (70 x 0.5 - 60 x 0.5) / 130.
+    np.testing.assert_allclose(out.token_credit[0], 5 / 130, rtol=1e-5)
+    np.testing.assert_allclose(out.token_outcome_credit[0], 5 / 130, rtol=1e-5)
+    # Equal weights within the group: sum_preserving's numbers.
+    b["weights"][:6] = 0.25
+    np.testing.assert_allclose(run(b, "length_aware").redistributed_advantages[:6],
+                               [1.5 / 2.05, 1.275 / 2.05, 0.3 / 2.05, -0.5, -0.5, -0.5],
+                               rtol=1e-6)
+
+
+def test_length_aware_hand_worked_capped_group():
+    # Passes: strong (f 1, 1 token) and defective (f 0.2, 9 tokens); failures 5 and 5 tokens.
+    # Weighted mean pass factor (1 + 1.8) / 10 = 0.28 < 2/3: capped (sum_preserving's mean
+    # factor 0.6 would be capped too). A' = 1.5 f / 2: 0.75, 0.15; failures -0.5. The shift
+    # keeps sum W A' = sum W A: sum W (A' - A) = 1 x 0.25 + 9 x (-0.35) = -2.9 over 20 tokens:
+    # every member moves by +0.145.
+    b = pad([1, 1, 0, 0], [4] * 4, [1.0, 0.2, np.nan, np.nan], weights=[1, 9, 5, 5])
+    out = run(b, "length_aware")
+    assert out.capped[4] and out.lam[4] == np.float32(1.5)
+    np.testing.assert_allclose(out.redistributed_advantages[:4],
+                               [0.75 + 0.145, 0.15 + 0.145, -0.5 + 0.145, -0.5 + 0.145],
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.dot([1, 9, 5, 5], out.redistributed_advantages[:4]), 0.0,
+                               atol=1e-6)
+    # Every pass weighs 0: unit weights, i.e. sum_preserving's answer for the group.
+    b0 = pad([1, 1, 0, 0], [4] * 4, [1.0, 0.2, np.nan, np.nan], weights=[0, 0, 5, 5])
+    np.testing.assert_allclose(run(b0, "length_aware").redistributed_advantages[:4],
+                               run(b0).redistributed_advantages[:4], rtol=1e-6)
+
+
+def _unit_masks(b, out):
+    gid, member, passed, fail, uncapped = masks(b, out)
+    w = np.where(member, b["weights"], 0.0).astype(np.float64)
+    pass_mass = np.bincount(gid[passed], w[passed], minlength=G)
+    w = np.where(member & (pass_mass[gid] <= 0), 1.0, w)    # the unit-weight fallback
+    return gid, member, passed, fail, uncapped, w
+
+
+@given(batches())
+def test_length_aware_inv1w_inv2w_weighted_credit_kept(b):
+    """INV-1W: sum_valid W A' = sum_valid W A in every group (capped too); INV-2W: the weighted
+    positive credit is preserved in uncapped groups."""
+    out = run(b, "length_aware")
+    gid, member, passed, fail, uncapped, w = _unit_masks(b, out)
+    A, A1 = out.outcome_advantages, out.redistributed_advantages
+    tol = 1e-5 * np.maximum(np.bincount(gid[member], w[member], minlength=G), 1e-9)
+    got = np.bincount(gid[member], (w * A1)[member], minlength=G)
+    np.testing.assert_allclose(got, np.bincount(gid[member], (w * A)[member], minlength=G),
+                               atol=tol.max())
+    unc = passed & uncapped
+    np.testing.assert_allclose(np.bincount(gid[unc], (w * A1)[unc], minlength=G),
+                               np.bincount(gid[unc], (w * A)[unc], minlength=G), atol=tol.max())
+
+
+@given(batches())
+def test_length_aware_inv3_inv4_inv5w_inv6(b):
+    out = run(b, "length_aware")
+    gid, member, passed, fail, uncapped, w = _unit_masks(b, out)
+    A, A1, f = out.outcome_advantages, out.redistributed_advantages, out.factors_used
+    np.testing.assert_array_equal(A1[fail & uncapped], A[fail & uncapped])      # INV-3
+    unc = passed & uncapped
+    for g in np.unique(gid[unc]):
+        m = unc & (gid == g)
+        ratio = A1[m] / f[m]                                                     # INV-4
+        np.testing.assert_allclose(ratio, ratio[0], rtol=2e-6)
+        fbar = np.sum(w[m] * f[m]) / np.sum(w[m])                                # INV-5W
+        np.testing.assert_allclose(A1[m] - A[m], A[m] * (f[m] - fbar) / fbar, atol=2e-6)
+        if np.all(f[m] == f[m][0]):                                              # INV-6
+            np.testing.assert_allclose(A1[m], A[m], atol=2e-6)
+    assert np.all(out.lam <= CAP)                                                # INV-7
+
+
+@given(batches(), st.sampled_from([0.5, 3.0, 1e-3]))
+def test_length_aware_reduces_to_sum_preserving_with_equal_weights_and_is_scale_free(b, c):
+    """Equal weights within every group give sum_preserving's output; scaling a group's
+    weights by a positive constant (another aggregation's denominator) changes nothing."""
+    la, sp = run(b, "length_aware"), run(b)
+    gid, member, *_ = masks(b, sp)
+    eq = dict(b, weights=np.where(member, c * (1.0 + gid % 3), np.nan).astype(np.float32))
+    got = run(eq, "length_aware")
+    for name in ("advantages", "redistributed_advantages", "lam"):
+        np.testing.assert_allclose(getattr(got, name), getattr(sp, name), atol=2e-6, err_msg=name)
+    np.testing.assert_array_equal(got.capped, sp.capped)
+    scaled = dict(b, weights=(b["weights"] * c * (1.0 + gid % 3)).astype(np.float32))
+    got = run(scaled, "length_aware")
+    np.testing.assert_allclose(got.redistributed_advantages, la.redistributed_advantages,
+                               atol=2e-6)
+    np.testing.assert_array_equal(got.capped, la.capped)
+
+
+@pytest.mark.parametrize("broken,match", [
+    # A failure moved (its token credit kept consistent): weighted credit was made.
+    (lambda o: _perturb(o, 3, 0.01).replace(
+        token_credit=o.token_credit + 0.01 * 5 / 130 * (np.arange(G) == 0)), "INV-1W"),
+    # Credit moved between passes 0 and 1 with every weighted sum kept: the ratios break.
+    (lambda o: _perturb(_perturb(o, 0, 0.02 / 40), 1, -0.02 / 20), "INV-4"),
+    (lambda o: o.replace(lam=o.lam * 1.3), "INV-7"),     # 1.19 * 1.3 > 1.5
+    (lambda o: o.replace(capped=o.capped | (np.arange(G) == 0)), "weighted mean pass factor"),
+    (lambda o: o.replace(token_credit=o.token_credit + 0.1), "token credits"),
+])
+def test_length_aware_checks_trip_on_broken_advantages(broken, match):
+    b = hand_example()
+    b["weights"] = np.concatenate([np.array([40, 20, 10, 5, 5, 50]) / 130,
+                                   np.full(T - 6, np.nan)]).astype(np.float32)
+    good = run(b, "length_aware")
+    checker("length_aware")(good, *args(b), weights=b["weights"])
+    with pytest.raises(Exception, match=match):
+        checker("length_aware")(broken(good), *args(b), weights=b["weights"])
+
+
+def test_length_aware_input_errors_name_the_weights():
+    b = hand_example()
+    with pytest.raises(ValueError, match="weights: mode 'length_aware' needs"):
+        adv.gagar_advantages(*args(b), num_groups=G, mode="length_aware")
+    with pytest.raises(TypeError, match="weights"):
+        adv.gagar_advantages(*args(b), num_groups=G, mode="length_aware",
+                             weights=np.ones(T, np.int32))
+    with pytest.raises(ValueError, match="weights"):
+        adv.gagar_advantages(*args(b), num_groups=G, mode="length_aware",
+                             weights=np.ones(T - 1, np.float32))
+    bad = b["weights"].copy()
+    bad[3] = -1.0           # a valid failure with a negative weight: the contract check trips
+    out = run(dict(b, weights=bad), "length_aware")
+    with pytest.raises(Exception, match="weights of valid members are finite and >= 0"):
+        checker("length_aware")(out, *args(b), weights=bad)

@@ -61,3 +61,37 @@ def test_first_step_far_from_the_feed_says_so_with_the_mean_gap():
     Guardrails(lines.append, fresh=False, clock=Clock()).check(
         7, {"rollout/logp_abs_diff_mean": 5.0, "approx_kl": 5.0})
     assert lines == []
+
+
+def test_net_negative_token_credit_warns_after_ten_steps_in_a_row_and_names_its_source():
+    from gagar_jax.run import guardrails
+    lines, clock = [], Clock()
+    g = Guardrails(lines.append, fresh=False, every_s=60.0, clock=clock)
+    neg = {"token_net_frac": -0.2, "token_net_credit": -0.031, "token_outcome_credit": 0.01}
+    for step in range(1, 10):
+        g.check(step, neg)
+    g.check(10, {**neg, "token_net_frac": -0.04})      # above -0.05: the run of steps restarts
+    for step in range(11, 20):
+        g.check(step, neg)
+    assert lines == [] and g.net_negative_steps == 9
+    g.check(20, neg)                                     # the tenth step in a row
+    assert lines == [
+        "step 20: the token-weighted net credit has been negative for 10 steps (token_net_frac "
+        "-0.200 <= -0.05, token_net_credit -0.031): it pushes probability onto tokens the "
+        "sampler does not propose, and entropy rises later; the redistribution or reward "
+        "adjustments add it (token_outcome_credit +0.01; loss.mode=downweight_only? a length "
+        "penalty?)"]
+    assert guardrails.NET_CREDIT_STEPS == 10 and guardrails.NET_CREDIT_FRAC == 0.05
+    clock.t = 30.0
+    g.check(21, {**neg, "token_outcome_credit": -0.02})  # rate-limited: held back
+    clock.t = 61.0
+    g.check(22, {**neg, "token_outcome_credit": -0.02})
+    assert len(lines) == 2 and "the outcome advantages alone carry it" in lines[1]
+    assert lines[1].endswith("(and on 1 more step(s) since the last such line)")
+    # Zero-sum credit, positive credit, or a run without the metric: silent.
+    quiet = []
+    q = Guardrails(quiet.append, fresh=False, clock=Clock())
+    for step in range(30):
+        q.check(step, {"token_net_frac": 0.0 if step % 2 else 0.3})
+        q.check(step, {})
+    assert quiet == []

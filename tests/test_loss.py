@@ -324,3 +324,24 @@ def test_prepare_tis_weight_and_ratio_denominator():
     per_tok = np_surrogate(logp, np.asarray(inputs.old_logprobs_BxS), np.asarray(inputs.adv_BxS),
                            cfg, tis=np.asarray(inputs.tis_weight_BxS))
     np.testing.assert_allclose(loss, (per_tok * np.asarray(inputs.weight_BxS)).sum(), rtol=1e-5)
+
+
+def test_prepare_length_aware_weighs_trajectories_by_their_trained_tokens():
+    # tiny_batch with t1 cut to 1 trained token: trained tokens t0 2, t1 1, t2 1, t3 1.
+    b = tiny_batch()
+    b = b.replace(loss_mask_BxS=b.loss_mask_BxS.at[0, 5].set(0.0))
+    prep = jax.jit(L.prepare_batch, static_argnames=("cfg", "mini_batches"))
+    # token-mean: W = (2, 1, 1, 1) / 5; lambda = (2 + 1) / (2 x 1 + 1 x 0.5) = 1.2 (not 4/3):
+    # A' = 0.6, 0.3, -0.5, -0.5, and sum W A' = sum W A = 0.1.
+    p = prep(b, L.LossConfig(aggregation="token-mean", mode="length_aware"))
+    np.testing.assert_allclose(p.traj_weights_T, [0.4, 0.2, 0.2, 0.2, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(p.adv.advantages, [0.6, 0.3, -0.5, -0.5, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(p.adv.token_credit[0], 0.1, rtol=1e-5)
+    # The broadcast carries the same advantages; the weights are the loss's own.
+    np.testing.assert_allclose(p.inputs.adv_BxS[0, [1, 2, 4, 7, 9]], [0.6, 0.6, 0.3, -0.5, -0.5],
+                               rtol=1e-6)
+    # seq-mean-token-mean weighs every trajectory alike: sum_preserving's lambda 4/3.
+    p = prep(b, L.LossConfig(aggregation="seq-mean-token-mean", mode="length_aware"))
+    np.testing.assert_allclose(p.adv.advantages[:4], [2 / 3, 1 / 3, -0.5, -0.5], rtol=1e-6)
+    # Other modes compute no weights (their path is unchanged).
+    assert prep(b, L.LossConfig(aggregation="token-mean")).traj_weights_T is None

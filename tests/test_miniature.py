@@ -16,7 +16,7 @@ from support.xla_flags import cpu_flags
 
 from gagar_jax.sim import measure, report
 
-ARMS = ("binary", "downweight_only", "sum_preserving", "control")
+ARMS = ("binary", "downweight_only", "sum_preserving", "control", "length_aware")
 
 
 def _env():
@@ -26,14 +26,18 @@ def _env():
     # has its own tests), and single-device programs compile much faster.
     env["XLA_FLAGS"] = cpu_flags(1)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(REPO, ".cache", "jax"))
+    # The script imports this checkout's gagar_jax (an editable install may point elsewhere).
+    env["PYTHONPATH"] = REPO
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return env
 
 
 def _quick(out, *extra):
-    # --quick-b: --quick's shapes and arms with round three's Design B settings (its note
-    # language, harsh factor table, top-p 0.9, 4 mini-batches): one smoke test covers both.
-    cmd = [sys.executable, os.path.join(REPO, "scripts", "miniature.py"), "--quick-b", "--out",
+    # --quick-long: --quick's shapes and arms with round three's Design B settings (its note
+    # language, harsh factor table, top-p 0.9, 4 mini-batches) and round four's B-long
+    # additions (the flaky runner, the length_aware arm, a cut-and-resumed run compared with
+    # the uninterrupted one): one smoke test covers all three.
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "miniature.py"), "--quick-long", "--out",
            out] + list(extra)
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -42,7 +46,7 @@ def _quick(out, *extra):
 
 def test_quick_sweep_runs_every_arm_saves_and_resumes(tmp_path):
     out = str(tmp_path / "out")
-    _quick(out)
+    stdout = _quick(out)
     files = sorted(glob.glob(os.path.join(out, "runs", "*.json")))
     assert [os.path.basename(f) for f in files] == sorted(f"{a}-s0.json" for a in ARMS)
     runs = {}
@@ -79,9 +83,25 @@ def test_quick_sweep_runs_every_arm_saves_and_resumes(tmp_path):
     assert "train.mini_batches=4" in args["set"]
     assert runs["binary"][0]["train_note_share"] > 0
     assert math.isfinite(runs["binary"][0]["train_entropy_note"])
-    # A rerun skips every finished run and only rewrites the report.
+    # The flaky runner: no estimate before the first batch (q = 0), then q = 1 - 0.5 / p_hat
+    # once the true pass rate is above the target; flaked passes are reported as failures.
+    assert args["flaky_target"] == 0.5
+    for rows in runs.values():
+        assert rows[0]["flake_prob"] == 0.0
+        for x in rows[:-1]:
+            assert x["train_true_pass_rate"] >= x["train_pass_rate"]
+            assert x["train_flaked"] == 0 or x["flake_prob"] > 0
+    # The learner's credit metrics reach the rows: zero-sum per trajectory in binary,
+    # sum_preserving and length_aware only if all lengths are equal, so just finite there.
+    for arm in ("binary", "sum_preserving"):
+        assert abs(runs[arm][0]["net_credit_per_traj"]) < 1e-5
+    for arm in ARMS:
+        assert -1 <= runs[arm][0]["token_net_frac"] <= 1
+    assert runs["downweight_only"][0]["net_credit_per_traj"] < 0
+    assert "resume check: a run cut at step 1 and resumed gave the sweep's 3 rows" in stdout
+    # A rerun skips every finished run (and the resume check) and only rewrites the report.
     stdout = _quick(out)
-    assert stdout.count("skip ") == 4 and "saved " not in stdout
+    assert stdout.count("skip ") == len(ARMS) and "saved " not in stdout
 
 
 def _row(step, **kw):
@@ -117,15 +137,22 @@ def test_criteria_by_hand():
 
 
 def test_credit_metrics_by_hand():
-    def traj(tid, n_gen):
-        return NS(trajectory_id=tid, loss_mask=[0] * 3 + [1] * n_gen)
-    records = [NS(trajectories=[traj("a", 4), traj("b", 10)]), NS(trajectories=[traj("c", 2)])]
+    W, N = 200, 14      # a note word, NOTE; 99 an action token
+    def traj(tid, gen):     # 3 prompt tokens, then the generated ones
+        return NS(trajectory_id=tid, tokens=[1, 2, 3] + gen, loss_mask=[0] * 3 + [1] * len(gen))
+    records = [NS(trajectories=[traj("a", [N, W, W, 99]), traj("b", [99] * 10)]),
+               NS(trajectories=[traj("c", [N, W])])]
     info = NS(trajectory_ids=(("a", "b"), ("c",)), traj_slots=((2, 0), (1,)))
     adv_T = np.array([-0.5, 0.25, 0.4])     # b = -0.5, c = 0.25, a = 0.4
-    m = measure.credit_metrics(records, info, adv_T)
+    out_T = np.array([-0.5, 0.5, 0.5])
+    m = measure.credit_metrics(records, info, adv_T, out_T)
     assert math.isclose(m["net_credit_per_seq"], (0.4 - 0.5 + 0.25) / 3)
     assert math.isclose(m["net_credit_tokens"], 0.4 * 4 - 0.5 * 10 + 0.25 * 2)
     assert math.isclose(m["net_credit_per_token"], (1.6 - 5.0 + 0.5) / 16)
+    # note tokens: a has 3 (NOTE and two words), c has 2, b none
+    assert math.isclose(m["net_credit_per_note_token"], (0.4 * 3 + 0.25 * 2) / 5)
+    assert math.isclose(m["outcome_credit_per_token"], (0.5 * 4 - 0.5 * 10 + 0.5 * 2) / 16)
+    assert "outcome_credit_per_token" not in measure.credit_metrics(records, info, adv_T)
 
 
 def test_strong_credit_share_by_hand():

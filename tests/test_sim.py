@@ -228,6 +228,37 @@ def test_warm_start_raises_demo_likelihood(warm):
     assert np.mean(losses[-5:]) < losses[0] - 1.0
 
 
+def test_warm_start_resumes_from_its_snapshot_exactly(tmp_path):
+    """An SFT phase stopped by its deadline and resumed ends where an uninterrupted one does
+    (same parameters, same losses); the warm-start fixture's shapes, so no new compile."""
+    import jax
+    from flax import nnx
+
+    from gagar_jax.model.transformer import ModelConfig, Transformer
+    from gagar_jax.sim import resume
+
+    cfg = T.TaskConfig(leak_prob=0.25)
+    demos = D.make_demos(cfg, T.make_tasks(cfg, 11, 24, prefix="demo"), seed=1)
+    new = lambda: Transformer(ModelConfig.from_config(load_tiny_config().model), rngs=nnx.Rngs(0))
+    kw = dict(steps=7, batch_size=8, seq_len=64, lr=3e-3, seed=0)   # reshuffles at steps 3, 6
+    straight = new()
+    want = D.warm_start(straight, demos, **kw)
+    calls = iter(range(1000))
+    clock = lambda: 60.0 * next(calls)          # one "minute" per look of the clock
+    snap = str(tmp_path / "sft.pkl")
+    cut = new()
+    with pytest.raises(resume.OutOfTime, match="SFT step 3"):
+        D.warm_start(cut, demos, snapshot=snap, save_every=2,
+                     deadline=resume.Deadline(3, clock=clock), **kw)
+    assert resume.load_pickle(snap)["step"] == 3
+    resumed = new()
+    got = D.warm_start(resumed, demos, snapshot=snap, save_every=2, **kw)
+    assert got == want
+    a, b = (jax.tree.leaves(nnx.state(m, nnx.Param)) for m in (straight, resumed))
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_producer_round_writes_graded_shard(warm, tmp_path):
     from gagar_jax.feed import sources, validate
     from gagar_jax.feed.config import FeedConfig

@@ -2,20 +2,21 @@
 
 Everything is element-wise over trajectories [T] plus segment reductions over groups [G]; there
 is no Python loop over groups or trajectories, so one compiled function serves every batch of
-the same padded shape. The rules and the identities INV-1..INV-9 are explained in
-docs/advantage.md; `check_invariants` (below) asserts them inside jit.
+the same padded shape. The rules and the identities INV-1..INV-9 (and the length-aware mode's
+INV-1W..INV-5W) are explained in docs/advantage.md; `advantage_checks.check_invariants` asserts
+them inside jit.
 """
 from __future__ import annotations
 
 import numbers
 from typing import Any, Optional
 
-import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-MODES = ("sum_preserving", "downweight_only", "binary")
+MODES = ("sum_preserving", "downweight_only", "binary", "length_aware")
+WEIGHTED_MODES = ("length_aware",)   # modes that need per-trajectory weights
 STD_EPS = 1e-6     # verl's epsilon of norm_adv_by_std_in_grpo
 
 
@@ -60,6 +61,9 @@ class AdvantageOutput:
     pos_credit_before: jax.Array         # f32[G] sum of A over passes (mixed groups)
     pos_credit_after: jax.Array          # f32[G] sum of A' over passes
     neg_credit: jax.Array                # f32[G] sum of A' over valid failures (<= 0)
+    # With per-trajectory weights W (`weights=`; None without them):
+    token_credit: Optional[jax.Array] = None          # f32[G] sum over valid members of W A'
+    token_outcome_credit: Optional[jax.Array] = None  # f32[G] sum over valid members of W A
 
 
 @flax.struct.dataclass
@@ -100,9 +104,13 @@ def validate_inputs(rewards: jax.typing.ArrayLike, group_ids: jax.typing.ArrayLi
                     factors: jax.typing.ArrayLike, valid: jax.typing.ArrayLike,
                     hacked: jax.typing.ArrayLike, grading_ok: jax.typing.ArrayLike, *,
                     num_groups: int, lam_cap: float = 1.5, mode: str = "sum_preserving",
-                    adjustments: Optional[jax.typing.ArrayLike] = None) -> GroupOutcomes:
-    """Trace-time checks of ranks, shapes, dtypes and static options; returns jnp arrays.
+                    adjustments: Optional[jax.typing.ArrayLike] = None,
+                    weights: Optional[jax.typing.ArrayLike] = None
+                    ) -> tuple[GroupOutcomes, Optional[jax.Array]]:
+    """Trace-time checks of ranks, shapes, dtypes and static options.
 
+    Returns:
+      (outcomes as jnp arrays, weights as a jnp array or None).
     Raises:
       ValueError / TypeError naming the offending argument.
     """
@@ -115,10 +123,14 @@ def validate_inputs(rewards: jax.typing.ArrayLike, group_ids: jax.typing.ArrayLi
         raise ValueError(f"lam_cap must be finite and >= 1 (lambda >= 1 always), got {lam_cap!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode in WEIGHTED_MODES and weights is None:
+        raise ValueError(f"weights: mode {mode!r} needs each trajectory's token weight (the sum "
+                         "of its tokens' aggregation weights), got None")
     rewards = jnp.asarray(rewards)
     if rewards.ndim != 1:
         raise ValueError(f"rewards must have rank 1 (shape [T]), got shape {rewards.shape}")
     t = rewards.shape
+    w = None if weights is None else _check_array("weights", weights, "float", t)
     return GroupOutcomes(
         rewards_T=_check_array("rewards", rewards, "float", t),
         group_ids_T=_check_array("group_ids", group_ids, "int", t),
@@ -127,13 +139,15 @@ def validate_inputs(rewards: jax.typing.ArrayLike, group_ids: jax.typing.ArrayLi
         hacked_T=_check_array("hacked", hacked, "bool", t),
         grading_ok_G=_check_array("grading_ok", grading_ok, "bool", (num_groups,)),
         adjustments_T=(None if adjustments is None
-                       else _check_array("adjustments", adjustments, "float", t)))
+                       else _check_array("adjustments", adjustments, "float", t))), w
 
 
-def _validated(o: GroupOutcomes, lam_cap: float, mode: str) -> GroupOutcomes:
+def validated(o: GroupOutcomes, lam_cap: float, mode: str, weights: Optional[jax.Array] = None
+              ) -> tuple[GroupOutcomes, Optional[jax.Array]]:
+    """`validate_inputs` on a `GroupOutcomes` struct."""
     return validate_inputs(o.rewards_T, o.group_ids_T, o.factors_T, o.valid_T, o.hacked_T,
                            o.grading_ok_G, num_groups=o.num_groups, lam_cap=lam_cap, mode=mode,
-                           adjustments=o.adjustments_T)
+                           adjustments=o.adjustments_T, weights=weights)
 
 
 def group_stats(o: GroupOutcomes, *, use_factors: bool = True,
@@ -177,14 +191,26 @@ def group_stats(o: GroupOutcomes, *, use_factors: bool = True,
                       p_G=p, A_T=A, f_T=f, fallback_G=fallback)
 
 
-def _redistribute(st: GroupStats, *, num_groups: int, lam_cap: float, mode: str):
-    """Rules 6-8: returns (A'_T, lam_G, capped_G)."""
+def unit_weight_fallback(st: GroupStats, weights_T: jax.Array, num_groups: int) -> jax.Array:
+    """W~: members' weights, except that a group whose passes all weigh 0 uses 1 for every
+    member (it then behaves as sum_preserving); 0 for non-members. Selected before any
+    arithmetic, so a non-member's weight (maybe NaN) is never read."""
+    W = jnp.where(st.member_T, weights_T.astype(jnp.float32), 0.0)
+    pass_mass = segment_sum(jnp.where(st.pass_T, W, 0.0), st.gid_T, num_groups)
+    return jnp.where(st.member_T, jnp.where((pass_mass > 0)[st.gid_T], W, 1.0), 0.0)
+
+
+def _redistribute(st: GroupStats, *, num_groups: int, lam_cap: float, mode: str,
+                  weights_T: Optional[jax.Array] = None):
+    """Rules 6-8 and the length-aware mode: returns (A'_T, lam_G, capped_G)."""
     G, gid, A, f = num_groups, st.gid_T, st.A_T, st.f_T
     no_cap = jnp.zeros((G,), jnp.bool_)
     if mode == "binary":
         return A, jnp.ones((G,), jnp.float32), no_cap
     if mode == "downweight_only":
         return jnp.where(st.pass_T, f * A, A), jnp.ones((G,), jnp.float32), no_cap
+    if mode == "length_aware":
+        return _redistribute_weighted(st, unit_weight_fallback(st, weights_T, G), G, lam_cap)
     F = segment_sum(jnp.where(st.pass_T, f, 0.0), gid, G)
     # lambda = k / sum f > cap  <=>  mean pass factor < 1 / cap; no division needed to decide.
     capped = st.mixed_G & (lam_cap * F < st.k_G)
@@ -197,11 +223,31 @@ def _redistribute(st: GroupStats, *, num_groups: int, lam_cap: float, mode: str)
     return A2, lam.astype(jnp.float32), capped
 
 
-def _advantages(x: GroupOutcomes, *, lam_cap: float, mode: str, std_norm: bool = False):
+def _redistribute_weighted(st: GroupStats, W_T: jax.Array, G: int, lam_cap: float):
+    """The length-aware mode (docs/advantage.md section 9): lambda preserves the weighted
+    positive credit, sum_pass W A' = sum_pass W A, i.e. lambda = 1 / (weighted mean pass
+    factor); a capped group is shifted so that sum_valid W A' = sum_valid W A still holds."""
+    gid, A, f = st.gid_T, st.A_T, st.f_T
+    K_w = segment_sum(jnp.where(st.pass_T, W_T, 0.0), gid, G)
+    F_w = segment_sum(jnp.where(st.pass_T, W_T * f, 0.0), gid, G)
+    capped = st.mixed_G & (lam_cap * F_w < K_w)
+    lam_raw = K_w / jnp.where(F_w > 0, F_w, 1.0)
+    lam = jnp.where(st.mixed_G, jnp.minimum(lam_raw, lam_cap), 1.0)
+    A1 = jnp.where(st.pass_T, lam[gid] * f * A, A)
+    moved = segment_sum(jnp.where(st.member_T, W_T * (A1 - A), 0.0), gid, G)
+    mass = segment_sum(W_T, gid, G)
+    shift = moved / jnp.where(mass > 0, mass, 1.0)
+    A2 = jnp.where(st.member_T & capped[gid], A1 - shift[gid], A1)
+    return A2, lam.astype(jnp.float32), capped
+
+
+def _advantages(x: GroupOutcomes, *, lam_cap: float, mode: str, std_norm: bool = False,
+                weights: Optional[jax.Array] = None):
     """The computation behind `gagar_advantages` on validated arrays; also returns the stats."""
     G = x.num_groups
     st = group_stats(x, use_factors=mode != "binary", std_norm=std_norm)
-    A2, lam, capped = _redistribute(st, num_groups=G, lam_cap=float(lam_cap), mode=mode)
+    A2, lam, capped = _redistribute(st, num_groups=G, lam_cap=float(lam_cap), mode=mode,
+                                    weights_T=weights)
     gid, in_mixed = st.gid_T, st.member_T & st.mixed_G[st.gid_T]
     final = A2
     if x.adjustments_T is not None:
@@ -219,6 +265,10 @@ def _advantages(x: GroupOutcomes, *, lam_cap: float, mode: str, std_norm: bool =
         pos_credit_after=segment_sum(jnp.where(st.pass_T, A2, 0.0), gid, G),
         neg_credit=segment_sum(jnp.where(fail, A2, 0.0), gid, G),
     )
+    if weights is not None:
+        W = jnp.where(st.member_T, weights.astype(jnp.float32), 0.0)
+        out = out.replace(token_credit=segment_sum(W * A2, gid, G),
+                          token_outcome_credit=segment_sum(W * st.A_T, gid, G))
     return out, st
 
 
@@ -227,7 +277,8 @@ def gagar_advantages(rewards: jax.typing.ArrayLike, group_ids: jax.typing.ArrayL
                      hacked: jax.typing.ArrayLike, grading_ok: jax.typing.ArrayLike, *,
                      num_groups: int, lam_cap: float = 1.5, mode: str = "sum_preserving",
                      adjustments: Optional[jax.Array] = None,
-                     std_norm: bool = False) -> AdvantageOutput:
+                     std_norm: bool = False,
+                     weights: Optional[jax.Array] = None) -> AdvantageOutput:
     """Gagar advantages of one batch of groups (docs/advantage.md section 1).
 
     Args:
@@ -239,25 +290,33 @@ def gagar_advantages(rewards: jax.typing.ArrayLike, group_ids: jax.typing.ArrayL
       grading_ok: bool[num_groups] false = grading failed, the group keeps outcome advantages.
       num_groups: static G.
       lam_cap: static lambda_max >= 1.
-      mode: "sum_preserving" (Gagar), "downweight_only" (ablation) or "binary" (Dr. GRPO).
+      mode: "sum_preserving" (Gagar), "downweight_only" (ablation), "binary" (Dr. GRPO) or
+        "length_aware" (sum-preserving in token-weighted credit; needs `weights`).
       adjustments: optional f32[T] additive reward adjustments, centred per group and added
         after the redistribution (rule 9).
       std_norm: static; divide each mixed group's outcome advantages by the standard deviation
         of its rewards plus STD_EPS (verl's norm_adv_by_std_in_grpo, for plain GRPO baselines).
+      weights: optional f32[T] per-trajectory token weight W_i >= 0: the sum of its trained
+        tokens' aggregation weights (what its advantage is multiplied by in the loss's policy
+        term at ratio 1). Needed by "length_aware"; in every mode it adds the per-group
+        token-weighted credits `token_credit` and `token_outcome_credit` to the output and
+        changes nothing else. Without it the output is today's, bit for bit.
 
     Returns:
       AdvantageOutput; `advantages` is what the loss broadcasts to tokens.
     """
-    x = validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok,
-                        num_groups=num_groups, lam_cap=lam_cap, mode=mode, adjustments=adjustments)
-    return _advantages(x, lam_cap=lam_cap, mode=mode, std_norm=std_norm)[0]
+    x, w = validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok,
+                           num_groups=num_groups, lam_cap=lam_cap, mode=mode,
+                           adjustments=adjustments, weights=weights)
+    return _advantages(x, lam_cap=lam_cap, mode=mode, std_norm=std_norm, weights=w)[0]
 
 
 def advantages_of(outcomes: GroupOutcomes, *, lam_cap: float = 1.5,
-                  mode: str = "sum_preserving", std_norm: bool = False) -> AdvantageOutput:
+                  mode: str = "sum_preserving", std_norm: bool = False,
+                  weights: Optional[jax.Array] = None) -> AdvantageOutput:
     """`gagar_advantages` on a `GroupOutcomes` struct (G = `outcomes.num_groups`)."""
-    return _advantages(_validated(outcomes, lam_cap, mode), lam_cap=lam_cap, mode=mode,
-                       std_norm=std_norm)[0]
+    x, w = validated(outcomes, lam_cap, mode, weights)
+    return _advantages(x, lam_cap=lam_cap, mode=mode, std_norm=std_norm, weights=w)[0]
 
 
 def equivalent_rewards(rewards: jax.typing.ArrayLike, group_ids: jax.typing.ArrayLike,
@@ -268,7 +327,8 @@ def equivalent_rewards(rewards: jax.typing.ArrayLike, group_ids: jax.typing.Arra
     """The shaped reward r' whose per-group mean-centring reproduces A' (INV-8).
 
     The centring identity needs A' to have zero group mean: it holds in sum_preserving and
-    binary modes, not in downweight_only (whose credit is net negative by design).
+    binary modes, not in downweight_only (whose credit is net negative by design); length_aware
+    needs weights this function does not take, and is rejected.
 
     Valid members of mixed groups get `p_g + A'_i`; members of other groups keep their effective
     (hack-zeroed) reward; invalid trajectories get 0. Same arguments as `gagar_advantages`.
@@ -276,8 +336,8 @@ def equivalent_rewards(rewards: jax.typing.ArrayLike, group_ids: jax.typing.Arra
     Returns:
       f32[T].
     """
-    x = validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok,
-                        num_groups=num_groups, lam_cap=lam_cap, mode=mode)
+    x, _ = validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok,
+                           num_groups=num_groups, lam_cap=lam_cap, mode=mode)
     out, st = _advantages(x, lam_cap=lam_cap, mode=mode, std_norm=std_norm)
     in_mixed = st.member_T & st.mixed_G[st.gid_T]
     return jnp.where(in_mixed, st.p_G[st.gid_T] + out.redistributed_advantages,
@@ -313,98 +373,3 @@ def broadcast_to_tokens(adv_T: jax.Array, traj_index_BxS: jax.Array,
                          f"got {loss_mask_BxS.shape}")
     adv_BxS = jnp.take(adv_T.astype(jnp.float32), traj_index_BxS, mode="clip")
     return jnp.where(loss_mask_BxS.astype(jnp.bool_), adv_BxS, 0.0)
-
-
-def check_invariants(out: AdvantageOutput, rewards: jax.typing.ArrayLike,
-                     group_ids: jax.typing.ArrayLike, factors: jax.typing.ArrayLike,
-                     valid: jax.typing.ArrayLike, hacked: jax.typing.ArrayLike,
-                     grading_ok: jax.typing.ArrayLike, *, num_groups: int, lam_cap: float = 1.5,
-                     mode: str = "sum_preserving", atol: float = 1e-5,
-                     std_norm: bool = False) -> None:
-    """Asserts the input contract and the identities that hold for `mode` (chex value asserts).
-
-    Runs eagerly, or inside jit when the jitted function is wrapped in `chex.chexify` (the loss
-    calls it under `debug_checks`). sum_preserving: INV-1..INV-7 (INV-8 follows from INV-1);
-    downweight_only: INV-3, INV-4, INV-7; binary: A' = A. INV-9 is a property of the whole
-    function and is tested, not asserted. Element tolerances are `atol`, group sums `atol * n_g`.
-
-    Args:
-      out: the AdvantageOutput to check.
-      rewards, group_ids, factors, valid, hacked, grading_ok: the inputs it was computed from.
-      num_groups, lam_cap, mode, std_norm: as passed to `gagar_advantages`.
-      atol: absolute tolerance.
-    """
-    x = validate_inputs(rewards, group_ids, factors, valid, hacked, grading_ok,
-                        num_groups=num_groups, lam_cap=lam_cap, mode=mode)
-    check_invariants_of(out, x, lam_cap=lam_cap, mode=mode, atol=atol, std_norm=std_norm)
-
-
-def check_invariants_of(out: AdvantageOutput, outcomes: GroupOutcomes, *, lam_cap: float = 1.5,
-                        mode: str = "sum_preserving", atol: float = 1e-5,
-                        std_norm: bool = False) -> None:
-    """`check_invariants` on a `GroupOutcomes` struct (the invariants are stated on A, the
-    std-normalised outcome advantage under `std_norm`)."""
-    x = _validated(outcomes, lam_cap, mode)
-    G = x.num_groups
-    st = group_stats(x, use_factors=mode != "binary", std_norm=std_norm)
-    gid, member, passed, A, f = st.gid_T, st.member_T, st.pass_T, st.A_T, st.f_T
-    seg = lambda v: segment_sum(v, gid, G)
-    close = lambda a, b, tol: jnp.abs(a - b) <= tol
-    fail, in_mixed = member & ~passed, member & st.mixed_G[gid]
-    A1, tol_G = out.redistributed_advantages, atol * jnp.maximum(st.n_G, 1.0)
-    r, g, adj = x.rewards_T, x.group_ids_T, jnp.where(member, out.advantages - A1, 0.0)
-    checks = {
-        "input contract: rewards of valid members are 0 or 1": ~x.valid_T | (r == 0) | (r == 1),
-        "input contract: valid members' group ids lie in [0, num_groups)":
-            ~x.valid_T | ((g >= 0) & (g < G)),
-        "advantages are finite": jnp.isfinite(out.advantages) & jnp.isfinite(A1),
-        "mixed flags follow 0 < k < n": out.mixed == st.mixed_G,
-        "outcome advantages are r - p (/ std + eps)": close(out.outcome_advantages, A, atol),
-        "zero advantage outside mixed groups": in_mixed | ((out.advantages == 0) & (A1 == 0)),
-        "INV-7 lambda <= lambda_max": out.lam <= lam_cap,
-        "lambda = 1, not capped, no fallback outside mixed groups":
-            st.mixed_G | ((out.lam == 1) & ~out.capped & ~out.fallback),
-        "fallback flags follow rule 5": out.fallback == st.fallback_G,
-    }
-    if mode == "binary":
-        checks["binary: A' = A"] = close(A1, A, atol)
-    if mode != "sum_preserving":
-        checks["lambda = 1 and no cap outside sum_preserving"] = (out.lam == 1) & ~out.capped
-    if mode == "downweight_only":
-        checks["INV-3 failures untouched"] = ~fail | close(A1, A, atol)
-        checks["INV-4 passes get f * A"] = ~passed | close(A1, f * A, atol)
-    if mode == "sum_preserving":
-        k, F = st.k_G, seg(jnp.where(passed, f, 0.0))
-        capped_T = out.capped[gid]
-        unc_G, unc_T = st.mixed_G & ~out.capped, in_mixed & ~capped_T
-        pos_A1, pos_A = seg(jnp.where(passed, A1, 0.0)), seg(jnp.where(passed, A, 0.0))
-        c_G = pos_A1 / jnp.where(F > 0, F, 1.0)
-        fbar = F / jnp.maximum(k, 1.0)
-        fbar_T = jnp.where(passed, fbar[gid], 1.0)
-        fmax = jax.ops.segment_max(jnp.where(passed, f, -jnp.inf), gid, num_segments=G)
-        fmin = jax.ops.segment_min(jnp.where(passed, f, jnp.inf), gid, num_segments=G)
-        base = jnp.where(passed, lam_cap * f * A, A)   # capped groups before re-centring
-        shift = jnp.where(member & capped_T, A1 - base, 0.0)
-        in_capped = member & capped_T
-        smax = jax.ops.segment_max(jnp.where(in_capped, shift, -jnp.inf), gid, num_segments=G)
-        smin = jax.ops.segment_min(jnp.where(in_capped, shift, jnp.inf), gid, num_segments=G)
-        checks.update({
-            "the cap fires iff the mean pass factor < 1 / lambda_max": ~st.mixed_G | jnp.where(
-                out.capped, F * lam_cap <= k * (1 + 1e-6), F * lam_cap >= k * (1 - 1e-6)),
-            "capped groups apply lambda_max": ~out.capped | (out.lam == lam_cap),
-            "uncapped lambda = k / sum of pass factors": ~unc_G | close(out.lam * F, k, atol * k),
-            "capped groups: lambda_max f A re-centred by one shift":
-                ~out.capped | close(smax, smin, atol),
-            "INV-1 zero mean": close(seg(jnp.where(member, A1, 0.0)), 0.0, tol_G),
-            "INV-2 positive credit preserved": ~unc_G | close(pos_A1, pos_A, tol_G),
-            "INV-3 failures untouched": ~(unc_T & fail) | close(A1, A, atol),
-            "INV-4 pass advantages proportional to factors":
-                ~(unc_T & passed) | close(A1, f * c_G[gid], atol),
-            "INV-5 zero-sum shift":
-                ~(unc_T & passed) | close(A1 - A, A * (f - fbar_T) / fbar_T, atol),
-            "INV-6 equal factors reduce to A": ~(unc_T & (fmax == fmin)[gid]) | close(A1, A, atol),
-        })
-    checks["adjustments are centred per group"] = close(
-        seg(adj), 0.0, tol_G * (1.0 + jnp.max(jnp.abs(adj))))
-    for name, ok in checks.items():
-        chex.assert_trees_all_equal(jnp.all(ok), jnp.array(True), custom_message=name)

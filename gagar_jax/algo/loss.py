@@ -25,6 +25,7 @@ from gagar_jax.algo import policy_loss as objectives
 from gagar_jax.algo import rollout_correction as rc
 from gagar_jax.algo.advantage import (
     MODES,
+    WEIGHTED_MODES,
     AdvantageOutput,
     GroupOutcomes,
     advantages_of,
@@ -53,7 +54,9 @@ class LossConfig:
       aggregation: one of AGGREGATIONS (see docs/loss.md).
       max_response_len: the constant normalizer of `seq-mean-token-sum-norm`.
       lam_cap: Gagar's lambda cap (>= 1).
-      mode: sum_preserving | downweight_only | binary.
+      mode: sum_preserving | downweight_only | binary | length_aware (sum-preserving in
+        token-weighted credit: each trajectory weighs what its tokens' aggregation weights sum
+        to; docs/advantage.md section 9).
       norm_adv_by_std: divide each group's outcome advantages by its rewards' standard deviation
         (+1e-6) before the redistribution (verl's norm_adv_by_std_in_grpo, plain GRPO
         baselines; SPEC section 2 rule 4); off by default (Dr. GRPO).
@@ -229,10 +232,12 @@ def merge_rows(y: jax.Array) -> jax.Array:
 
 @flax.struct.dataclass
 class Prepared:
-    """Everything `prepare_batch` computes once per batch."""
+    """Everything `prepare_batch` computes once per batch (`traj_weights_T`: each trajectory's
+    summed policy-term weight, computed only for the modes that need it)."""
     inputs: LossInputs
     adv: AdvantageOutput
     rollout: rc.RolloutCorrMetrics
+    traj_weights_T: Optional[jax.Array] = None
 
 
 def prepare_batch(batch: Batch, cfg: LossConfig, *, mini_batches: int = 1,
@@ -254,8 +259,6 @@ def prepare_batch(batch: Batch, cfg: LossConfig, *, mini_batches: int = 1,
         raise ValueError("learner_old_logprobs_BxS must be given iff cfg.recompute_old_logprobs")
     if (cfg.kl_coef > 0) != (ref_logprobs_BxS is not None):
         raise ValueError("ref_logprobs_BxS must be given iff cfg.kl_coef > 0")
-    adv_out = advantages_of(GroupOutcomes.of_batch(batch), lam_cap=cfg.lam_cap, mode=cfg.mode,
-                            std_norm=cfg.norm_adv_by_std)
     traj, T = batch.traj_index_BxS, batch.num_trajectories
     # Invalid trajectories (infra errors) take no part in the loss at all, KL included.
     valid_BxS = batch.valid_T[traj].astype(jnp.float32)
@@ -269,11 +272,18 @@ def prepare_batch(batch: Batch, cfg: LossConfig, *, mini_batches: int = 1,
     else:
         old_BxS, tis_BxS, rollout = behavior_BxS, jnp.ones_like(mask_BxS), rc.zero_metrics()
     # Rejected tokens leave the mask before the broadcast and the denominators (as in verl).
-    adv_BxS = broadcast_to_tokens(adv_out.advantages, traj, mask_BxS)
     weight_BxS = aggregation_weights(mask_BxS, traj, T, cfg, mini_batches)
     pg_agg = objectives.policy_aggregation(cfg)
     pg_weight_BxS = (None if pg_agg == cfg.aggregation else
                      aggregation_weights(mask_BxS, traj, T, cfg, mini_batches, aggregation=pg_agg))
+    traj_weights_T = None
+    if cfg.mode in WEIGHTED_MODES:   # a trajectory weighs what its tokens' policy weights sum to
+        pw_BxS = weight_BxS if pg_weight_BxS is None else pg_weight_BxS
+        traj_weights_T = jax.ops.segment_sum(pw_BxS.reshape(-1), traj.reshape(-1),
+                                             num_segments=T)
+    adv_out = advantages_of(GroupOutcomes.of_batch(batch), lam_cap=cfg.lam_cap, mode=cfg.mode,
+                            std_norm=cfg.norm_adv_by_std, weights=traj_weights_T)
+    adv_BxS = broadcast_to_tokens(adv_out.advantages, traj, mask_BxS)
     ref_BxS = (jnp.zeros_like(mask_BxS) if ref_logprobs_BxS is None
                else jax.lax.stop_gradient(ref_logprobs_BxS) * mask_BxS)
     inputs = LossInputs(adv_BxS=adv_BxS, mask_BxS=mask_BxS, weight_BxS=weight_BxS,
@@ -282,7 +292,7 @@ def prepare_batch(batch: Batch, cfg: LossConfig, *, mini_batches: int = 1,
                         pg_weight_BxS=pg_weight_BxS,
                         traj_index_BxS=traj if cfg.policy_loss == "gspo" else None,
                         num_trajectories=T if cfg.policy_loss == "gspo" else 0)
-    return Prepared(inputs=inputs, adv=adv_out, rollout=rollout)
+    return Prepared(inputs=inputs, adv=adv_out, rollout=rollout, traj_weights_T=traj_weights_T)
 
 
 def kl_penalty(logprobs_BxS: jax.Array, ref_logprobs_BxS: jax.Array, estimator: str) -> jax.Array:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from gagar_jax.algo import loss as loss_lib
-from gagar_jax.algo.advantage import AdvantageOutput
+from gagar_jax.algo.advantage import AdvantageOutput, broadcast_to_tokens
 from gagar_jax.algo.rollout_correction import RolloutCorrMetrics, zero_metrics
 from gagar_jax.batch import Batch
 
@@ -53,7 +53,15 @@ class StepMetrics:
     Loss terms and grad_norm average over the step's optimizer updates; clip fractions, approx_kl
     (k3 of KL(old || current)), ppo_kl (k1) and entropy are per trained token over all updates;
     learning_rate is the last update's. Credits sum over groups; lam_mean / lam_max are over
-    mixed groups. entropy_loss is the aggregated entropy (the bonus before entropy_coef), mean
+    mixed groups; `net_credit_per_traj` is their net (pos_credit_after + neg_credit) per valid
+    trajectory. The token-weighted credits weigh each trained token's final advantage by its
+    policy-term aggregation weight w_t (what multiplies it in the loss at ratio 1):
+    `token_net_credit` = sum w A / sum w (the aggregation's mean advantage; its sign is that of
+    the push onto tokens the sampler never proposes, docs/miniature.md), `token_net_frac` =
+    sum w A / sum w |A| (in [-1, 1], what `run/guardrails.py` watches) and
+    `token_outcome_credit` = sum w A_outcome / sum w (the binary outcome advantages' part: the
+    outcome's own length bias, which no redistribution mode changes).
+    entropy_loss is the aggregated entropy (the bonus before entropy_coef), mean
     over updates; `rollout` the learner-vs-rollout diagnostics of the batch
     (rollout_correction.py; zeros and IS weight 1 without recompute_old_logprobs), written as
     `rollout/<name>`.
@@ -84,6 +92,10 @@ class StepMetrics:
     pos_credit_before: jax.Array
     pos_credit_after: jax.Array
     neg_credit: jax.Array
+    net_credit_per_traj: jax.Array
+    token_net_credit: jax.Array
+    token_net_frac: jax.Array
+    token_outcome_credit: jax.Array
     mean_response_len: jax.Array
     updates: jax.Array
     skipped: jax.Array
@@ -104,6 +116,13 @@ def step_metrics(batch: Batch, inputs: loss_lib.LossInputs, adv: AdvantageOutput
     tokens_T = jax.ops.segment_sum(inputs.mask_BxS.reshape(-1), batch.traj_index_BxS.reshape(-1),
                                    num_segments=batch.num_trajectories)
     finite = stats.finite.astype(jnp.int32)
+    w_BxS = inputs.weight_BxS if inputs.pg_weight_BxS is None else inputs.pg_weight_BxS
+    w_sum = jnp.maximum(jnp.sum(w_BxS), 1e-30)
+    wa = jnp.sum(w_BxS * inputs.adv_BxS)
+    w_abs = jnp.sum(w_BxS * jnp.abs(inputs.adv_BxS))
+    outcome_BxS = broadcast_to_tokens(adv.outcome_advantages, batch.traj_index_BxS,
+                                      inputs.mask_BxS)
+    n_valid = jnp.maximum(jnp.sum(batch.valid_T), 1)
     return StepMetrics(
         loss=jnp.mean(stats.loss),
         pg_loss=jnp.mean(a.pg_loss),
@@ -131,6 +150,10 @@ def step_metrics(batch: Batch, inputs: loss_lib.LossInputs, adv: AdvantageOutput
         pos_credit_before=jnp.sum(adv.pos_credit_before),
         pos_credit_after=jnp.sum(adv.pos_credit_after),
         neg_credit=jnp.sum(adv.neg_credit),
+        net_credit_per_traj=(jnp.sum(adv.pos_credit_after) + jnp.sum(adv.neg_credit)) / n_valid,
+        token_net_credit=wa / w_sum,
+        token_net_frac=jnp.where(w_abs > 0, wa / jnp.maximum(w_abs, 1e-30), 0.0),
+        token_outcome_credit=jnp.sum(w_BxS * outcome_BxS) / w_sum,
         mean_response_len=jnp.sum(tokens_T) / jnp.maximum(jnp.sum(tokens_T > 0), 1),
         updates=f32(jnp.sum(finite)),
         skipped=f32(jnp.sum(1 - finite)),

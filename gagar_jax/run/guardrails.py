@@ -3,7 +3,7 @@
     guard = Guardrails(log.warning, fresh=True)
     guard.check(step, scalars, quarantined=n)     # after each finished step, on the host
 
-Three conditions, each one warning line, rate-limited per kind (at most one line per `every_s`
+Four conditions, each one warning line, rate-limited per kind (at most one line per `every_s`
 seconds; the next line counts the steps in between):
   * groups were quarantined this step (dead_letter.jsonl has the records and reasons);
   * every trained token was masked (`rollout/masked_token_frac` = 1: rollout_rs / IcePop rejected
@@ -12,7 +12,14 @@ seconds; the next line counts the steps in between):
     was not sampled from the weights the learner holds (a wrong `train.init_from`, or records of
     another model). The gap is the mean |learner - feed| log-prob per token where the learner
     recomputes its own (`rollout/logp_abs_diff_mean`), else k1 (`ppo_kl`, the first update's
-    denominator is the feed's log-probs).
+    denominator is the feed's log-probs);
+  * the token-weighted net credit has stayed negative for NET_CREDIT_STEPS steps in a row:
+    `token_net_frac` (sum w A / sum w |A| over trained tokens, w the aggregation weights;
+    `algo/step_metrics.py`) <= -NET_CREDIT_FRAC. Net-negative credit pushes probability onto
+    tokens the sampler never proposes (top-p / top-k, stale or mismatched rollouts), which no IS
+    weight sees: entropy rises later (docs/miniature.md, round three and four). The line says
+    whether the outcome advantages alone already carry it (`token_outcome_credit` < 0: failures
+    longer than passes) or the redistribution does (downweight_only, a length penalty).
 """
 from __future__ import annotations
 
@@ -22,6 +29,10 @@ from typing import Optional
 
 FAR_LOGP_GAP = 0.5      # nats per token: far beyond bf16 rounding (~0.005) or a step's change
 FAR_APPROX_KL = 0.5     # k3 at step 1; an on-policy feed gives ~0
+# Token-weighted net credit: a fraction of the gross |credit| (downweight-only at f_bar 0.55
+# starts near -0.3; zero-sum credit over equal lengths is 0) held for this many steps in a row.
+NET_CREDIT_FRAC = 0.05
+NET_CREDIT_STEPS = 10
 
 
 class Guardrails:
@@ -40,6 +51,7 @@ class Guardrails:
         self._last: dict = {}        # kind -> time of its last line
         self._held: dict = {}        # kind -> steps with the condition since that line
         self.first_checked = False
+        self.net_negative_steps = 0  # consecutive steps with token_net_frac <= -NET_CREDIT_FRAC
 
     def _say(self, kind: str, text: str) -> None:
         now, held = self.clock(), self._held.get(kind, 0)
@@ -70,6 +82,26 @@ class Guardrails:
         if self.fresh and not self.first_checked:
             self.first_checked = True
             self._first_step(step, scalars)
+        self._net_credit(step, scalars)
+
+    def _net_credit(self, step: int, scalars: Mapping[str, float]) -> None:
+        frac = scalars.get("token_net_frac")
+        if frac is None:
+            return
+        self.net_negative_steps = self.net_negative_steps + 1 if frac <= -NET_CREDIT_FRAC else 0
+        if self.net_negative_steps < NET_CREDIT_STEPS:
+            return
+        outcome = scalars.get("token_outcome_credit", 0.0)
+        cause = ("the outcome advantages alone carry it (token_outcome_credit "
+                 f"{outcome:+.3g}: failures are longer than passes; consider "
+                 "loss.aggregation=seq-mean-token-mean)" if outcome < 0 else
+                 "the redistribution or reward adjustments add it (token_outcome_credit "
+                 f"{outcome:+.3g}; loss.mode=downweight_only? a length penalty?)")
+        self._say("net_credit", f"step {step}: the token-weighted net credit has been negative "
+                  f"for {self.net_negative_steps} steps (token_net_frac {frac:+.3f} <= "
+                  f"-{NET_CREDIT_FRAC}, token_net_credit {scalars.get('token_net_credit', 0):+.3g}"
+                  f"): it pushes probability onto tokens the sampler does not propose, and "
+                  f"entropy rises later; {cause}")
 
     def _first_step(self, step: int, scalars: Mapping[str, float]) -> None:
         gap: Optional[float] = scalars.get("rollout/logp_abs_diff_mean") or None

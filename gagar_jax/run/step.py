@@ -30,7 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 from gagar_jax import sharding as shd
 from gagar_jax.algo import loss as loss_lib
-from gagar_jax.algo.advantage import GroupOutcomes, check_invariants_of
+from gagar_jax.algo.advantage import GroupOutcomes
+from gagar_jax.algo.advantage_checks import check_invariants_of
 from gagar_jax.algo.step_metrics import RouterStats, UpdateStats, step_metrics
 from gagar_jax.batch import Batch
 from gagar_jax.model.logprobs import token_logprobs
@@ -48,7 +49,8 @@ class StepConfig:
       epochs: passes over each feed batch.
       mini_batches: optimizer updates per epoch (rows split along B).
       micro_batches: gradient-accumulation chunks per mini-batch.
-      debug_checks: run `advantage.check_invariants_of` inside the step (needs `make_train_step`'s
+      debug_checks: run `advantage_checks.check_invariants_of` inside the step (needs
+        `make_train_step`'s
         chexified wrapper).
     """
     model: ModelConfig
@@ -310,7 +312,8 @@ def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef,
     inputs, adv = prep.inputs, prep.adv
     if cfg.debug_checks:
         check_invariants_of(adv, GroupOutcomes.of_batch(batch), lam_cap=cfg.loss.lam_cap,
-                            mode=cfg.loss.mode, std_norm=cfg.loss.norm_adv_by_std)
+                            mode=cfg.loss.mode, std_norm=cfg.loss.norm_adv_by_std,
+                            weights=prep.traj_weights_T)
         chex.assert_trees_all_equal(
             jnp.all(jnp.isfinite(inputs.weight_BxS)), jnp.array(True),
             custom_message="loss weights are finite")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from flax import nnx
 
 from gagar_jax.model.logprobs import token_logprobs
 from gagar_jax.model.transformer import Transformer
+from gagar_jax.sim import resume
 from gagar_jax.sim import task as task_lib
 
 STYLES = ("clean", "checked", "out_of_scope", "thrash", "weakened", "hack", "sprawl", "blind",
@@ -283,8 +285,17 @@ def _sft_step(params: nnx.State, opt_state: optax.OptState, rest: nnx.State, tok
     return optax.apply_updates(params, updates), opt_state, loss
 
 
+@functools.lru_cache(maxsize=8)
+def _adam(lr: float) -> optax.GradientTransformation:
+    # One object per rate: `_sft_step` takes it as a static argument, so every warm start at
+    # this rate reuses one compiled step.
+    return optax.adam(lr)
+
+
 def warm_start(model: Transformer, demos: Sequence[task_lib.Episode], *, steps: int,
-               batch_size: int, seq_len: int, lr: float = 3e-3, seed: int = 0) -> list:
+               batch_size: int, seq_len: int, lr: float = 3e-3, seed: int = 0,
+               snapshot: Optional[str] = None, deadline: resume.Deadline = resume.NEVER,
+               save_every: int = 250) -> list:
     """Supervised phase on demonstrations (updates `model` in place, Adam on its `nnx.Param`s).
 
     Args:
@@ -293,18 +304,39 @@ def warm_start(model: Transformer, demos: Sequence[task_lib.Episode], *, steps: 
       steps, batch_size: optimizer steps, episodes per step (drawn with a seeded shuffle).
       seq_len: padded row length (>= the longest demo).
       lr: Adam learning rate. seed: shuffle seed.
+      snapshot: a file for the phase's progress (parameters, Adam moments, shuffle state,
+        losses), written every `save_every` steps and when `deadline` passes (then
+        `resume.OutOfTime` is raised); a call with the same arguments resumes from it and ends
+        with the parameters an uninterrupted phase gives. None: no snapshots.
     Returns:
       The loss per step (floats).
     """
     if steps < 1 or not 1 <= batch_size <= len(demos):
         raise ValueError(f"need steps >= 1 and 1 <= batch_size <= {len(demos)} demos")
     packed = pack_episodes(demos, seq_len)
-    tx = optax.adam(lr)
+    tx = _adam(lr)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     opt_state = tx.init(params)
     rng = np.random.default_rng(seed)
-    order, losses = rng.permutation(len(demos)), []
-    for step in range(steps):
+    order, losses, first = rng.permutation(len(demos)), [], 0
+    saved = None if snapshot is None else resume.load_pickle(snapshot)
+    if saved is not None:
+        first, order, losses = saved["step"], saved["order"], list(saved["losses"])
+        rng.bit_generator.state = saved["rng"]
+        params, opt_state = jax.tree.map(jnp.asarray, (saved["params"], saved["opt_state"]))
+
+    def save(step: int) -> None:
+        resume.save_pickle(snapshot, {
+            "step": step, "order": order, "rng": rng.bit_generator.state,
+            "losses": [float(x) for x in jax.device_get(losses)],
+            "params": resume.to_host(params), "opt_state": resume.to_host(opt_state)})
+
+    for step in range(first, steps):
+        if snapshot is not None and step > first and (step % save_every == 0
+                                                      or deadline.passed()):
+            save(step)
+            if deadline.passed():
+                raise resume.OutOfTime(f"warm start: saved at SFT step {step} in {snapshot}")
         start = (step * batch_size) % len(demos)
         if start + batch_size > len(demos):
             order, start = rng.permutation(len(demos)), 0

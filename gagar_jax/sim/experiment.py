@@ -38,12 +38,13 @@ from gagar_jax.model.moe import RouterBias
 from gagar_jax.model.transformer import ModelConfig, Transformer
 from gagar_jax.run.step import StepConfig, TrainState, init_train_state, make_train_step
 from gagar_jax.sharding import batch_shardings, make_mesh
-from gagar_jax.sim import arms, demos, measure, producer
+from gagar_jax.sim import arms, demos, difficulty, measure, producer, resume
 from gagar_jax.sim import task as task_lib
 
 # Train-step metrics kept per step (see `step_metrics.StepMetrics`).
 STEP_KEYS = ("entropy", "mean_response_len", "pos_credit_before", "pos_credit_after",
-             "neg_credit", "lam_mean", "lam_max", "capped_groups", "fallback_groups",
+             "neg_credit", "net_credit_per_traj", "token_net_credit", "token_net_frac",
+             "token_outcome_credit", "lam_mean", "lam_max", "capped_groups", "fallback_groups",
              "mixed_groups", "groups", "trajectories", "loss", "grad_norm", "approx_kl",
              "clip_frac_low", "clip_frac_high")
 
@@ -72,7 +73,8 @@ def warm_start(cfg: ml_collections.ConfigDict, task_cfg: task_lib.TaskConfig, *,
                sft_steps: int, num_demos: int = 4000, batch_size: int = 32, lr: float = 3e-3,
                recipe: demos.Recipe = demos.ROUND2_RECIPE, eval_tasks: int = 32,
                group_size: int = 8, lam_cap: float = 1.5,
-               table: Optional[grading.FactorTable] = None) -> WarmStart:
+               table: Optional[grading.FactorTable] = None, snapshot: Optional[str] = None,
+               deadline: resume.Deadline = resume.NEVER) -> WarmStart:
     """Supervised warm start on mixed-quality demonstrations, then the step-0 tier mix.
 
     Args:
@@ -82,6 +84,7 @@ def warm_start(cfg: ml_collections.ConfigDict, task_cfg: task_lib.TaskConfig, *,
       recipe: how the demonstrations are drawn (`demos.Recipe`).
       eval_tasks, group_size: held-out report (`extra`: f_bar and the cap rate it implies at
       `lam_cap`, see `pass_factor_stats`). table: the factor table (default: the grader's).
+      snapshot, deadline: a resumable SFT phase (`demos.warm_start`).
     """
     t0 = time.perf_counter()
     model = Transformer(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(seed))
@@ -91,7 +94,8 @@ def warm_start(cfg: ml_collections.ConfigDict, task_cfg: task_lib.TaskConfig, *,
             task_cfg, task_lib.make_tasks(task_cfg, seed, num_demos, prefix="demo"), seed, recipe)
         seq_len = -(-max(len(e.tokens) for e in demo_eps) // 8) * 8
         losses = demos.warm_start(model, demo_eps, steps=sft_steps, batch_size=batch_size,
-                                  seq_len=seq_len, lr=lr, seed=seed)
+                                  seq_len=seq_len, lr=lr, seed=seed, snapshot=snapshot,
+                                  deadline=deadline)
     _, params, bias = nnx.split(model, nnx.Param, RouterBias)
     records, stats = producer.sample_groups(model, heldout_tasks(task_cfg, eval_tasks), task_cfg,
                                             jax.random.key(seed), group_size=group_size,
@@ -174,9 +178,9 @@ def strong_credit_share(records: Sequence[schema.Group], info: BatchInfo,
 
 
 def _rollout_row(prefix: str, stats: producer.RolloutStats) -> dict:
-    keys = ("pass_rate", "strong_share", "mean_generated", "p90_generated", "mean_turns",
-            "timeout_rate", "entropy", "entropy_note", "entropy_action", "note_share", "hacked",
-            "mixed_groups")
+    keys = ("pass_rate", "true_pass_rate", "strong_share", "mean_generated", "p90_generated",
+            "mean_turns", "timeout_rate", "entropy", "entropy_note", "entropy_action",
+            "note_share", "hacked", "mixed_groups", "flaked")
     row = {f"{prefix}_{k}": float(getattr(stats, k)) for k in keys}
     row[f"{prefix}_tiers"] = dict(stats.tiers)
     return row
@@ -210,6 +214,8 @@ def run_loop(learner: Learner, arm: str, warm: WarmStart, task_cfg: task_lib.Tas
              seed: int, rl_steps: int, workdir: str, groups: int = 16, group_size: int = 8,
              eval_tasks: int = 32, eval_every: int = 5, probe: Optional[measure.ProbeSet] = None,
              temperature: float = 1.0, top_p: float = 1.0,
+             flaky: Optional[difficulty.FlakyRunner] = None,
+             deadline: resume.Deadline = resume.NEVER, save_every: int = 10,
              log: Callable[[str], None] = print) -> list:
     """One RL run of an arm (`arms.ARMS`) from the warm start; one dict per step 0..rl_steps.
 
@@ -222,15 +228,23 @@ def run_loop(learner: Learner, arm: str, warm: WarmStart, task_cfg: task_lib.Tas
     trained (`STEP_KEYS`, net credit per sequence and token-weighted, f_bar, lambda-cap rate).
     Tasks and sampling keys depend only on (seed, t): arms see common random numbers at step 0.
 
+    Resumable: the loop's state is saved to `workdir/resume.pkl` every `save_every` steps and
+    when `deadline` passes (then `resume.OutOfTime` is raised); a later call with the same
+    arguments continues from it and returns the rows an uninterrupted run would have (but for
+    their `seconds`).
+
     Args:
       learner: the `Learner` (its compiled step for the arm's mode is reused across seeds).
       arm: `arms.ARMS`. warm: the `WarmStart`. task_cfg: task family.
       seed: task, sampling and train-state seed. rl_steps: train steps.
-      workdir: where each step's `Feed` writes ledger.json / dead_letter.jsonl.
+      workdir: where each step's `Feed` writes ledger.json / dead_letter.jsonl, and the resume
+        file.
       groups, group_size: tasks per step, rollouts per task. eval_tasks: held-out tasks.
       eval_every: held-out evaluation interval. probe: teacher-forced probe set (None: none).
       temperature, top_p: sampling of the training batches (held-out evaluation always samples
-        the full distribution). log: progress lines.
+        the full distribution). flaky: adaptive difficulty for the training batches (a fresh
+        `difficulty.FlakyRunner`; None = off; held-out evaluation never flakes).
+      deadline, save_every: see "Resumable". log: progress lines.
     Returns:
       rows: list of dicts; the last row also holds the summed feed ledger ("ledger_totals").
     """
@@ -242,17 +256,45 @@ def run_loop(learner: Learner, arm: str, warm: WarmStart, task_cfg: task_lib.Tas
     held = heldout_tasks(task_cfg, eval_tasks)
     tasks = producer.task_batches(task_cfg, seed, groups)
     os.makedirs(workdir, exist_ok=True)
-    rows, totals = [], {"received": 0, "trained": 0, "filtered_uniform": 0, "filtered_stale": 0}
+    ckpt = os.path.join(workdir, "resume.pkl")
+    key0 = jax.random.key(seed)
 
     def sample(model: Transformer, t: int, key: jax.Array):
-        return producer.sample_groups(model, next(tasks), task_cfg, key, group_size=group_size,
-                                      policy_version=t, temperature=temperature,
-                                      group_prefix=f"{arm}-s{seed}", top_p=top_p)
+        q = 0.0 if flaky is None else flaky.prob()
+        records, stats = producer.sample_groups(
+            model, next(tasks), task_cfg, key, group_size=group_size, policy_version=t,
+            temperature=temperature, group_prefix=f"{arm}-s{seed}", top_p=top_p,
+            flake_prob=q, flake_seed=seed * 1_000_003 + t)
+        if flaky is not None:
+            flaky.update(stats.true_pass_rate)
+        return records, stats
 
-    key0 = jax.random.key(seed)
-    pending, _ = sample(_sampling_model(graphdef, state), 0,
-                        jax.random.fold_in(key0, 10_000_019))
-    for t in range(rl_steps + 1):
+    saved = resume.load_pickle(ckpt)
+    if saved is not None:
+        t_start, rows, totals = saved["t"], saved["rows"], saved["totals"]
+        pending = saved["pending"]
+        state = resume.from_host(saved["state"], shardings)
+        if flaky is not None:
+            flaky.estimate = saved["flaky"]
+        for _ in range(t_start + 1):     # the task batches already drawn
+            next(tasks)
+        log(f"{arm} seed={seed}: resumed at step {t_start}")
+    else:
+        t_start, rows = 0, []
+        totals = {"received": 0, "trained": 0, "filtered_uniform": 0, "filtered_stale": 0}
+        pending, _ = sample(_sampling_model(graphdef, state), 0,
+                            jax.random.fold_in(key0, 10_000_019))
+
+    def save(t: int) -> None:
+        resume.save_pickle(ckpt, {"t": t, "rows": rows, "totals": totals, "pending": pending,
+                                  "state": resume.to_host(state),
+                                  "flaky": None if flaky is None else flaky.estimate})
+
+    for t in range(t_start, rl_steps + 1):
+        if t > t_start and (deadline.passed() or t % save_every == 0):
+            save(t)
+            if deadline.passed():
+                raise resume.OutOfTime(f"{arm} seed {seed}: saved at step {t} in {ckpt}")
         t0 = time.perf_counter()
         model = _sampling_model(graphdef, state)
         key = jax.random.fold_in(key0, t)
@@ -269,8 +311,11 @@ def run_loop(learner: Learner, arm: str, warm: WarmStart, task_cfg: task_lib.Tas
             row["seconds"] = time.perf_counter() - t0
             rows.append(row)
             break
+        q = 0.0 if flaky is None else flaky.prob()
         records, stats = sample(model, t, jax.random.fold_in(key, 0))
         row.update(_rollout_row("train", stats))
+        if flaky is not None:
+            row["flake_prob"] = q
         train_records = arms.transform(arm, pending, table)
         row.update(pass_factor_stats(pending, table, lam_cap))
         pending = records
@@ -290,7 +335,8 @@ def run_loop(learner: Learner, arm: str, warm: WarmStart, task_cfg: task_lib.Tas
             row.update({k: float(getattr(m, k)) for k in STEP_KEYS})
             row["strong_credit_share"] = strong_credit_share(train_records, info,
                                                              m.audit.advantages_T)
-            row.update(measure.credit_metrics(train_records, info, m.audit.advantages_T))
+            row.update(measure.credit_metrics(train_records, info, m.audit.advantages_T,
+                                              m.audit.outcome_advantages_T))
             row["cap_rate"] = row["capped_groups"] / max(row["mixed_groups"], 1.0)
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
@@ -301,4 +347,6 @@ def run_loop(learner: Learner, arm: str, warm: WarmStart, task_cfg: task_lib.Tas
             f"fbar={row['fbar']:.2f} cap={row.get('cap_rate', math.nan):.2f} "
             f"({row['seconds']:.1f}s)")
     rows[-1]["ledger_totals"] = totals
+    if os.path.exists(ckpt):
+        os.remove(ckpt)
     return rows

@@ -93,19 +93,36 @@ def kl_to_reference(model_ref: Transformer, records: Sequence[schema.Group]) -> 
     return float(np.mean(np.expm1(d[m]) - d[m]))
 
 
-def credit_metrics(records: Sequence[schema.Group], info: BatchInfo,
-                   advantages_T: np.ndarray) -> dict:
+def credit_metrics(records: Sequence[schema.Group], info: BatchInfo, advantages_T: np.ndarray,
+                   outcome_advantages_T: np.ndarray | None = None) -> dict:
     """Net credit of the trained batch: per sequence (sum A_i / trained trajectories) and
-    token-weighted (sum A_i L_i, L_i = generated tokens; and per generated token)."""
-    lengths = {t.trajectory_id: int(sum(t.loss_mask)) for g in records for t in g.trajectories}
-    a_sum = al_sum = 0.0
-    n = toks = 0
+    token-weighted (sum A_i L_i, L_i = generated tokens; and per generated token, the credit
+    under token-mean aggregation of the whole batch); per note token (sum A_i N_i / sum N_i,
+    N_i = generated note tokens: the credit the note positions see); with
+    `outcome_advantages_T`, the binary outcome advantages' credit per generated token (what
+    neither sum-preserving mode changes: the outcome's own length bias)."""
+    lengths, notes = {}, {}
+    for g in records:
+        for t in g.trajectories:
+            tok, m = np.asarray(t.tokens), np.asarray(t.loss_mask) > 0
+            lengths[t.trajectory_id] = int(m.sum())
+            notes[t.trajectory_id] = int((m & _is_note(tok)).sum())
+    a_sum = al_sum = an_sum = ol_sum = 0.0
+    n = toks = note_toks = 0
     for ids, slots in zip(info.trajectory_ids, info.traj_slots, strict=False):
         for tid, slot in zip(ids, slots, strict=False):
             a = float(advantages_T[slot])
             a_sum += a
             al_sum += a * lengths[tid]
+            an_sum += a * notes[tid]
+            if outcome_advantages_T is not None:
+                ol_sum += float(outcome_advantages_T[slot]) * lengths[tid]
             n += 1
             toks += lengths[tid]
-    return {"net_credit_per_seq": a_sum / max(n, 1), "net_credit_tokens": al_sum,
-            "net_credit_per_token": al_sum / max(toks, 1)}
+            note_toks += notes[tid]
+    out = {"net_credit_per_seq": a_sum / max(n, 1), "net_credit_tokens": al_sum,
+           "net_credit_per_token": al_sum / max(toks, 1),
+           "net_credit_per_note_token": an_sum / note_toks if note_toks else math.nan}
+    if outcome_advantages_T is not None:
+        out["outcome_credit_per_token"] = ol_sum / max(toks, 1)
+    return out

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional
 import jax
 import numpy as np
 
-from gagar_jax.sim import grader, sampler
+from gagar_jax.sim import difficulty, grader, sampler
 from gagar_jax.sim import task as task_lib
 
 if TYPE_CHECKING:
@@ -42,7 +42,8 @@ class RolloutStats:
     turns without submitting; entropy / entropy_note / entropy_action: mean untempered entropy of
     the sampling distribution over generated tokens, all / note tokens (NOTE and words) / the
     rest (nan without `entropy_groups` or without such tokens); note_share: note tokens /
-    generated tokens.
+    generated tokens; true_pass_rate: the pass rate before a flaky runner (`sim/difficulty.py`)
+    reported some passes as failures (= pass_rate without one); flaked: passes so reported.
     """
     groups: int
     rollouts: int
@@ -59,6 +60,8 @@ class RolloutStats:
     entropy_note: float = float("nan")
     entropy_action: float = float("nan")
     note_share: float = float("nan")
+    true_pass_rate: float = float("nan")
+    flaked: int = 0
 
 
 def _mean(x: Sequence[float]) -> float:
@@ -104,8 +107,8 @@ def summarize(episode_groups: Sequence[Sequence[task_lib.Episode]],
 
 def sample_groups(model: Transformer, tasks: Sequence[task_lib.Task], task_cfg: task_lib.TaskConfig,
                   key: jax.Array, *, group_size: int, policy_version: int, temperature: float = 1.0,
-                  group_prefix: str = "g",
-                  top_p: float = 1.0) -> tuple[list[schema.Group], RolloutStats]:
+                  group_prefix: str = "g", top_p: float = 1.0, flake_prob: float = 0.0,
+                  flake_seed: int = 0) -> tuple[list[schema.Group], RolloutStats]:
     """Rolls out `group_size` episodes per task in one batch, grades each group, builds records.
 
     Args:
@@ -118,6 +121,8 @@ def sample_groups(model: Transformer, tasks: Sequence[task_lib.Task], task_cfg: 
       temperature: sampling temperature.
       group_prefix: group ids are f"{group_prefix}-{policy_version}-{task_id}".
       top_p: nucleus sampling (1 = off; see `sampler.rollout`).
+      flake_prob, flake_seed: a flaky test runner (`difficulty.flake`) reports each pass as a
+        failure with this probability before grading (0 = off).
     Returns:
       (records, stats): a list of `feed.schema.Group` and the `RolloutStats`.
     """
@@ -127,6 +132,7 @@ def sample_groups(model: Transformer, tasks: Sequence[task_lib.Task], task_cfg: 
     rolls = sampler.rollout(model, episodes, key, cache_len=cache_len(task_cfg),
                             max_turns=task_cfg.max_turns, max_turn_tokens=task_cfg.max_turn_tokens,
                             temperature=temperature, stop_tokens=task_lib.STOP_TOKENS, top_p=top_p)
+    flaked = difficulty.flake([r.episode for r in rolls], flake_prob, flake_seed)
     has_moe = model.cfg.num_moe_layers > 0
     records, ep_groups, as_groups, ent_groups = [], [], [], []
     for g, t in enumerate(tasks):
@@ -140,7 +146,12 @@ def sample_groups(model: Transformer, tasks: Sequence[task_lib.Task], task_cfg: 
         ep_groups.append(eps)
         as_groups.append(verdicts)
         ent_groups.append([r.entropy for r in group])
-    return records, summarize(ep_groups, as_groups, ent_groups)
+    stats = summarize(ep_groups, as_groups, ent_groups)
+    # A flaked episode is a true pass unless it was a hack (the grader's flag ignores outcomes).
+    hacked = np.array([a.hacked for ass in as_groups for a in ass], bool)
+    true_pass = stats.pass_rate + float(np.sum(flaked & ~hacked)) / max(len(rolls), 1)
+    return records, dataclasses.replace(stats, true_pass_rate=true_pass,
+                                        flaked=int(flaked.sum()))
 
 
 def write_spool_shard(spool_dir: str, records: Sequence[schema.Group], *, policy_version: int,

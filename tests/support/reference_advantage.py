@@ -8,8 +8,13 @@ import numpy as np
 
 
 def reference_advantages(rewards, group_ids, factors, valid, hacked, grading_ok, *,
-                         num_groups, lam_cap=1.5, mode="sum_preserving", adjustments=None):
-    """Returns a dict of float64 / bool numpy arrays with the AdvantageOutput field names."""
+                         num_groups, lam_cap=1.5, mode="sum_preserving", adjustments=None,
+                         weights=None):
+    """Returns a dict of float64 / bool numpy arrays with the AdvantageOutput field names.
+
+    `weights` (per trajectory) are read by mode "length_aware" only: lambda preserves the
+    weighted positive credit, a capped group is shifted to keep its weighted credit; a group
+    whose passes all weigh 0 uses unit weights."""
     T = len(rewards)
     adv = np.zeros(T)
     outcome = np.zeros(T)
@@ -61,6 +66,20 @@ def reference_advantages(rewards, group_ids, factors, valid, hacked, grading_ok,
             if capped[g]:
                 mean = sum(new.values()) / n
                 new = {i: v - mean for i, v in new.items()}
+        elif mode == "length_aware":
+            w = {i: float(weights[i]) for i in members}
+            if sum(w[i] for i in passes) <= 0:
+                w = {i: 1.0 for i in members}
+            lam_g = sum(w[i] * A[i] for i in passes) / sum(w[i] * f[i] * A[i] for i in passes)
+            if lam_g > lam_cap:
+                lam_g = lam_cap
+                capped[g] = True
+            lam[g] = lam_g
+            for i in passes:
+                new[i] = lam_g * f[i] * A[i]
+            if capped[g]:
+                shift = sum(w[i] * (new[i] - A[i]) for i in members) / sum(w.values())
+                new = {i: v - shift for i, v in new.items()}
         for i in members:
             shaped[i] = new[i]
             adv[i] = new[i]
