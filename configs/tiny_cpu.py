@@ -66,6 +66,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh.expert = 1
     c.mesh.context = 1              # sequence (context) parallelism: rows split along S
     c.mesh.tensor = 1
+    # Several TPU slices or GPU hosts: how many of them each axis spans over the slow network
+    # (DCN); the sizes above are totals. All 1 = automatic: the lightest axes (data, fsdp, ...)
+    # take the slow network. Inside a slice the axes follow the torus (docs/scaling.md).
+    c.mesh.dcn_data = 1
+    c.mesh.dcn_fsdp = 1
+    c.mesh.dcn_expert = 1
+    c.mesh.dcn_context = 1
+    c.mesh.dcn_tensor = 1
 
     t = c.train = ml_collections.ConfigDict()
     # train steps (one step = one feed batch); a finite feed may end sooner
