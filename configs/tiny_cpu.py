@@ -38,6 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.expert_backend = "grouped"    # dense | ragged | grouped | ep | ep_a2a | megablox | auto
     m.ep_local_ffn = "auto"         # ep_a2a's per-chip FFN: grouped | megablox | auto
     m.ep_chunks = 0                 # ep_a2a's token chunks per exchange (0 = expert-axis size)
+    m.ep_row_tile = 0               # ep_a2a's megablox row tile (0 = the kernel's 512)
     m.logprob_vocab_chunk = 128     # vocab chunk for log-probs/entropy
     m.logprob_keep_logits_mib = 0   # 0: the log-prob backward recomputes logits (memory flat in V)
     m.router_aux_loss_coef = 1e-3
