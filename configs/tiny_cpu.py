@@ -162,6 +162,12 @@ def get_config() -> ml_collections.ConfigDict:
     f.rows_per_batch = 16           # B, packed rows per global batch
     f.seq_len = 128                 # S, tokens per row
     f.tokens_per_batch = 0          # B x S: > 0 sizes the batch in tokens (rows_per_batch = 0)
+    # Length buckets (docs/feed.md): row lengths, ascending; () = one row length (seq_len). With
+    # buckets a step is micro-batches of bucket_rows rows of one bucket each, within
+    # tokens_per_batch token slots; bucket_micro_batches caps each bucket (() = the budget).
+    f.buckets = ()
+    f.bucket_rows = 0
+    f.bucket_micro_batches = ()
     f.max_trajectories = 40         # T, trajectory slots per batch
     f.groups_per_batch = 6          # G, mixed groups per batch
     f.max_staleness = 4             # drop groups whose policy_version lags the step by more

@@ -276,7 +276,8 @@ def axis_size(name: str, mesh: Optional[Mesh | AbstractMesh] = None) -> int:
 
 
 def batch_shardings(batch: Batch, mesh: Mesh) -> Batch:
-    """NamedShardings (same tree as `batch`) for a `Batch`, by the `BATCH_AXES` table.
+    """NamedShardings (same tree as `batch`) for a `Batch` (or a `BucketedBatch`: each bucket
+    alike), by the `BATCH_AXES` table.
 
     Raises a clear error when the rows S do not divide by the context axis: a sequence-sharded
     row must not silently fall back to whole rows per chip.
@@ -284,7 +285,7 @@ def batch_shardings(batch: Batch, mesh: Mesh) -> Batch:
     n_ctx = axis_size("seq", mesh)
 
     def one(path: tuple, x: jax.Array | jax.ShapeDtypeStruct | np.ndarray):
-        name = leaf_path(path)
+        name = leaf_path(path).split("/")[-1]     # a `BucketedBatch`: buckets/k/<field>
         if name not in BATCH_AXES:
             raise KeyError(f"batch field {name!r} has no entry in sharding.BATCH_AXES")
         axes = BATCH_AXES[name]
