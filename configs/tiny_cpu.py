@@ -38,6 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.expert_backend = "grouped"    # dense | ragged | grouped | ep | ep_a2a | megablox | auto
     m.ep_local_ffn = "auto"         # ep_a2a's per-chip FFN: grouped | megablox | auto
     m.ep_chunks = 0                 # ep_a2a's token chunks per exchange (0 = expert-axis size)
+    m.ep_row_tile = 0               # ep_a2a's megablox row tile (0 = the kernel's 512)
     m.logprob_vocab_chunk = 128     # vocab chunk for log-probs/entropy
     m.logprob_keep_logits_mib = 0   # 0: the log-prob backward recomputes logits (memory flat in V)
     m.router_aux_loss_coef = 1e-3
@@ -66,6 +67,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh.expert = 1
     c.mesh.context = 1              # sequence (context) parallelism: rows split along S
     c.mesh.tensor = 1
+    # Several TPU slices or GPU hosts: how many of them each axis spans over the slow network
+    # (DCN); the sizes above are totals. All 1 = automatic: the lightest axes (data, fsdp, ...)
+    # take the slow network. Inside a slice the axes follow the torus (docs/scaling.md).
+    c.mesh.dcn_data = 1
+    c.mesh.dcn_fsdp = 1
+    c.mesh.dcn_expert = 1
+    c.mesh.dcn_context = 1
+    c.mesh.dcn_tensor = 1
 
     t = c.train = ml_collections.ConfigDict()
     # train steps (one step = one feed batch); a finite feed may end sooner
@@ -153,6 +162,12 @@ def get_config() -> ml_collections.ConfigDict:
     f.rows_per_batch = 16           # B, packed rows per global batch
     f.seq_len = 128                 # S, tokens per row
     f.tokens_per_batch = 0          # B x S: > 0 sizes the batch in tokens (rows_per_batch = 0)
+    # Length buckets (docs/feed.md): row lengths, ascending; () = one row length (seq_len). With
+    # buckets a step is micro-batches of bucket_rows rows of one bucket each, within
+    # tokens_per_batch token slots; bucket_micro_batches caps each bucket (() = the budget).
+    f.buckets = ()
+    f.bucket_rows = 0
+    f.bucket_micro_batches = ()
     f.max_trajectories = 40         # T, trajectory slots per batch
     f.groups_per_batch = 6          # G, mixed groups per batch
     f.max_staleness = 4             # drop groups whose policy_version lags the step by more

@@ -76,3 +76,27 @@ def dummy_batch(
         factors_T=jnp.ones((T,), jnp.float32), adjustments_T=z((T,), jnp.float32),
         grading_ok_G=z((G,), jnp.bool_), routed_experts_BxSxLxK=routed,
     )
+
+
+@flax.struct.dataclass
+class BucketedBatch:
+    """One step's batch in length buckets (`feed/buckets.py`): `buckets[k]` is a `Batch` of
+    U_k x r rows of the k-th row length. Every bucket carries the step's whole per-trajectory
+    and per-group arrays (the same in each); a trajectory lives in exactly one bucket's rows."""
+
+    buckets: tuple
+
+    @property
+    def num_groups(self) -> int:
+        return self.buckets[0].num_groups
+
+    @property
+    def num_trajectories(self) -> int:
+        return self.buckets[0].num_trajectories
+
+
+def dummy_bucketed_batch(shapes: tuple, T: int, G: int, *, num_moe_layers: int = 0,
+                         top_k: int = 0) -> BucketedBatch:
+    """An all-padding `BucketedBatch` of buckets with (rows, row length) `shapes`."""
+    return BucketedBatch(buckets=tuple(dummy_batch(b, s, T, G, num_moe_layers=num_moe_layers,
+                                                   top_k=top_k) for b, s in shapes))

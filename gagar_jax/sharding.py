@@ -29,6 +29,8 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gagar_jax import mesh_layout
+
 if TYPE_CHECKING:
     from gagar_jax.batch import Batch
 
@@ -101,9 +103,16 @@ BATCH_AXES: dict[str, tuple] = {
 def make_mesh(mesh_cfg: Any, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
     """Builds the ('data', 'fsdp', 'expert', 'context', 'tensor') mesh.
 
+    The axis sizes come from the config; which device sits where from the machine
+    (`mesh_layout.device_grid`): on a TPU slice the axes follow the torus (ring neighbours are
+    torus neighbours, the expert axis first), across TPU slices or GPU hosts the `dcn_*` sizes
+    (or, without them, the lightest axes) span the slow network, and CPU devices keep their
+    order (reshaped, as always).
+
     Args:
       mesh_cfg: anything with integer attributes data, fsdp, expert, context, tensor (context may
-        be missing: 1); at most one may be -1 (= all remaining devices).
+        be missing: 1); at most one may be -1 (= all remaining devices). Optional `dcn_<axis>`:
+        how many slices (TPU) or hosts (GPU) the axis spans (default 1; all 1 = automatic).
       devices: devices to use (default: all of `jax.devices()`).
     Returns:
       A `Mesh` whose axis sizes multiply to the device count.
@@ -128,8 +137,30 @@ def make_mesh(mesh_cfg: Any, devices: Optional[Sequence[jax.Device]] = None) -> 
             f"mesh {dict(zip(MESH_AXES, sizes, strict=False))} needs {np.prod(sizes)} devices, "
             f"have {len(devices)}"
         )
-    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES,
-                axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+    dcn = [int(getattr(mesh_cfg, f"dcn_{a}", 1) or 1) for a in MESH_AXES]
+    grid = mesh_layout.device_grid(sizes, MESH_AXES, devices, dcn,
+                                   valid=lambda g: hosts_hold_blocks(g, MESH_AXES))
+    return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def hosts_hold_blocks(grid: np.ndarray, names: Sequence[str]) -> bool:
+    """Whether every process's devices hold one contiguous box of the batch's [rows, sequence]
+    shards (what `process_row_block` needs: a host builds one block of rows and columns)."""
+    shape = dict(zip(names, grid.shape, strict=True))
+    idx = np.indices(grid.shape)
+    row = np.zeros(grid.shape, np.int64)
+    for a in mesh_axes("batch"):               # rows: the batch axes, last fastest
+        row = row * shape[a] + idx[names.index(a)]
+    seq = np.zeros(grid.shape, np.int64)
+    for a in mesh_axes("seq"):
+        seq = seq * shape[a] + idx[names.index(a)]
+    procs = np.vectorize(lambda d: int(getattr(d, "process_index", 0)), otypes=[np.int64])(grid)
+    for p in np.unique(procs):
+        r, s = row[procs == p], seq[procs == p]
+        box = (r.max() - r.min() + 1) * (s.max() - s.min() + 1)
+        if len({(a, b) for a, b in zip(r.tolist(), s.tolist(), strict=True)}) != box:
+            return False
+    return True
 
 
 def mesh_axes(name: Optional[str], mesh: Optional[Mesh | AbstractMesh] = None) -> tuple:
@@ -245,7 +276,8 @@ def axis_size(name: str, mesh: Optional[Mesh | AbstractMesh] = None) -> int:
 
 
 def batch_shardings(batch: Batch, mesh: Mesh) -> Batch:
-    """NamedShardings (same tree as `batch`) for a `Batch`, by the `BATCH_AXES` table.
+    """NamedShardings (same tree as `batch`) for a `Batch` (or a `BucketedBatch`: each bucket
+    alike), by the `BATCH_AXES` table.
 
     Raises a clear error when the rows S do not divide by the context axis: a sequence-sharded
     row must not silently fall back to whole rows per chip.
@@ -253,7 +285,7 @@ def batch_shardings(batch: Batch, mesh: Mesh) -> Batch:
     n_ctx = axis_size("seq", mesh)
 
     def one(path: tuple, x: jax.Array | jax.ShapeDtypeStruct | np.ndarray):
-        name = leaf_path(path)
+        name = leaf_path(path).split("/")[-1]     # a `BucketedBatch`: buckets/k/<field>
         if name not in BATCH_AXES:
             raise KeyError(f"batch field {name!r} has no entry in sharding.BATCH_AXES")
         axes = BATCH_AXES[name]

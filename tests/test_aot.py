@@ -34,7 +34,8 @@ def tiny_report(tmp_path_factory):
            "--out", str(out)]
     # The TPU compiler keeps its own settings (conftest's flags are for XLA:CPU).
     flags = without(os.environ.get("XLA_FLAGS", ""), FAST_COMPILE)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+    # PYTHONPATH: this checkout's package, not another one installed editable.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, PYTHONPATH=REPO)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -72,10 +73,24 @@ def test_tiny_flops(tiny_report):
     # model FLOPs; the splash kernels' own cost makes the compiler's figure a flagged third.
     assert r["hardware_flops_per_step"] > r["model_flops_per_step"]
     assert any("splash" in f for f in r["cost_analysis_flags"])
+    ring = r["roofline_ring_model"]     # issue 29's model, kept beside the torus one
+    assert 0 < ring["mfu_bound_one_torus_dim_imbalanced"] <= ring["mfu_bound_full_ici_balanced"]
+    # Issue 41: collectives priced on the mesh's placement on the 2x2x1 torus; the step bound
+    # adds what the schedule does not overlap with compute.
     roof = r["roofline"]
     assert roof["compute_s_hardware_flops"] > roof["compute_s_model_flops"] > 0
-    assert 0 < roof["mfu_bound_one_torus_dim_imbalanced"] <= roof["mfu_bound_full_ici_balanced"]
+    assert roof["step_s"] >= roof["comm_exposed_s"] + roof["compute_s_hardware_flops"] - 1e-12
+    assert 0 < roof["mfu_bound_imbalanced"] <= roof["mfu_bound"] < 1
+    assert r["links"]["by_op"]["all-gather"] > 0
+    assert r["mesh_hops"] == {"expert": 1.0, "context": 1.0}
     assert r["traffic"]["all-gather"]["ring_bytes"] > 0 and r["chip"]["name"] == "v5p"
+    # Every HBM byte in a row: the rows sum to the buffer assignment's total, which is
+    # memory_analysis' total less the code.
+    table = r["buffer_table"]
+    assert sum(row["bytes"] for row in table["rows"]) == table["total_bytes"]
+    m = r["memory"]
+    assert abs(table["total_bytes"] + m["code"] - r["per_device_bytes"]) <= 2**20
+    assert table["thread_local"]["bytes"] > 0
     assert r["peak_buffers"] is not None and r["commit"]
     # XLA's peak live set holds at least the largest buffer it lists.
     assert r["peak_live_bytes_xla"] >= max((b["bytes"] for b in r["peak_buffers"]), default=1) > 0

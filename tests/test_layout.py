@@ -82,8 +82,8 @@ def test_no_private_names_across_modules():
 # its tasks and graders in process (`run`'s colocated loop) import it downwards.
 LAYERS = [
     ("ground", ["gagar_jax.config", "gagar_jax.batch", "gagar_jax.sharding",
-                "gagar_jax.distributed", "gagar_jax.audit_file", "gagar_jax.grading",
-                "gagar_jax.publish_format"]),
+                "gagar_jax.mesh_layout", "gagar_jax.distributed", "gagar_jax.audit_file",
+                "gagar_jax.grading", "gagar_jax.publish_format"]),
     ("algo", ["gagar_jax.algo"]),
     ("feed", ["gagar_jax.feed"]),
     ("rollout", ["gagar_jax.rollout"]),

@@ -162,3 +162,47 @@ def test_peak_buffers_reads_the_compilers_peak_section(tmp_path):
                                                                       "while.2{1}")
     assert (second["shape"], second["op_name"], second["source"]) == (
         "bf16[32,16]", "jit(f)/mul", "gagar_jax/kernels/experts/ep.py:42")
+
+
+def test_buffer_table_names_every_byte(tmp_path):
+    """A hand-made dump: 100 B of parameters, 4 B of constants, a 1000 B heap and a
+    thread-local allocation. At step 5 the heap holds a (400 B at 0, with its loop phi sharing
+    the address, counted once) and b (300 B at 600): 700 B live, 300 B of gaps."""
+    from gagar_jax.aot import buffers
+    stem = tmp_path / "module_0001.jit_f.after_optimizations"
+    (tmp_path / (stem.name + "-buffer-assignment.txt")).write_text(
+        "BufferAssignment:\n"
+        "allocation 0: size 100, page 0, parameter 0, shape |f32[25]| at ShapeIndex {}:\n"
+        " value: <1 p @0> (size=100,offset=0): f32[25]{0}\n"
+        "allocation 1: size 4, page 0, constant:\n"
+        " value: <2 c @0> (size=4,offset=0): f32[]{:T(128)}\n"
+        "allocation 2: size 64, page 0, thread-local:\n"
+        " value: <3 param_0.1 @0> (size=64,offset=0): f32[16]{0}\n"
+        "allocation 3: size 1000, page 0, preallocated-temp:\n"
+        " value: <4 a @0> (size=400,offset=0): bf16[200]{0}\n"
+        " value: <5 while.1{1} (phi) @1> (size=400,offset=0): bf16[200]{0}\n"
+        " value: <6 b @0> (size=300,offset=600): bf16[150]{0}\n"
+        " value: <7 d @0> (size=500,offset=0): bf16[250]{0}\n"
+        "allocation 4: size 8, color 1, page 0, preallocated-temp:\n")
+    (tmp_path / (stem.name + "-live-range.txt")).write_text(
+        "HloLiveRange (max 9):\n  InstructionSequence:\n    0:p\n  BufferLiveRange:\n"
+        "    a{}:2-6\n    while.1{1}:4-7\n    b{}:5-6\n    d{}:8-9\n"
+        "  Live ranges at 5 (peak):\n")
+    (tmp_path / (stem.name + ".txt")).write_text(
+        'FileNames\n1 "/x/gagar_jax/model/layers.py"\n\nFunctionNames\n1 "f"\n\n'
+        "FileLocations\n1 {file_name_id=1 function_name_id=1 line=7 end_line=7}\n\n"
+        "StackFrames\n1 {file_location_id=1 parent_frame_id=1}\n\n"
+        "%fused (param_0.1: f32[16]) -> f32[16] {\n"
+        "  ROOT %param_0.1 = f32[16]{0} parameter(0)\n}\n\n"
+        "ENTRY %main (p: f32[25]) -> f32[25] {\n"
+        '  %a = bf16[200]{0} fusion(%p), metadata={op_name="jit(f)/mul" stack_frame_id=1}\n'
+        "  %b = bf16[150]{0} fusion(%p)\n}\n")
+    t = buffers.buffer_table(str(tmp_path), min_row_bytes=0)
+    rows = {r["what"]: r["bytes"] for r in t["rows"]}
+    assert t["total_bytes"] == 100 + 4 + 1000 and sum(rows.values()) == t["total_bytes"]
+    assert rows["temporary: gagar_jax/model/layers.py:7"] == 400
+    assert rows["temporary: b (no source line)"] == 300
+    assert rows["heap gaps at that moment (fragmentation)"] == 300
+    assert t["heap_step"] in (5, 6)
+    assert t["thread_local"] == {"bytes": 64, "allocations": 1, "by_role": {"parameter": 64},
+                                 "by_computation_kind": {"fused": 64}}

@@ -23,14 +23,17 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 import ml_collections
+import numpy as np
 
-from gagar_jax.aot import buffers, flops, roofline
+from gagar_jax import mesh_layout, sharding
+from gagar_jax.aot import buffers, flops, links, roofline, schedule
 from gagar_jax.aot.hlo_stats import (
     COLLECTIVES,
     collective_bytes_per_step,
     collective_traffic,
     count_collectives,
 )
+from gagar_jax.aot.report import AotReport, MemoryFigures, write_report  # noqa: F401
 
 if TYPE_CHECKING:
     import jax
@@ -61,12 +64,15 @@ def parse_topology(topology: str) -> tuple[str, tuple[int, ...]]:
     return m.group(1), tuple(int(d) for d in m.group(2).split("x"))
 
 
-def topology_devices(topology: str) -> list:
-    """Compile-only devices of a TPU topology (`v5p:AxBxC`)."""
+def topology_devices(topology: str, num_slices: int = 1) -> list:
+    """Compile-only devices of a TPU topology (`v5p:AxBxC`), of `num_slices` such slices
+    joined over DCN (each device then has a `slice_index`)."""
     parse_topology(topology)
     configure_libtpu_env()
     from jax.experimental import topologies
-    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+    extra = {"num_slices": num_slices} if num_slices > 1 else {}
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology,
+                                             **extra).devices)
 
 
 def _bytes(number: str, unit: str) -> int:
@@ -97,152 +103,6 @@ def parse_hbm_oom(message: str) -> Optional[dict]:
     return {"required_bytes": max(sizes) if sizes else None, "available_bytes": None}
 
 
-def _fmt_bytes(b: float | None) -> str:
-    if b is None:
-        return "-"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(b) >= size:
-            return f"{b / size:.2f} {unit}"
-    return f"{b:.0f} B"
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryFigures:
-    """Per-device bytes of one compiled executable (`memory_analysis()`)."""
-
-    arguments: int
-    outputs: int
-    aliases: int        # outputs that reuse (donated) argument buffers
-    temporaries: int
-    code: int
-
-    @property
-    def total(self) -> int:
-        return self.arguments + self.outputs - self.aliases + self.temporaries + self.code
-
-    @classmethod
-    def from_compiled(cls, stats: Any) -> MemoryFigures:
-        return cls(arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
-                   aliases=stats.alias_size_in_bytes, temporaries=stats.temp_size_in_bytes,
-                   code=stats.generated_code_size_in_bytes)
-
-
-@dataclasses.dataclass(frozen=True)
-class AotReport:
-    """What one ahead-of-time compile found; `summary()` is the script's last stdout line."""
-
-    config: str
-    topology: str
-    num_devices: int
-    mesh: dict
-    batch: dict                  # global rows, seq_len, micro_batches
-    fits: bool
-    per_device_bytes: Optional[int]
-    hbm_bytes: int
-    memory: Optional[MemoryFigures]
-    flops_per_device: Optional[float]     # compiler's cost_analysis, one device, one step
-    model_flops_per_step: float           # analytic 6N + attention, whole batch (flops.py)
-    collectives: dict
-    compile_seconds: float
-    params_total: int
-    params_active: int
-    paper: dict                  # state / activation bytes per device worked out on paper
-    error: str = ""
-    overrides: tuple = ()        # command-line config overrides applied to the config file
-    collective_bytes: dict = dataclasses.field(default_factory=dict)  # per device and step
-    # Item-2/3 figures (docs/scaling.md "FLOPs, bytes and the roofline"):
-    hardware_flops_per_step: float = 0.0   # with remat recomputation (roofline.py)
-    flops_breakdown: dict = dataclasses.field(default_factory=dict)   # per token, by part
-    cost_analysis_flags: tuple = ()         # why the compiler's figure is neither of the above
-    traffic: dict = dataclasses.field(default_factory=dict)   # ring bytes per chip, by op
-    ragged: dict = dataclasses.field(default_factory=dict)    # ep_a2a exchange, per chip
-    roofline: dict = dataclasses.field(default_factory=dict)
-    chip: dict = dataclasses.field(default_factory=dict)      # hardware figures and source
-    peak_buffers: list = dataclasses.field(default_factory=list)   # live at the memory peak
-    peak_live_bytes_xla: int = 0   # all buffers live at XLA's heap peak (parameters included)
-    commit: str = ""             # the source tree compiled (`git describe --always --dirty`)
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def summary(self) -> dict:
-        return {"config": self.config, "topology": self.topology,
-                "per_device_bytes": self.per_device_bytes, "hbm_bytes": self.hbm_bytes,
-                "fits": self.fits}
-
-    def table(self) -> str:
-        """Human-readable table of the figures (GiB per device)."""
-        g = _fmt_bytes
-        rows = [
-            ("config", " ".join((self.config,) + tuple(self.overrides))),
-            ("topology", f"{self.topology} ({self.num_devices} chips)"),
-            ("mesh", " ".join(f"{k}={v}" for k, v in self.mesh.items())),
-            ("batch", " ".join(f"{k}={v}" for k, v in self.batch.items())),
-            (
-                "params total / active",
-                f"{self.params_total / 1e9:.2f}B / {self.params_active / 1e9:.2f}B",
-            ),
-        ]
-        if self.memory is not None:
-            m = self.memory
-            rows += [("arguments", g(m.arguments)), ("outputs", g(m.outputs)),
-                     ("aliases", g(m.aliases)), ("temporaries", g(m.temporaries)),
-                     ("code", g(m.code))]
-        rows += [
-            ("per device (total)", g(self.per_device_bytes)),
-            ("HBM per chip", g(self.hbm_bytes)),
-            ("fits", str(self.fits)),
-            (
-                "paper: state / activations",
-                f"{g(self.paper['state_bytes'])} / {g(self.paper['activation_bytes'])}",
-            ),
-        ]
-        if self.flops_per_device is not None:
-            rows += [
-                (
-                    "FLOPs per step (compiler, all chips)",
-                    f"{self.flops_per_device * self.num_devices:.3e}",
-                )
-            ]
-        rows += [("model FLOPs per step (6N + attn)", f"{self.model_flops_per_step:.3e}")]
-        if self.hardware_flops_per_step:
-            rows += [("hardware FLOPs per step (remat)", f"{self.hardware_flops_per_step:.3e}")]
-        if self.cost_analysis_flags:
-            rows += [("cost_analysis caveats", "; ".join(self.cost_analysis_flags))]
-        for op, rec in self.traffic.items():
-            if rec["ring_bytes"]:
-                rows += [(f"{op} ring bytes per chip", g(rec["ring_bytes"]))]
-        if self.ragged:
-            rows += [(f"ragged a2a ring, balanced / x{self.ragged['imbalance']:.1f}",
-                      f"{g(self.ragged['balanced'])} / {g(self.ragged['imbalanced'])}")]
-        r = self.roofline
-        if r:
-            s, pct = (lambda k: f"{r[k]:.2f} s"), (lambda k: f"{r[k]:.1%}")
-            rows += [
-                ("step at peak: model / hardware FLOPs",
-                 f"{s('compute_s_model_flops')} / {s('compute_s_hardware_flops')}"),
-                ("comm: full ICI / one torus dim",
-                 f"{s('comm_s_full_ici_balanced')} / {s('comm_s_one_torus_dim_balanced')} "
-                 f"(imbalanced {s('comm_s_full_ici_imbalanced')} / "
-                 f"{s('comm_s_one_torus_dim_imbalanced')})"),
-                ("MFU bound: full ICI / one torus dim",
-                 f"{pct('mfu_bound_full_ici_balanced')} / {pct('mfu_bound_one_torus_dim_balanced')}"
-                 f" (imbalanced {pct('mfu_bound_full_ici_imbalanced')} / "
-                 f"{pct('mfu_bound_one_torus_dim_imbalanced')})"),
-            ]
-        for b in self.peak_buffers[:8]:
-            rows += [(f"peak buffer {g(b['bytes'])}",
-                      f"{b['shape']} {b['source'] or b['instruction']}")]
-        rows += [(f"{op} ops", str(n)) for op, n in self.collectives.items()]
-        rows += [(f"{op} bytes per step", g(n)) for op, n in self.collective_bytes.items()
-                 if op in COLLECTIVES]
-        rows += [("compile time", f"{self.compile_seconds:.1f} s")]
-        if self.error:
-            rows += [("compiler error", self.error.splitlines()[0][:160])]
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
 def _paper_estimate(model_cfg: ModelConfig, mesh: dict, rows_per_shard: int, seq_len: int) -> dict:
     """State and remat activation bytes per device, worked out on paper (see docs/scaling.md)."""
     width = mesh["fsdp"] * mesh.get("context", 1)  # experts' model width D is stored over both
@@ -256,13 +116,6 @@ def _paper_estimate(model_cfg: ModelConfig, mesh: dict, rows_per_shard: int, seq
     return {"params_bytes": state.params, "grads_bytes": state.grads,
             "optimizer_bytes": state.optimizer, "state_bytes": state.state,
             "activation_bytes": act}
-
-
-def write_report(report: AotReport, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report.to_json(), f, indent=2, sort_keys=True)
-        f.write("\n")
 
 
 def lower_train_step(cfg: ml_collections.ConfigDict,
@@ -306,6 +159,7 @@ def lower_train_step(cfg: ml_collections.ConfigDict,
     micro_rows = f.rows_per_batch // (step_cfg.mini_batches * step_cfg.micro_batches)
     meta = {
         "model_config": mc,
+        "grid": mesh.devices,
         "mesh": {k: int(v) for k, v in sizes.items()},
         "batch": {
             "rows": f.rows_per_batch,
@@ -336,6 +190,33 @@ class CompileResult:
     collective_bytes: dict = dataclasses.field(default_factory=dict)
     traffic: dict = dataclasses.field(default_factory=dict)
     peak_buffers: dict = dataclasses.field(default_factory=dict)
+    dump: dict = dataclasses.field(default_factory=dict)     # `dump_figures`
+
+
+def dump_figures(dump: str) -> dict:
+    """What the compiler's dump says of one compiled program (no compile needed: a kept dump can
+    be read again with newer code): collectives by op, ring traffic (issue 29's measure), every
+    collective with its groups and overlap (`schedule.collective_records`), the megablox calls,
+    the peak live set and the table of every HBM byte."""
+    import glob
+    texts = [open(t).read() for t in
+             sorted(glob.glob(os.path.join(dump, "*.after_optimizations.txt")))]
+    per_step = [collective_bytes_per_step(t) for t in texts]
+    moved = {k: sum(b[k] for b in per_step) for k in per_step[0]} if per_step else {}
+    traffic = {}
+    for t in texts:
+        for op, rec in collective_traffic(t).items():
+            acc = traffic.setdefault(op, {"bytes": 0, "ring_bytes": 0.0, "by_group": {}})
+            acc["bytes"] += rec["bytes"]
+            acc["ring_bytes"] += rec["ring_bytes"]
+            for n, b in rec["by_group"].items():
+                acc["by_group"][n] = acc["by_group"].get(n, 0) + b
+    return {"collectives": count_collectives("".join(texts)), "collective_bytes": moved,
+            "traffic": traffic,
+            "records": [r for t in texts for r in schedule.collective_records(t)],
+            "kernels": [k for t in texts for k in schedule.grouped_matmuls(t)],
+            "peak": buffers.peak_buffers(dump, top=40, min_bytes=2**27),
+            "buffer_table": buffers.buffer_table(dump)}
 
 
 def compile_lowered(lowered: jax.stages.Lowered, dump_dir: str = "") -> CompileResult:
@@ -347,7 +228,6 @@ def compile_lowered(lowered: jax.stages.Lowered, dump_dir: str = "") -> CompileR
     Returns:
       `CompileResult`; on `CompileTimeHbmOom`, `per_device_bytes` is the compiler's figure.
     """
-    import glob
     import tempfile
 
     import jax
@@ -366,53 +246,96 @@ def compile_lowered(lowered: jax.stages.Lowered, dump_dir: str = "") -> CompileR
                                  flops_per_device=None, collectives={op: 0 for op in COLLECTIVES},
                                  seconds=time.perf_counter() - t0, error=str(e))
         seconds = time.perf_counter() - t0
-        texts = [open(t).read() for t in
-                 sorted(glob.glob(os.path.join(dump, "*.after_optimizations.txt")))]
-        hlo = "".join(texts)
-        per_step = [collective_bytes_per_step(t) for t in texts]
-        moved = {k: sum(b[k] for b in per_step) for k in per_step[0]} if per_step else {}
-        traffic = {}
-        for t in texts:
-            for op, rec in collective_traffic(t).items():
-                acc = traffic.setdefault(op, {"bytes": 0, "ring_bytes": 0.0, "by_group": {}})
-                acc["bytes"] += rec["bytes"]
-                acc["ring_bytes"] += rec["ring_bytes"]
-                for n, b in rec["by_group"].items():
-                    acc["by_group"][n] = acc["by_group"].get(n, 0) + b
-        peak = buffers.peak_buffers(dump, top=40, min_bytes=2**27)
+        d = dump_figures(dump)
     memory = MemoryFigures.from_compiled(compiled.memory_analysis())
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return CompileResult(per_device_bytes=memory.total, memory=memory,
                          flops_per_device=float(cost.get("flops", 0.0)),
-                         collectives=count_collectives(hlo), seconds=seconds,
-                         collective_bytes=moved, traffic=traffic, peak_buffers=peak)
+                         collectives=d["collectives"], seconds=seconds,
+                         collective_bytes=d["collective_bytes"], traffic=d["traffic"],
+                         peak_buffers=d["peak"], dump=d)
+
+
+def step_figures(meta: dict, d: dict, grid: Any, chip: roofline.Chip, devices: list) -> dict:
+    """FLOPs, traffic, the torus roofline and the layout's hops of one compiled step.
+
+    Args:
+      meta: `lower_train_step`'s (model config, mesh sizes, batch geometry).
+      d: `dump_figures` of its compile ({} when the compile ran out of HBM).
+      grid: the mesh's device grid (`mesh.devices`).
+      chip: the hardware figures.
+      devices: the devices in the order `make_mesh` got them (the former layout reshaped them).
+    Returns:
+      The `AotReport` fields they fill.
+    """
+    model_cfg, b = meta["model_config"], meta["batch"]
+    tokens = b["rows"] * b["seq_len"]
+    model_flops = flops.train_flops_per_token(model_cfg, b["seq_len"]) * tokens
+    ep = model_cfg.expert_backend == "ep_a2a"
+    chunks = (model_cfg.ep_chunks or meta["mesh"].get("expert", 1)) if ep else 1
+    hw = roofline.hardware_flops_per_token(model_cfg, b["seq_len"], expert_chunks=chunks)
+    out = {"model_flops_per_step": model_flops, "flops_breakdown": hw,
+           "hardware_flops_per_step": hw["total"] * tokens,
+           "hardware_flops_per_step_analytic": hw["total"] * tokens}
+    chips, names = len(devices), sharding.MESH_AXES
+    one_slice = len({getattr(x, "slice_index", 0) for x in devices}) == 1
+    if mesh_layout.device_coords(devices) is not None and one_slice:
+        out["mesh_hops"] = mesh_layout.ring_hops(grid, names)
+        out["mesh_hops_id_order"] = mesh_layout.ring_hops(
+            np.asarray(devices, dtype=object).reshape(grid.shape), names)
+    if not d:
+        return out
+    per_chip = b["rows_per_shard"] * b["seq_len"] // meta["mesh"].get("context", 1)
+    active = 2.0 * flops.param_counts(model_cfg).active_experts * tokens
+    ek = roofline.expert_kernel_flops(d["kernels"], rows_per_chunk=per_chip // chunks
+                                      * model_cfg.top_k, chips=chips,
+                                      active_expert_flops_per_step=active)
+    if ek:
+        out["expert_kernels"] = ek
+        out["hardware_flops_per_step"] = (hw["total"] - hw["experts"]) * tokens + ek[
+            "flops_per_step"]
+        out["flops_breakdown"] = {**hw, "experts_as_compiled": ek["flops_per_step"] / tokens}
+    traffic = {op: {**rec, "by_group": {str(n): v for n, v in rec["by_group"].items()}}
+               for op, rec in d["traffic"].items()}
+    sends = traffic.get("ragged-all-to-all", {}).get("bytes", 0)
+    ragged = roofline.ragged_traffic(sends, meta["mesh"].get("expert", 1))
+    ring = sum(rec["ring_bytes"] for rec in traffic.values())
+    out.update(traffic=traffic, ragged=ragged, roofline_ring_model=roofline.roofline(
+        model_flops=model_flops, hardware_flops=out["hardware_flops_per_step_analytic"],
+        chips=chips, ring_bytes=ring,
+        ring_bytes_imbalanced=ring - ragged["balanced"] + ragged["imbalanced"], chip=chip))
+    if mesh_layout.device_coords(devices) is not None:
+        costs = links.step_costs(links.Placement.of_grid(grid), d["records"],
+                                 link_bw=chip.link_bytes_per_s, dcn_bw=chip.dcn_bytes_per_s)
+        out["links"] = costs
+        out["roofline"] = roofline.torus_roofline(
+            model_flops=model_flops, hardware_flops=out["hardware_flops_per_step"],
+            chips=chips, chip=chip, costs=costs)
+    return out
 
 
 def compile_report(cfg: ml_collections.ConfigDict, topology: str, *, name: str = "",
-                   dump_dir: str = "", overrides: tuple = ()) -> AotReport:
+                   dump_dir: str = "", overrides: tuple = (), num_slices: int = 1) -> AotReport:
     """Lower and compile the config's train step for `topology`; never raises on HBM OOM.
 
     Args:
       cfg: the full config (all sections of `configs/tiny_cpu.py`).
-      topology: `"v5p:AxBxC"`.
+      topology: `"v5p:AxBxC"` (one slice's shape).
       name: config name for the report.
       dump_dir: keep the compiler's HLO dump here ("" = discard).
       overrides: the `--config.KEY=VALUE` flags applied (recorded in the report).
+      num_slices: slices of `topology` joined over DCN (the mesh's `dcn_*` sizes split them).
     Returns:
       `AotReport` (fits False with the compiler's bytes when the layout is out of HBM).
     """
     generation, _ = parse_topology(topology)
-    devices = topology_devices(topology)
+    devices = topology_devices(topology, num_slices)
     lowered, meta = lower_train_step(cfg, devices)
     r = compile_lowered(lowered, dump_dir)
     hbm = HBM_BYTES.get(generation, HBM_BYTES["v5p"])
     model_cfg, b = meta["model_config"], meta["batch"]
     counts = flops.param_counts(model_cfg)
-    tokens = b["rows"] * b["seq_len"]
-    model_flops = flops.train_flops_per_token(model_cfg, b["seq_len"]) * tokens
-    chunks = meta["mesh"].get("expert", 1) if model_cfg.expert_backend == "ep_a2a" else 1
-    hw = roofline.hardware_flops_per_token(model_cfg, b["seq_len"], expert_chunks=chunks)
     flags = ["while-loop bodies counted once (layer scans, micro-batches, chunks)"]
     if model_cfg.expert_backend == "megablox" or (model_cfg.expert_backend == "ep_a2a"
                                                   and model_cfg.ep_local_ffn == "megablox"):
@@ -420,29 +343,48 @@ def compile_report(cfg: ml_collections.ConfigDict, topology: str, *, name: str =
     if b["attention"].startswith("splash"):
         flags.append("splash declares its own cost (Mosaic kernel)")
     chip = roofline.CHIPS.get(generation, roofline.CHIPS["v5p"])
-    traffic = {op: {**rec, "by_group": {str(n): v for n, v in rec["by_group"].items()}}
-               for op, rec in r.traffic.items()}
-    ragged = {}
-    ring = imbalanced = 0.0
-    if traffic:
-        sends = traffic.get("ragged-all-to-all", {}).get("bytes", 0)
-        ragged = roofline.ragged_traffic(sends, meta["mesh"].get("expert", 1))
-        ring = sum(rec["ring_bytes"] for rec in traffic.values())
-        imbalanced = ring - ragged["balanced"] + ragged["imbalanced"]
-    roof = roofline.roofline(model_flops=model_flops, hardware_flops=hw["total"] * tokens,
-                             chips=len(devices), ring_bytes=ring,
-                             ring_bytes_imbalanced=imbalanced, chip=chip) if traffic else {}
+    d = r.dump
     return AotReport(
-        config=name, topology=topology, num_devices=len(devices), mesh=meta["mesh"], batch=b,
+        config=name, topology=topology if num_slices == 1 else f"{num_slices} x {topology}",
+        num_devices=len(devices), mesh=meta["mesh"], batch=b,
         fits=bool(not r.error and r.per_device_bytes is not None and r.per_device_bytes <= hbm),
         per_device_bytes=r.per_device_bytes, hbm_bytes=hbm, memory=r.memory,
         flops_per_device=r.flops_per_device,
-        model_flops_per_step=model_flops,
         collectives=r.collectives, compile_seconds=r.seconds,
         params_total=counts.total, params_active=counts.active,
         paper=_paper_estimate(model_cfg, meta["mesh"], b["rows_per_shard"], b["seq_len"]),
         error=r.error, overrides=tuple(overrides), collective_bytes=r.collective_bytes,
-        hardware_flops_per_step=hw["total"] * tokens, flops_breakdown=hw,
-        cost_analysis_flags=tuple(flags), traffic=traffic, ragged=ragged, roofline=roof,
-        chip=dataclasses.asdict(chip), peak_buffers=r.peak_buffers.get("buffers", []),
-        peak_live_bytes_xla=r.peak_buffers.get("peak_bytes", 0))
+        cost_analysis_flags=tuple(flags), chip=dataclasses.asdict(chip),
+        peak_buffers=r.peak_buffers.get("buffers", []),
+        peak_live_bytes_xla=r.peak_buffers.get("peak_bytes", 0),
+        buffer_table=d.get("buffer_table", {}),
+        **step_figures(meta, d, meta["grid"], chip, devices))
+
+
+def reanalyze(report: dict, cfg: ml_collections.ConfigDict, dump_dir: str,
+              num_slices: int = 1) -> dict:
+    """A committed report with its dump-derived figures recomputed by this code from the kept
+    dump of its compile (memory, FLOPs of the compiler and compile time are the compile's).
+
+    Args:
+      report: the report's JSON.
+      cfg: the config it compiled (with its overrides applied).
+      dump_dir: that compile's `--dump_dir`.
+      num_slices: as compiled.
+    Returns:
+      The updated JSON.
+    """
+    from gagar_jax.model.transformer import ModelConfig, resolve_kernels
+
+    topology = report["topology"].split(" x ")[-1]
+    devices = topology_devices(topology, num_slices)
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    mc = resolve_kernels(ModelConfig.from_config(cfg.model), mesh)
+    meta = {"model_config": mc, "mesh": report["mesh"], "batch": report["batch"]}
+    chip = roofline.CHIPS.get(parse_topology(topology)[0], roofline.CHIPS["v5p"])
+    d = dump_figures(dump_dir)
+    fresh = step_figures(meta, d, mesh.devices, chip, devices)
+    return {**report, **json.loads(json.dumps(fresh)), "buffer_table": d["buffer_table"],
+            "collectives": d["collectives"], "collective_bytes": d["collective_bytes"],
+            "peak_buffers": d["peak"].get("buffers", []),
+            "peak_live_bytes_xla": d["peak"].get("peak_bytes", 0)}

@@ -28,20 +28,20 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
                 "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+ARRAY_TYPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_COLLECTIVE = re.compile(r"=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+COLLECTIVE_LINE = re.compile(r"=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
 
 def _largest_array_bytes(shapes: str) -> int:
     """Bytes of the largest array in an HLO result type (an async start's tuple holds the
     operand and the result: the larger is what crosses the wire for a gather)."""
     sizes = [int(np.prod([int(d) for d in dims.split(",") if d] or [1])) * _DTYPE_BYTES[dt]
-             for dt, dims in _ARRAY.findall(shapes)]
+             for dt, dims in ARRAY_TYPE.findall(shapes)]
     return max(sizes, default=0)
 
 
-def _parse(hlo_text: str) -> tuple[dict, dict]:
+def parse_computations(hlo_text: str) -> tuple[dict, dict]:
     """(computation -> its instruction lines, computation -> times it runs per execution),
     following while loops (trip count from the condition's `compare(i, constant(N))`; a
     run-time bound counts once and is counted in `runs["__unknown__"]`), calls and branches."""
@@ -109,13 +109,13 @@ def collective_bytes_per_step(hlo_text: str) -> dict:
     reductions produce, not link traffic (`collective_traffic` has that). A ragged all-to-all
     counts its whole (worst-case) receive buffer, an upper bound far above what it sends.
     """
-    comps, runs = _parse(hlo_text)
+    comps, runs = parse_computations(hlo_text)
     out = {op: 0 for op in COLLECTIVES}
     for name, mult in runs.items():
         if name == "__unknown__":
             continue
         for line in comps[name]:
-            m = _COLLECTIVE.search(line)
+            m = COLLECTIVE_LINE.search(line)
             if m:
                 out[m.group(2)] += mult * _largest_array_bytes(m.group(1))
             elif "calls=%all-reduce-scatter" in line:
@@ -158,9 +158,9 @@ def group_size(line: str) -> int:
     return 1
 
 
-def _array_bytes(shapes: str) -> list[int]:
+def array_bytes(shapes: str) -> list[int]:
     return [int(np.prod([int(d) for d in dims.split(",") if d] or [1])) * _DTYPE_BYTES[dt]
-            for dt, dims in _ARRAY.findall(shapes)]
+            for dt, dims in ARRAY_TYPE.findall(shapes)]
 
 
 def tuple_elements(shape: str) -> list[str]:
@@ -192,7 +192,7 @@ def collective_traffic(hlo_text: str) -> dict:
     balanced routing (n-1)/n of it leaves the device): its worst-case receive buffer is no
     traffic. Also "ragged_send_rows_bytes": the same, for `roofline` to scale by imbalance.
     """
-    comps, runs = _parse(hlo_text)
+    comps, runs = parse_computations(hlo_text)
     shapes = {}
     for lines in comps.values():
         if isinstance(lines, str):
@@ -214,20 +214,20 @@ def collective_traffic(hlo_text: str) -> dict:
         if name == "__unknown__":
             continue
         for line in comps[name]:
-            m = _COLLECTIVE.search(line)
+            m = COLLECTIVE_LINE.search(line)
             if m:
                 op, result = m.group(2), m.group(1)
                 n = group_size(line)
                 parts = tuple_elements(result)
                 if "-start(" in line and len(parts) > 1:
                     result = parts[0] if op == "collective-permute" else parts[1]
-                nbytes = sum(_array_bytes(result))
+                nbytes = sum(array_bytes(result))
                 if op == "ragged-all-to-all":
                     # The rows a device holds to send: the smaller of the operand and the output
                     # (the dispatch sends its T*K rows into a worst-case buffer; the return
                     # sends the received rows out of that buffer into a T*K one).
                     operand = re.search(r"ragged-all-to-all\(%([\w.\-]+)", line)
-                    sent = sum(_array_bytes(shapes.get(operand.group(1), ""))) if operand else 0
+                    sent = sum(array_bytes(shapes.get(operand.group(1), ""))) if operand else 0
                     nbytes = min(sent, nbytes) if sent else nbytes
                 elif op == "reduce-scatter":
                     nbytes *= n
@@ -237,5 +237,6 @@ def collective_traffic(hlo_text: str) -> dict:
                 callee = re.search(r"calls=%([\w.\-]+)", line).group(1)
                 inner = next((x for x in comps.get(callee, []) if " all-reduce(" in x), "")
                 n = group_size(inner)
-                add("reduce-scatter", n, n * sum(_array_bytes(res.group(1) if res else "")), mult)
+                add("reduce-scatter", n, n * sum(array_bytes(res.group(1) if res else "")), mult)
     return out
+

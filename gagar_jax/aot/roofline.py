@@ -25,7 +25,7 @@ import dataclasses
 import math
 from typing import Any
 
-from gagar_jax.aot import flops
+from gagar_jax.aot import flops, schedule
 
 GiB = 2**30
 
@@ -37,21 +37,29 @@ class Chip:
     name: str
     peak_bf16_flops: float    # FLOP/s, dense bf16
     hbm_bytes: float          # per chip, as the TPU compiler counts it
-    ici_bytes_per_s: float    # all links of one chip together
+    ici_bytes_per_s: float    # all links of one chip together, one direction
     ici_links: int            # links per chip (a 3D torus: 6, two per dimension)
     source: str
+    dcn_bytes_per_s: float = 0.0   # the chip's share of the data-center network
 
     @property
     def ici_one_dim_bytes_per_s(self) -> float:
         """A ring confined to one torus dimension: the 2 links of that dimension."""
         return self.ici_bytes_per_s * 2 / self.ici_links
 
+    @property
+    def link_bytes_per_s(self) -> float:
+        """One link, one direction (`links.py` prices every link at this)."""
+        return self.ici_bytes_per_s / self.ici_links
+
 
 CHIPS = {
     "v5p": Chip("v5p", 459e12, 95.74 * GiB, 4800e9 / 8, 6,
                 "https://cloud.google.com/tpu/docs/v5p (459 bf16 TFLOP/s, 95 GB HBM2e, "
-                "4800 Gbps ICI per chip, 3D torus); HBM as the compiler's CompileTimeHbmOom "
-                "counts it: 95.74 GiB"),
+                "4800 Gbps = 1200 GB/s bidirectional ICI per chip over 6 links of a 3D torus "
+                "(100 GB/s per link and direction), 50 Gbps DCN per chip); HBM as the "
+                "compiler's CompileTimeHbmOom counts it: 95.74 GiB",
+                dcn_bytes_per_s=50e9 / 8),
 }
 
 # Imbalance stated for the ragged all-to-all: the busiest chip receives this many times the
@@ -139,3 +147,61 @@ def roofline(*, model_flops: float, hardware_flops: float, chips: int, ring_byte
             out[f"comm_s_{name}_{routing}"] = t_comm
             out[f"mfu_bound_{name}_{routing}"] = t_model / max(t_hw, t_comm)
     return out
+
+
+def expert_kernel_flops(kernels: list[dict], *, rows_per_chunk: int, chips: int,
+                        active_expert_flops_per_step: float) -> dict:
+    """Expert FLOPs as compiled: every megablox call of the HLO (`schedule.grouped_matmuls`) x
+    its runs per step x 2 x k x n x the rows the kernel computes, which are whole row tiles
+    (`schedule.visited_rows`) of the rows routed to the chip (balanced routing).
+
+    Args:
+      kernels: `schedule.grouped_matmuls` of the compiled module (one chip's program).
+      rows_per_chunk: routed rows a chip's kernels see per call (chunk tokens x top-k).
+      chips: chips in the slice.
+      active_expert_flops_per_step: one forward pass of the experts, all chips
+        (2 x active expert parameters x tokens).
+    Returns:
+      {"flops_per_step" (with tile padding), "unpadded_flops_per_step", "passes" (forward-
+      equivalents the program runs), "padding" (computed / routed rows), "row_tile",
+      "rows_per_chunk", "calls_per_step"}; {} without kernels.
+    """
+    if not kernels:
+        return {}
+    visited: dict = {}
+    total = unpadded = 0.0
+    for c in kernels:
+        key = (c["groups"], c["tm"], c["kernel"] == "tgmm")
+        if key not in visited:
+            visited[key] = schedule.visited_rows(rows_per_chunk, c["groups"], c["tm"],
+                                                 visit_empty=key[2])
+        total += c["runs"] * 2.0 * visited[key] * c["k"] * c["n"]
+        unpadded += c["runs"] * 2.0 * rows_per_chunk * c["k"] * c["n"]
+    return {"flops_per_step": total * chips, "unpadded_flops_per_step": unpadded * chips,
+            "passes": unpadded * chips / active_expert_flops_per_step,
+            "padding": total / unpadded, "row_tile": sorted({c["tm"] for c in kernels}),
+            "rows_per_chunk": rows_per_chunk,
+            "calls_per_step": int(sum(c["runs"] for c in kernels))}
+
+
+def torus_roofline(*, model_flops: float, hardware_flops: float, chips: int, chip: Chip,
+                   costs: dict, imbalance: float = IMBALANCE) -> dict:
+    """Step-time bound and MFU bound from `links.step_costs` on the mesh's placement.
+
+    The overlap is what the compiled schedule says (`schedule.collective_records`): a
+    collective with a matmul, a kernel or a loop between its start and its done can hide behind
+    compute, every other one (synchronous ones, and `ep_a2a`'s exchanges, whose chunk runs
+    dispatch -> FFN -> return in order) adds to the step:
+      step = exposed communication + max(hardware compute, overlapped communication).
+    The imbalanced figure scales the exposed ragged all-to-alls by `imbalance`.
+    """
+    peak = chips * chip.peak_bf16_flops
+    t_model, t_hw = model_flops / peak, hardware_flops / peak
+    ragged = costs.get("exposed_by_op", {}).get("ragged-all-to-all", 0.0)
+    step = costs["exposed_s"] + max(t_hw, costs["overlapped_s"])
+    step_imb = step + (imbalance - 1.0) * ragged
+    return {"compute_s_model_flops": t_model, "compute_s_hardware_flops": t_hw,
+            "comm_exposed_s": costs["exposed_s"], "comm_overlapped_s": costs["overlapped_s"],
+            "ragged_a2a_s": ragged, "step_s": step, "step_s_imbalanced": step_imb,
+            "mfu_bound": t_model / step, "mfu_bound_imbalanced": t_model / step_imb,
+            "imbalance": imbalance}

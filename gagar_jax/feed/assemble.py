@@ -13,6 +13,7 @@ import numpy as np
 from gagar_jax import batch as batch_lib
 from gagar_jax import grading
 from gagar_jax.feed import packing
+from gagar_jax.feed.buckets import BucketPlan
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.validate import ModelShape
 
@@ -39,21 +40,26 @@ class BatchInfo:
     num_tokens: int
     num_generated_tokens: int
     rows_used: int
-    packing_efficiency: float   # tokens / (B * S)
+    packing_efficiency: float   # tokens / token_slots
     counts: dict                # ledger deltas during this call (received, filtered, quarantined)
+    token_slots: int = 0        # B x S, or with length buckets the live micro-batches' slots
+    bucket_micro_batches: tuple = ()   # live micro-batches per length bucket (with buckets)
 
 
-def assemble(groups: list, plan: packing.PackPlan, cfg: FeedConfig, shape: ModelShape,
-             factor_table: Any, row_block: slice, col_block: slice,
-             ) -> tuple[batch_lib.Batch, BatchInfo, dict]:
+def assemble(groups: list, plan: packing.PackPlan | BucketPlan, cfg: FeedConfig,
+             shape: ModelShape, factor_table: Any, row_block: slice | Sequence[slice],
+             col_block: slice | Sequence[slice],
+             ) -> tuple[batch_lib.Batch | batch_lib.BucketedBatch, BatchInfo, dict]:
     """The batch (this process's block of the rows), its `BatchInfo` (counts filled by the
     caller) and this process's row-build failures, {group_id: [reason, detail]}.
 
     Args:
-      groups: the selected `ParsedGroup`s, in slot order; plan: their packing into rows.
+      groups: the selected `ParsedGroup`s, in slot order; plan: their packing into rows (a
+        `BucketPlan` with length buckets: the batch is then a `BucketedBatch`).
       cfg: the feed settings (T, G, S); shape: the model's routing shape.
       factor_table: grading's tier -> factor table.
-      row_block, col_block: this process's slices of the rows and columns.
+      row_block, col_block: this process's slices of the rows and columns (one per bucket with
+        buckets).
     """
     T, G = cfg.max_trajectories, cfg.groups_per_batch
     trajs = [t for pg in groups for t in pg.trajectories]
@@ -83,23 +89,30 @@ def assemble(groups: list, plan: packing.PackPlan, cfg: FeedConfig, shape: Model
     grading_ok_G[:len(groups)] = [pg.grading_ok for pg in groups]
     routed_shape = ((shape.num_moe_layers, shape.top_k)
                     if cfg.routing_replay else None)
-    rows = packing.build_rows(plan, trajs, row_block, cfg.seq_len, routed_shape, col_block)
-    batch = batch_lib.Batch(
-        tokens_BxS=rows.tokens,
-        segment_ids_BxS=rows.segment_ids,
-        positions_BxS=rows.positions,
-        traj_index_BxS=rows.traj_index,
-        loss_mask_BxS=rows.loss_mask,
-        old_logprobs_BxS=rows.old_logprobs,
-        group_ids_T=group_ids_T,
-        rewards_T=reward_T,
-        valid_T=valid_T,
-        hacked_T=hacked_T,
-        factors_T=factors_T,
-        adjustments_T=per_traj([t.adjustment for t in trajs], np.float32, 0.0),
-        grading_ok_G=grading_ok_G,
-        routed_experts_BxSxLxK=rows.routed,
-    )
+    per_step = dict(group_ids_T=group_ids_T, rewards_T=reward_T, valid_T=valid_T,
+                    hacked_T=hacked_T, factors_T=factors_T,
+                    adjustments_T=per_traj([t.adjustment for t in trajs], np.float32, 0.0),
+                    grading_ok_G=grading_ok_G)
+    failed: dict = {}
+
+    def rows_of(p: packing.PackPlan, rows: slice, cols: slice, seq_len: int) -> batch_lib.Batch:
+        built = packing.build_rows(p, trajs, rows, seq_len, routed_shape, cols)
+        failed.update(built.failures)
+        return batch_lib.Batch(
+            tokens_BxS=built.tokens, segment_ids_BxS=built.segment_ids,
+            positions_BxS=built.positions, traj_index_BxS=built.traj_index,
+            loss_mask_BxS=built.loss_mask, old_logprobs_BxS=built.old_logprobs,
+            routed_experts_BxSxLxK=built.routed, **per_step)
+
+    if isinstance(plan, BucketPlan):    # row_block / col_block: one slice per bucket
+        batch = batch_lib.BucketedBatch(buckets=tuple(
+            rows_of(plan.for_bucket(k), row_block[k], col_block[k], size)
+            for k, size in enumerate(cfg.buckets)))
+        rows_used = cfg.bucket_rows * sum(plan.micro_K)
+        slots = plan.slots
+    else:
+        batch = rows_of(plan, row_block, col_block, cfg.seq_len)
+        rows_used, slots = plan.rows_used, cfg.batch_tokens
     num_tokens = int(sum(t.length for t in trajs))
     offsets = np.cumsum([0] + [len(pg.trajectories) for pg in groups])
     info = BatchInfo(
@@ -113,9 +126,10 @@ def assemble(groups: list, plan: packing.PackPlan, cfg: FeedConfig, shape: Model
         num_infra=tuple(pg.num_infra for pg in groups),
         num_groups=len(groups), num_trajectories=n, num_tokens=num_tokens,
         num_generated_tokens=int(sum(t.loss_mask.sum() for t in trajs)),
-        rows_used=plan.rows_used,
-        packing_efficiency=num_tokens / cfg.batch_tokens, counts={})
+        rows_used=rows_used, packing_efficiency=num_tokens / slots, counts={},
+        token_slots=slots,
+        bucket_micro_batches=tuple(plan.micro_K) if isinstance(plan, BucketPlan) else ())
     failures: dict = {}
-    for i, (reason, detail) in sorted(rows.failures.items()):
+    for i, (reason, detail) in sorted(failed.items()):
         failures.setdefault(groups[int(slot_G[i])].group_id, [reason, detail])
     return batch, info, failures

@@ -27,7 +27,7 @@ from etils import epath
 
 from gagar_jax import batch as batch_lib
 from gagar_jax import grading
-from gagar_jax.feed import packed, packing, schema
+from gagar_jax.feed import buckets, packed, packing, schema
 from gagar_jax.feed.assemble import BatchInfo, assemble  # BatchInfo re-exported
 from gagar_jax.feed.config import FeedConfig
 from gagar_jax.feed.deadletter import DeadLetter, Oversized
@@ -63,10 +63,11 @@ class Feed:
       process_index, process_count: this process's rows (`packing.local_row_slice`); only
         process 0 writes files.
       rows: the rows this process builds, overriding the even split (the trainer passes
-        `sharding.process_row_block`'s: with context parallelism hosts share rows).
+        `sharding.process_row_block`'s: with context parallelism hosts share rows); with length
+        buckets one slice per bucket.
       cols: the columns of S this process builds (`process_row_block`'s S range: with the
         context axis spanning hosts, each host builds and decodes only its part of the rows);
-        default all of S.
+        default all of S (with length buckets one slice per bucket).
       log: where progress lines go.
       agree: maps this process's row-build failures ({group_id: [reason, detail]}: packed
         payloads of its rows that did not decode) to the failures every process acts on;
@@ -96,9 +97,15 @@ class Feed:
         self.workdir = epath.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.writer = process_index == 0
-        self.rows = rows if rows is not None else packing.local_row_slice(
-            cfg.rows_per_batch, process_index, process_count)
-        self.cols = cols if cols is not None else slice(0, cfg.seq_len)
+        if cfg.buckets:     # one block per length bucket
+            self.rows = rows if rows is not None else [
+                packing.local_row_slice(b, process_index, process_count)
+                for b, _ in cfg.bucket_shapes]
+            self.cols = cols if cols is not None else [slice(0, s) for _, s in cfg.bucket_shapes]
+        else:
+            self.rows = rows if rows is not None else packing.local_row_slice(
+                cfg.rows_per_batch, process_index, process_count)
+            self.cols = cols if cols is not None else slice(0, cfg.seq_len)
         self.source = source if source is not None else make_source(
             cfg, process_count=process_count, log=log)
         self.factor_table = factor_table if factor_table is not None else grading.FactorTable()
@@ -159,13 +166,23 @@ class Feed:
                 f"{len(pg.trajectories)} trajectories > max_trajectories "
                 f"{self.cfg.max_trajectories}"
             )
-        if (
-            packing.first_fit_decreasing(pg.lengths, self.cfg.rows_per_batch, self.cfg.seq_len)
-            is None
-        ):
+        if self._plan(pg.lengths) is None:
+            if self.cfg.buckets:
+                return (f"{sum(pg.lengths)} tokens do not pack into micro-batches of "
+                        f"{self.cfg.bucket_rows} rows of {self.cfg.buckets} within "
+                        f"{self.cfg.tokens_per_batch} token slots")
             return (f"{sum(pg.lengths)} tokens do not pack into {self.cfg.rows_per_batch} rows of "
                     f"{self.cfg.seq_len}")
         return None
+
+    def _plan(self, lengths: list):
+        """Their packing into this feed's rows: a `PackPlan`, a `BucketPlan` with length
+        buckets, or None when they do not fit."""
+        cfg = self.cfg
+        if cfg.buckets:
+            return buckets.bucket_pack(lengths, cfg.buckets, cfg.bucket_rows,
+                                       cfg.bucket_micro_batches, cfg.tokens_per_batch)
+        return packing.first_fit_decreasing(lengths, cfg.rows_per_batch, cfg.seq_len)
 
     def _check_future(self, pg: ParsedGroup, learner_step: int) -> None:
         """Counts (and warns once per version about) a group whose policy_version is ahead of
@@ -310,8 +327,7 @@ class Feed:
                     continue
             new_plan = None
             if len(lengths) + len(pg.trajectories) <= cfg.max_trajectories:
-                new_plan = packing.first_fit_decreasing(
-                    lengths + pg.lengths, cfg.rows_per_batch, cfg.seq_len)
+                new_plan = self._plan(lengths + pg.lengths)
             if new_plan is None:
                 deferred.append(pg)     # keeps its place for the next batch: never split
                 deferred_tokens += sum(pg.lengths)
@@ -352,7 +368,7 @@ class Feed:
         self.buffer = keep + self.buffer
         self.ledger.leftover = len(self.buffer)
 
-    def _assemble(self, groups: list, plan: packing.PackPlan):
+    def _assemble(self, groups: list, plan: packing.PackPlan | buckets.BucketPlan):
         return assemble(groups, plan, self.cfg, self.shape, self.factor_table, self.rows,
                         self.cols)
 

@@ -37,6 +37,14 @@ class FeedConfig:
         that sets B = tokens_per_batch / seq_len (then `rows_per_batch` is 0 or that value).
         Long rows (128k-256k tokens) are sized this way: the tokens per step stay fixed while
         S changes.
+      buckets: row lengths of length buckets, ascending; () = one row length, `seq_len`. With
+        buckets (docs/feed.md, "Length buckets") a step is micro-batches of `bucket_rows` rows of
+        one bucket's length each, packed by `buckets.bucket_pack` within `tokens_per_batch`
+        token slots; `seq_len` is the largest bucket and `rows_per_batch` the static rows of
+        all buckets together.
+      bucket_rows: rows per micro-batch with buckets (a multiple of the mesh's batch shards).
+      bucket_micro_batches: per bucket, the most micro-batches of a step (its static arrays);
+        () = as many as `tokens_per_batch` holds.
       max_trajectories: T, trajectory slots per batch (static).
       groups_per_batch: G, mixed groups per batch (static).
       max_staleness: drop groups whose policy_version lags the learner step by more.
@@ -78,6 +86,9 @@ class FeedConfig:
     rows_per_batch: int = 16
     seq_len: int = 128
     tokens_per_batch: int = 0
+    buckets: tuple = ()
+    bucket_rows: int = 0
+    bucket_micro_batches: tuple = ()
     max_trajectories: int = 40
     groups_per_batch: int = 6
     max_staleness: int = 4
@@ -103,7 +114,9 @@ class FeedConfig:
                 self.overlong_penalty_factor < 0):
             raise ValueError("feed.overlong_buffer_len must be in [0, max_traj_tokens) and "
                              "feed.overlong_penalty_factor >= 0")
-        if self.seq_len > 0 and self.tokens_per_batch:
+        if self.buckets:
+            self._resolve_buckets()
+        elif self.seq_len > 0 and self.tokens_per_batch:
             rows, rest = divmod(int(self.tokens_per_batch), int(self.seq_len))
             if rest or rows <= 0:
                 raise ValueError(f"feed.tokens_per_batch ({self.tokens_per_batch}) must be a "
@@ -139,9 +152,37 @@ class FeedConfig:
             raise ValueError("feed.groups_per_batch must be <= feed.max_trajectories "
                              "(every mixed group has at least two trajectories)")
 
+    def _resolve_buckets(self) -> None:
+        from gagar_jax.feed.buckets import max_micro_batches
+        b = tuple(int(x) for x in self.buckets)
+        if any(x <= 0 for x in b) or list(b) != sorted(set(b)):
+            raise ValueError(f"feed.buckets must be ascending positive row lengths, got {b}")
+        if self.bucket_rows <= 0 or self.tokens_per_batch <= 0:
+            raise ValueError("feed.buckets needs feed.bucket_rows > 0 (rows per micro-batch) "
+                             "and feed.tokens_per_batch > 0 (the step's token slots)")
+        if self.seq_len not in (0, b[-1]):
+            raise ValueError(f"feed.seq_len ({self.seq_len}) must be 0 or the largest bucket "
+                             f"({b[-1]}) with feed.buckets")
+        micro = max_micro_batches(b, self.bucket_rows, self.tokens_per_batch,
+                                  tuple(self.bucket_micro_batches))
+        object.__setattr__(self, "buckets", b)
+        object.__setattr__(self, "bucket_micro_batches", micro)
+        object.__setattr__(self, "seq_len", b[-1])
+        object.__setattr__(self, "rows_per_batch", self.bucket_rows * sum(micro))
+
+    @property
+    def bucket_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(rows, row length) of each bucket's static arrays; ((B, S),) without buckets."""
+        if not self.buckets:
+            return ((self.rows_per_batch, self.seq_len),)
+        return tuple((self.bucket_rows * u, s)
+                     for u, s in zip(self.bucket_micro_batches, self.buckets, strict=True))
+
     @property
     def batch_tokens(self) -> int:
-        """B x S, the batch's size in tokens."""
+        """The batch's size in tokens: B x S, or with buckets the step's token budget."""
+        if self.buckets:
+            return self.tokens_per_batch
         return self.rows_per_batch * self.seq_len
 
     @classmethod

@@ -12,7 +12,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from gagar_jax.batch import Batch
+from gagar_jax.batch import Batch, BucketedBatch
 from gagar_jax.feed import packed
 
 
@@ -147,12 +147,19 @@ def build_rows(plan: PackPlan, trajectories: Sequence, rows: slice, seq_len: int
     return out
 
 
-def global_shapes(local_batch: Batch, global_rows: int, seq_len: int) -> Batch:
+def global_shapes(local_batch: Batch | BucketedBatch, global_rows: int | tuple,
+                  seq_len: int = 0) -> Batch | BucketedBatch:
     """`jax.ShapeDtypeStruct`s of the global batch whose local block `local_batch` holds.
 
     Shardings are chosen from these (`sharding.batch_shardings`), never from a process's block:
-    a mesh axis that divides B or S may not divide the block.
+    a mesh axis that divides B or S may not divide the block. A `BucketedBatch` takes
+    `global_rows` = its buckets' (rows, row length) (`FeedConfig.bucket_shapes`).
     """
+    if isinstance(local_batch, BucketedBatch):
+        return BucketedBatch(buckets=tuple(
+            global_shapes(b, r, s) for b, (r, s) in zip(local_batch.buckets, global_rows,
+                                                        strict=True)))
+
     def one(x: np.ndarray):
         x = np.asarray(x)
         shape = (global_rows, seq_len) + x.shape[2:] if x.ndim >= 2 else x.shape
@@ -160,8 +167,10 @@ def global_shapes(local_batch: Batch, global_rows: int, seq_len: int) -> Batch:
     return jax.tree.map(one, local_batch)
 
 
-def make_global_batch(local_batch: Batch, shardings: jax.sharding.Sharding | Batch,
-                      global_rows: int, seq_len: Optional[int] = None) -> Batch:
+def make_global_batch(local_batch: Batch | BucketedBatch,
+                      shardings: jax.sharding.Sharding | Batch | BucketedBatch,
+                      global_rows: int | tuple, seq_len: Optional[int] = None
+                      ) -> Batch | BucketedBatch:
     """Assembles global `jax.Array`s from each process's block plus replicated arrays.
 
     Args:
@@ -176,8 +185,11 @@ def make_global_batch(local_batch: Batch, shardings: jax.sharding.Sharding | Bat
     """
     if isinstance(shardings, jax.sharding.Sharding):
         shardings = jax.tree.map(lambda _: shardings, local_batch)
-    shapes = global_shapes(local_batch, global_rows,
-                           seq_len if seq_len is not None else np.shape(local_batch.tokens_BxS)[1])
+    if isinstance(local_batch, BucketedBatch):   # global_rows: the buckets' (rows, length)
+        shapes = global_shapes(local_batch, global_rows)
+    else:
+        shapes = global_shapes(local_batch, global_rows, seq_len if seq_len is not None
+                               else np.shape(local_batch.tokens_BxS)[1])
 
     def one(x: np.ndarray, sharding: jax.sharding.Sharding, shape: jax.ShapeDtypeStruct):
         # Token arrays ([B, S, ...]) are this process's block: each of its devices takes its

@@ -57,6 +57,10 @@ class ModelConfig:
         dropless receive buffers are n_expert * T_local * K / ep_chunks rows (0, the default:
         the expert-axis size, i.e. T_local * K rows). More chunks: smaller buffers, more and
         smaller exchanges (docs/scaling.md).
+      ep_row_tile: the row tile of `ep_a2a`'s megablox kernels (0: the kernel default, 512).
+        Each expert's run of received rows costs whole tiles, so a tile near the rows an expert
+        gets per chunk doubles the expert matmul work; 256 keeps a v5p kernel compute-bound
+        (docs/scaling.md, "Hardware FLOPs as compiled").
       "auto" values are resolved once, for the mesh's devices, when the model or the train state
       is built (`resolve_kernels`).
       logprob_vocab_chunk: vocab chunk of the log-prob / entropy computation.
@@ -113,6 +117,7 @@ class ModelConfig:
     expert_backend: str = "auto"
     ep_local_ffn: str = "auto"
     ep_chunks: int = 0
+    ep_row_tile: int = 0
     logprob_vocab_chunk: int = 8192
     logprob_keep_logits_mib: int = 0
     router_aux_loss_coef: float = 1e-3
@@ -146,6 +151,9 @@ class ModelConfig:
         if self.ep_chunks < 0:
             raise ValueError(f"model.ep_chunks must be >= 0 (0 = the expert-axis size), "
                              f"got {self.ep_chunks}")
+        if self.ep_row_tile < 0 or self.ep_row_tile % 16:
+            raise ValueError(f"model.ep_row_tile must be 0 or a positive multiple of 16, "
+                             f"got {self.ep_row_tile}")
         if self.logprob_keep_logits_mib < 0:
             raise ValueError(f"model.logprob_keep_logits_mib must be >= 0, "
                              f"got {self.logprob_keep_logits_mib}")

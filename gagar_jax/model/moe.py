@@ -87,7 +87,8 @@ class MoE(nnx.Module):
             idx_TxK,
             out.weights_TxK.astype(dt),
             backend=cfg.expert_backend,
-            **({"local": cfg.ep_local_ffn, "chunks": cfg.ep_chunks or None}
+            **({"local": cfg.ep_local_ffn, "chunks": cfg.ep_chunks or None,
+                "row_tile": cfg.ep_row_tile or None}
                if cfg.expert_backend == "ep_a2a" else {}),
         )
         y = constrain(y_TxD.reshape(B, S, D), "batch", "seq", None)

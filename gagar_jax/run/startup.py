@@ -112,10 +112,17 @@ def check_layout(step_cfg: StepConfig, feed_cfg: FeedConfig, mesh: Mesh,
     if n_ctx == 1 and rows % process_count:
         raise ConfigError(f"feed.rows_per_batch={rows} must divide by the {process_count} "
                           "processes")
-    if feed_cfg.seq_len % n_ctx:
-        raise ConfigError(f"feed.seq_len={feed_cfg.seq_len} must divide by mesh.context={n_ctx} "
+    lengths = feed_cfg.buckets or (feed_cfg.seq_len,)
+    if any(s % n_ctx for s in lengths):
+        raise ConfigError(f"feed.seq_len={feed_cfg.seq_len} (or each of feed.buckets "
+                          f"{feed_cfg.buckets}) must divide by mesh.context={n_ctx} "
                           "(rows are split along the sequence over it)")
     splits = step_cfg.mini_batches * step_cfg.micro_batches
+    if feed_cfg.buckets:     # micro-batches of bucket_rows rows, one optimizer update
+        if step_cfg.mini_batches != 1:
+            raise ConfigError(f"feed.buckets needs train.mini_batches = 1, got "
+                              f"{step_cfg.mini_batches}")
+        splits = rows // feed_cfg.bucket_rows
     if rows % splits:
         raise ConfigError(f"feed.rows_per_batch={rows} must divide by train.mini_batches * "
                           f"train.micro_batches = {step_cfg.mini_batches} * "
@@ -137,7 +144,7 @@ def check_layout(step_cfg: StepConfig, feed_cfg: FeedConfig, mesh: Mesh,
                           f"{model.num_experts} must divide by mesh.expert={n_exp}")
     tok_axes = mesh_axes("batch", mesh) + (mesh_axes("seq", mesh) if n_ctx > 1 else ())
     n_tok = math.prod(mesh.shape[a] for a in tok_axes)
-    tokens = rows // splits * feed_cfg.seq_len          # tokens of one micro-batch
+    tokens = rows // splits * min(lengths)              # tokens of one micro-batch
     if tokens % n_tok:
         raise ConfigError(f"model.expert_backend={backend!r}: a micro-batch's {tokens} tokens "
                           f"(feed.rows_per_batch / (mini_batches * micro_batches) * feed.seq_len)"

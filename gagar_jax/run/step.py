@@ -33,11 +33,18 @@ from gagar_jax.algo import loss as loss_lib
 from gagar_jax.algo.advantage import GroupOutcomes
 from gagar_jax.algo.advantage_checks import check_invariants_of
 from gagar_jax.algo.step_metrics import RouterStats, UpdateStats, step_metrics
-from gagar_jax.batch import Batch
-from gagar_jax.model.logprobs import token_logprobs
+from gagar_jax.batch import Batch, BucketedBatch
 from gagar_jax.model.moe import RouterBias, update_router_bias
 from gagar_jax.model.transformer import ModelConfig, Transformer, resolve_kernels
+from gagar_jax.run.bucket_step import bucket_train_step
 from gagar_jax.run.optim import OptimConfig, make_optimizer, make_schedule
+from gagar_jax.run.step_parts import (
+    MiniBatchGrads,
+    TokenInputs,
+    forward_only,
+    model_logprobs,
+    replay_inputs,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +56,10 @@ class StepConfig:
       epochs: passes over each feed batch.
       mini_batches: optimizer updates per epoch (rows split along B).
       micro_batches: gradient-accumulation chunks per mini-batch.
+      micro_rows: rows per micro-batch of a batch in length buckets (`feed.bucket_rows`; 0
+        without buckets: `run/bucket_step.py`).
       debug_checks: run `advantage_checks.check_invariants_of` inside the step (needs
-        `make_train_step`'s
-        chexified wrapper).
+        `make_train_step`'s chexified wrapper).
     """
     model: ModelConfig
     loss: loss_lib.LossConfig
@@ -60,6 +68,7 @@ class StepConfig:
     mini_batches: int = 1
     micro_batches: int = 1
     debug_checks: bool = False
+    micro_rows: int = 0
 
     def __post_init__(self):
         for name in ("epochs", "mini_batches", "micro_batches"):
@@ -74,7 +83,9 @@ class StepConfig:
                    optim=OptimConfig.from_config(cfg.optim), epochs=int(cfg.train.epochs),
                    mini_batches=int(cfg.train.mini_batches),
                    micro_batches=int(cfg.train.micro_batches),
-                   debug_checks=bool(cfg.debug_checks))
+                   debug_checks=bool(cfg.debug_checks),
+                   micro_rows=int(cfg.feed.get("bucket_rows", 0) or 0)
+                   if cfg.feed.get("buckets", ()) else 0)
 
     def check_batch(self, batch: Batch) -> None:
         """Clear error when B does not split into mini_batches x micro_batches."""
@@ -175,66 +186,6 @@ def init_train_state(cfg: StepConfig, mesh: jax.sharding.Mesh,
 
 
 # --------------------------------------------------------------------------- the step
-@flax.struct.dataclass
-class TokenInputs:
-    """The model inputs of a batch's rows (leading axes [M, U, ...] once split)."""
-    tokens_BxS: jax.Array
-    segment_ids_BxS: jax.Array
-    positions_BxS: jax.Array
-    routed_experts_BxSxLxK: Optional[jax.Array] = None   # routing replay, when the feed has it
-
-    @classmethod
-    def from_batch(cls, batch: Batch) -> TokenInputs:
-        return cls(batch.tokens_BxS, batch.segment_ids_BxS, batch.positions_BxS,
-                   batch.routed_experts_BxSxLxK)
-
-
-@flax.struct.dataclass
-class MiniBatchGrads:
-    """One mini-batch's gradient, accumulated over its micro-batches."""
-    grads: Any                 # like params
-    loss: jax.Array            # sum over micro-batches (each a mini-batch-global weighted sum)
-    aux: loss_lib.LossAux             # summed over micro-batches
-    router: RouterStats        # averaged over micro-batches (summed, then divided)
-
-
-def _logprobs(graphdef: nnx.GraphDef, params: nnx.State, bias: nnx.State, tok: TokenInputs):
-    model = nnx.merge(graphdef, params, bias)
-    return token_logprobs(model, tok.tokens_BxS, tok.segment_ids_BxS, tok.positions_BxS,
-                          tok.routed_experts_BxSxLxK)
-
-
-def _forward_only(graphdef: nnx.GraphDef, params: nnx.State, bias: nnx.State,
-                  tok_MxU: TokenInputs, routes: bool = False):
-    """Log-probs of the whole batch, chunked like the micro-batches (no gradient).
-
-    With `routes`, also the experts every token used, [M, U, b, S, L, K] like `tok_MxU` (R2)."""
-    def body(_: None, t: TokenInputs):
-        lp, _, aux = _logprobs(graphdef, params, bias, t)
-        return None, (lp, aux.routed_experts_BxSxLxK if routes else None)
-    flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tok_MxU)
-    _, (lp, ids) = jax.lax.scan(body, None, flat)
-    lp = jax.lax.stop_gradient(loss_lib.merge_rows(lp.reshape(tok_MxU.tokens_BxS.shape)))
-    if not routes:
-        return lp
-    return lp, ids.reshape(tok_MxU.tokens_BxS.shape + ids.shape[-2:])
-
-
-def replay_inputs(graphdef: nnx.GraphDef, params: nnx.State, bias: nnx.State,
-                  tok_MxU: TokenInputs, cfg: StepConfig,
-                  ) -> tuple[jax.Array | None, TokenInputs]:
-    """(learner_old or None, TokenInputs for the updates): R2 records the pre-update pass's own
-    top-k and replays it in every update (the feed's routed_experts are dropped); R3 replays the
-    feed's routed_experts where the batch has them."""
-    if not cfg.loss.recompute_old_logprobs:
-        return None, tok_MxU
-    if cfg.loss.routing_replay == "r2" and cfg.model.num_experts > 0:
-        free = tok_MxU.replace(routed_experts_BxSxLxK=None)
-        lp, ids = _forward_only(graphdef, params, bias, free, routes=True)
-        return lp, free.replace(routed_experts_BxSxLxK=ids)
-    return _forward_only(graphdef, params, bias, tok_MxU), tok_MxU
-
-
 def mini_batch_grads(params: nnx.State, bias: nnx.State, tok_U: TokenInputs,
                      inputs_U: loss_lib.LossInputs, *, graphdef: nnx.GraphDef,
                      cfg: StepConfig) -> MiniBatchGrads:
@@ -242,7 +193,7 @@ def mini_batch_grads(params: nnx.State, bias: nnx.State, tok_U: TokenInputs,
     n_micro = cfg.micro_batches
 
     def loss_fn(p: nnx.State, tok: TokenInputs, inp: loss_lib.LossInputs):
-        logp, ent, maux = _logprobs(graphdef, p, bias, tok)
+        logp, ent, maux = model_logprobs(graphdef, p, bias, tok)
         loss, aux = loss_lib.pg_loss(logp, ent, inp, cfg.loss)
         # Router losses are per-micro-batch means: average them over the micro-batches.
         penalty = cfg.loss.router_aux_coef * maux.aux_loss + cfg.loss.router_z_coef * maux.z_loss
@@ -283,7 +234,7 @@ def _optimizer_update(carry: tuple, xs: tuple, *, bias: nnx.State, graphdef: nnx
     return (params, opt_state, updates + fin, skipped + 1 - fin), stats
 
 
-def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef,
+def train_step(state: TrainState, batch: Batch | BucketedBatch, *, graphdef: nnx.GraphDef,
                cfg: StepConfig) -> tuple[TrainState, Any]:
     """Consumes one feed batch: epochs x mini_batches optimizer updates (see module docstring).
 
@@ -295,6 +246,8 @@ def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef,
     Returns:
       (new_state, StepMetrics).
     """
+    if isinstance(batch, BucketedBatch):     # length buckets: their own step
+        return bucket_train_step(state, batch, graphdef=graphdef, cfg=cfg)
     cfg.check_batch(batch)
     n_mini, n_micro = cfg.mini_batches, cfg.micro_batches
     split = lambda tree: jax.tree.map(lambda x: loss_lib.split_rows(x, n_mini, n_micro), tree)
@@ -304,7 +257,7 @@ def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef,
         # The reference routes with its own frozen bias, not the live one (under R2 freely).
         ref_tok = (tok_MxU.replace(routed_experts_BxSxLxK=None)
                    if cfg.loss.routing_replay == "r2" else tok_MxU)
-        ref = _forward_only(graphdef, state.ref_params, state.ref_router_bias, ref_tok)
+        ref = forward_only(graphdef, state.ref_params, state.ref_router_bias, ref_tok)
     learner_old, tok_MxU = replay_inputs(graphdef, state.params, state.router_bias, tok_MxU, cfg)
     # Advantages, denominators and the rollout correction: once per batch, before the loops.
     prep = loss_lib.prepare_batch(batch, cfg.loss, mini_batches=n_mini,

@@ -211,7 +211,9 @@ def _setup(
         mesh = make_mesh(cfg.mesh, devices)
         # The rows and S range of the batch this host's devices hold: with the context axis
         # spanning hosts, several hosts share rows, each building only its part of S.
-        rows, cols = process_row_block(mesh, rc.feed.rows_per_batch, rc.feed.seq_len)
+        blocks = [process_row_block(mesh, b, n) for b, n in rc.feed.bucket_shapes]
+        rows, cols = blocks[0] if not rc.feed.buckets else ([r for r, _ in blocks],
+                                                             [c for _, c in blocks])
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from e
     model_cfg = rc.step.model
@@ -295,10 +297,11 @@ def _loop(run: _Run, preemption: Preemption) -> bool:
             break
         batch_np, info = item
         if step_fn is None:
-            batch_sh = batch_shardings(
-                global_shapes(batch_np, rc.feed.rows_per_batch, rc.feed.seq_len), run.mesh)
+            shape = rc.feed.bucket_shapes if rc.feed.buckets else rc.feed.rows_per_batch
+            batch_sh = batch_shardings(global_shapes(batch_np, shape, rc.feed.seq_len), run.mesh)
             step_fn = make_train_step(rc.step, run.mesh, run.shardings, batch_sh, run.graphdef)
-        batch = make_global_batch(batch_np, batch_sh, rc.feed.rows_per_batch, rc.feed.seq_len)
+        batch = make_global_batch(batch_np, batch_sh, rc.feed.bucket_shapes if rc.feed.buckets
+                                  else rc.feed.rows_per_batch, rc.feed.seq_len)
         run.state, device_metrics = step_fn(run.state, batch)
         run.step += 1
         run.show_state()

@@ -193,7 +193,7 @@ LOCAL_FFNS = ("grouped", "megablox")   # ep_a2a's per-device expert FFN
 
 
 def _local_ffn(local: str, platform: str, block: int, big_block: int,
-               interpret: Optional[bool]):
+               interpret: Optional[bool], row_tile: Optional[int] = None):
     """The per-device FFN of `ep_a2a` (`registry.resolve_local` chooses for "auto")."""
     if local not in LOCAL_FFNS:
         raise ValueError(f"ep_a2a local={local!r}; expected one of {LOCAL_FFNS} (an 'auto' is "
@@ -202,6 +202,8 @@ def _local_ffn(local: str, platform: str, block: int, big_block: int,
         return functools.partial(
             experts_megablox.local_ffn,
             interpret=platform != "tpu" if interpret is None else interpret,
+            tiling=(row_tile or experts_megablox.DEFAULT_TILING[0],
+                    *experts_megablox.DEFAULT_TILING[1:]),
         )
     return functools.partial(experts.grouped_ffn, block=block, big_block=big_block)
 
@@ -221,6 +223,7 @@ def ep_a2a_ffn(
     exchange: Callable[..., jax.Array] = jax.lax.ragged_all_to_all,
     local: str = "grouped",
     interpret: Optional[bool] = None,
+    row_tile: Optional[int] = None,
 ) -> jax.Array:
     """Expert-parallel routed SwiGLU, all-to-all design (TPU/GPU; see the module docstring).
 
@@ -236,14 +239,15 @@ def ep_a2a_ffn(
         per-device expert FFN on the received rows, "grouped" (`local.grouped_ffn`),
         "megablox" (`megablox.local_ffn`); the model's `ep_local_ffn` "auto" is resolved by
         `registry.resolve_local` (megablox when compiling for TPU at widths it lowers for);
-        interpret: Pallas interpret mode of megablox (None: unless compiling for TPU).
+        interpret: Pallas interpret mode of megablox (None: unless compiling for TPU);
+        row_tile: megablox's row tile (None: its default).
     Returns:
       y_TxD, sharded like the tokens.
     """
     lay = _layout(mesh, x_TxD.shape[0], gate_ExDxF, "ep_a2a")
     ax = lay.expert_axis
     expert_ffn = _local_ffn(local, sharding.device_platform(lay.mesh), block, big_block,
-                            interpret)
+                            interpret, row_tile)
     # megablox's kernels carry no mesh-axis types (see megablox.megablox_ffn): unchecked there,
     # and shard_map then adds the cotangent sums at its boundary (the same places as the casts).
     typed = local != "megablox"

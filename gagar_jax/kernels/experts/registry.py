@@ -59,7 +59,7 @@ register(ExpertKernel("ep", ep.ep_ffn, _ALL, expert_parallel=True,
                       options=("mesh", "block", "big_block")))
 register(ExpertKernel("ep_a2a", ep.ep_a2a_ffn, ("gpu", "tpu"), expert_parallel=True,
                       options=("mesh", "block", "big_block", "chunks", "exchange", "local",
-                               "interpret")))
+                               "row_tile", "interpret")))
 register(ExpertKernel("megablox", megablox.megablox_ffn, ("tpu",),
                       options=("mesh", "tiling", "interpret")))
 

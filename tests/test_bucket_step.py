@@ -1,0 +1,150 @@
+"""Length buckets (issue 41 item 6): the packer by hand and by invariants, the feed's bucketed
+batches, and the bucketed train step equal to the one-length step on the same trajectories."""
+import dataclasses
+import functools
+import types
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from support.close import assert_rel_close
+
+from gagar_jax import batch as batch_lib
+from gagar_jax import sharding
+from gagar_jax.feed import Feed, FeedConfig, IteratorSource, buckets, synthetic
+from gagar_jax.run import step as step_lib
+
+MODEL = dict(vocab_size=256, num_moe_layers=2, top_k=2, num_experts=8)
+
+
+def test_bucket_pack_by_hand():
+    # Two 100-token trajectories, one row per micro-batch, buckets of 128 and 200: the look-ahead
+    # fills a 200 row with both (100%) rather than a 128 row with one (78%); the 20-token one
+    # then opens a micro-batch of its own, in the bucket it fills best (128).
+    p = buckets.bucket_pack([100, 20, 100], (128, 200), 1, (4, 4), 10_000)
+    assert p.micro_K == (1, 1) and p.slots == 128 + 200
+    assert list(p.bucket_T) == [1, 0, 1] and list(p.row_T) == [0, 0, 0]
+    assert list(p.offset_T) == [0, 0, 100] and list(p.segment_T) == [1, 1, 2]
+    # Rows of micro-batch u of a bucket with U micro-batches are u, u + U, ... (one row of each
+    # batch shard): 200 opens bucket 256 (U = 2, rows 0 and 2), two 120s share its row 2 (best
+    # fit), the last 120 opens a 128 micro-batch (U = 3: rows 0 and 3).
+    p = buckets.bucket_pack([200, 120, 120, 120], (128, 256), 2, (3, 2), 10_000)
+    assert p.micro_K == (1, 1) and p.slots == 2 * 256 + 2 * 128
+    assert list(p.bucket_T) == [1, 1, 1, 0] and list(p.row_T) == [0, 2, 2, 0]
+    assert list(p.offset_T) == [0, 0, 120, 0]
+    # Over the budget, or more micro-batches than a bucket has: None.
+    assert buckets.bucket_pack([200, 200, 200], (256,), 1, (2,), 10_000) is None
+    assert buckets.bucket_pack([200], (256,), 2, (4,), 500) is None
+    with pytest.raises(ValueError, match="lengths"):
+        buckets.bucket_pack([300], (128, 256), 2, (4, 4), 10_000)
+
+
+@given(st.lists(st.integers(1, 256), min_size=1, max_size=40), st.integers(1, 4))
+def test_bucket_pack_invariants(lengths, rows):
+    shape = ((64, 128, 256), rows, (3, 3, 3), 10**9)
+    p = buckets.bucket_pack(lengths, *shape)
+    if p is None:       # only when even every micro-batch of every bucket cannot hold them
+        assert sum(lengths) > rows * 3 * (64 + 128 + 256) or len(
+            [x for x in lengths if x > 128]) > rows * 3
+        return
+    used: dict = {}
+    for i, n in enumerate(lengths):
+        k, r, a = int(p.bucket_T[i]), int(p.row_T[i]), int(p.offset_T[i])
+        size = shape[0][k]
+        assert 0 <= a and a + n <= size and r % shape[2][k] < p.micro_K[k]
+        for b, e in used.get((k, r), []):
+            assert a >= e or a + n <= b                     # no overlap in a row
+        used.setdefault((k, r), []).append((a, a + n))
+    assert p.slots == sum(rows * m * s for m, s in zip(p.micro_K, shape[0], strict=True))
+    assert all(m <= 3 for m in p.micro_K)
+
+
+def _groups(n, seed, max_len):
+    spec = synthetic.SyntheticSpec(min_len=10, max_len=max_len, p_uniform=0.0, p_infra=0.0,
+                                   p_routed=0.0, groups_per_step=10**9)
+    return synthetic.make_groups(n, seed=seed, spec=spec)
+
+
+BUCKETED = FeedConfig(buckets=(64, 128), bucket_rows=4, tokens_per_batch=4 * 128 * 3, seq_len=0,
+                      max_trajectories=40, groups_per_batch=6, max_traj_tokens=128,
+                      max_staleness=10**9)
+
+
+def test_feed_builds_bucketed_batches(tmp_path):
+    groups = _groups(10, seed=1, max_len=128)
+    feed = Feed(BUCKETED, tmp_path, **MODEL, source=IteratorSource(groups), log=lambda _: None)
+    seen, slots = 0, 0
+    while (item := feed.next_batch(0)) is not None:
+        b, info = item
+        assert isinstance(b, batch_lib.BucketedBatch)
+        assert [x.tokens_BxS.shape for x in b.buckets] == [(4 * 6, 64), (4 * 3, 128)]
+        # Every trajectory's tokens sit in exactly one bucket, whole.
+        lengths = np.zeros(40, np.int64)
+        for x in b.buckets:
+            seg = x.segment_ids_BxS > 0
+            np.add.at(lengths, x.traj_index_BxS[seg], 1)
+        traj = [t for g in groups for t in g.trajectories]
+        assert sum(lengths) == info.num_tokens
+        assert info.token_slots == sum(4 * m * s for m, s in
+                                       zip(info.bucket_micro_batches, BUCKETED.buckets,
+                                           strict=True))
+        assert info.token_slots <= BUCKETED.tokens_per_batch
+        assert info.packing_efficiency == info.num_tokens / info.token_slots
+        # micro-batches past the live ones are all padding
+        for x, u, live in zip(b.buckets, BUCKETED.bucket_micro_batches,
+                              info.bucket_micro_batches, strict=True):
+            rows = np.arange(x.tokens_BxS.shape[0])
+            assert not (x.segment_ids_BxS[rows % u >= live] > 0).any()
+        seen += info.num_groups
+        slots += info.token_slots
+        del traj
+    ledger = feed.finish()
+    assert seen == ledger.trained == 10
+
+
+def _step_cfg(tiny_config, **feed):
+    cfg = tiny_config()
+    cfg.model.router_aux_loss_coef = 0.0     # batch statistics: packing-dependent by design
+    cfg.model.router_z_loss_coef = 0.0
+    cfg.model.attention = "plain"            # the cheapest kernels to compile: the step's
+    cfg.model.expert_backend = "dense"       # bookkeeping is what is under test
+    cfg.model.num_layers = cfg.model.num_dense_layers = 1
+    cfg.model.logprob_vocab_chunk = cfg.model.vocab_size    # one chunk: fewer ops to compile
+    cfg.model.qk_norm = False
+    for k, v in feed.items():
+        setattr(cfg.feed, k, v)
+    return cfg
+
+
+def test_bucketed_step_equals_the_one_length_step(tmp_path, tiny_config):
+    """The same 3 groups, once packed into [16, 128] rows (2 micro-batches) and once into
+    buckets of 64 and 128 (micro-batches of 4 rows): the updated parameters and the loss agree
+    (the loss is the single-shot loss either way; only float summation order differs)."""
+    groups = _groups(3, seed=2, max_len=110)
+    plain_cfg = _step_cfg(tiny_config)
+    bucket_cfg = _step_cfg(tiny_config, buckets=(64, 128), bucket_rows=4,
+                           tokens_per_batch=4 * 128 * 3, seq_len=0, rows_per_batch=0)
+    out = []
+    for cfg in (plain_cfg, bucket_cfg):
+        fc = FeedConfig.from_config(cfg.feed)
+        fc = dataclasses.replace(fc, groups_per_batch=3)
+        feed = Feed(fc, tmp_path / str(len(out)), **MODEL,
+                    source=IteratorSource(list(groups)), log=lambda _: None)
+        batch, info = feed.next_batch(0)
+        assert info.num_groups == 3
+        sc = step_lib.StepConfig.from_config(cfg)
+        if not out:     # the same model and optimizer for both: one initial state
+            mesh = sharding.make_mesh(types.SimpleNamespace(data=1, fsdp=1, expert=1, tensor=1),
+                                      jax.devices()[:1])
+            state, graphdef, _ = step_lib.init_train_state(sc, mesh, jax.random.key(0))
+        fn = functools.partial(step_lib.train_step, graphdef=graphdef, cfg=sc)
+        new, metrics = jax.jit(fn)(state, jax.tree.map(np.asarray, batch))
+        out.append((new.params, metrics))
+    (p0, m0), (p1, m1) = out
+    assert isinstance(batch, batch_lib.BucketedBatch)
+    assert_rel_close(m1.loss, m0.loss)
+    assert float(m1.tokens) == float(m0.tokens) > 0
+    for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True):
+        assert_rel_close(b, a)
