@@ -36,7 +36,8 @@ from hypothesis import settings  # noqa: E402
 
 # The gcs_emulator fixture (a local fake-gcs-server for tests/test_gcs.py); vllm_served (one
 # vLLM engine per family for the test run: tests/test_vllm.py, tests/test_engine_conformance.py,
-# tests/test_sampler_vllm.py); jax_served (the JAX sampler's engines on the same weights).
+# tests/test_sampler_vllm.py, tests/test_agent_vllm.py); jax_served (the JAX sampler's engines on
+# the same weights).
 pytest_plugins = ("support.gcs_emulator", "support.vllm_served", "support.jax_served")
 
 # Few, deterministic examples: each new shape is a compile on 2 CPU cores.
@@ -68,6 +69,7 @@ def devices():
 # (--dist loadfile; the vLLM files below together), handed out in collection order, so a long
 # file collected last would run alone at the end.
 _LONG_FIRST = ("test_vllm.py", "test_engine_conformance.py", "test_sampler_vllm.py",
+               "test_agent_vllm.py",
                "test_miniature.py", "test_loop.py", "test_sampler_handover.py",
                "test_colocated.py", "test_paged_sampler.py",
                "test_train_step.py", "test_train.py", "test_train_mesh.py", "test_reliability.py",
@@ -88,7 +90,8 @@ def pytest_collection_modifyitems(config, items):
 # starts the engines once; every other file stays a unit of its own. (A scheduler, not
 # `--dist loadgroup`: xdist 3.8 marks groups by rewriting `item._nodeid`, which pytest 9 no
 # longer reads, so loadgroup falls back to scheduling test by test.)
-VLLM_FILES = ("test_vllm.py", "test_engine_conformance.py", "test_sampler_vllm.py")
+VLLM_FILES = ("test_vllm.py", "test_engine_conformance.py", "test_sampler_vllm.py",
+              "test_agent_vllm.py")
 
 
 @pytest.hookimpl(optionalhook=True)

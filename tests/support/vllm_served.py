@@ -1,6 +1,7 @@
 """The vLLM engines of the test run: both families published by the learner, one vLLM subprocess
-(tests/support/vllm_parity_driver.py) with one engine per family, shared by tests/test_vllm.py
-and tests/test_engine_conformance.py (a session fixture, registered in conftest.py).
+(tests/support/vllm_parity_driver.py) with one engine per family, shared by tests/test_vllm.py,
+tests/test_engine_conformance.py, tests/test_sampler_vllm.py and tests/test_agent_vllm.py (a session
+fixture, registered in conftest.py).
 
 Each family: two weight draws (steps 1 and 2, float32), their learner answers (greedy tokens,
 log-probs, routing), a delta chain (`delta_chain`), and the engine's answers: the parity runs of
