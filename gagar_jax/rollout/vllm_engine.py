@@ -22,6 +22,7 @@ default) finds the part already computed, so only the new tokens are prefilled.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -40,7 +41,8 @@ def make_llm(path: str, *, seed: int = 0, max_model_len: int = 256,
              **kwargs: Any) -> Any:
     """A vLLM `LLM` on a published (full) directory, with the gagar worker extension.
 
-    No tokenizer (token ids in, token ids out), eager mode, float32 compute (a bf16 directory
+    No tokenizer (token ids in, token ids out; `skip_tokenizer_init=False` loads the one beside
+    the weights, which structured outputs need), eager mode, float32 compute (a bf16 directory
     is upcast: the engine then differs from the learner by the weight rounding only). Call it
     under `if __name__ == "__main__":` (the CPU platform spawns its workers). On CPU set
     `VLLM_CPU_KVCACHE_SPACE` (GiB) before calling; it defaults to 1 here.
@@ -53,7 +55,8 @@ def make_llm(path: str, *, seed: int = 0, max_model_len: int = 256,
     """
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
-    return LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
+    kwargs.setdefault("skip_tokenizer_init", True)
+    return LLM(model=path, enforce_eager=True, dtype=dtype,
                max_model_len=max_model_len, seed=seed, logprobs_mode=logprobs_mode,
                worker_extension_cls=EXTENSION, **kwargs)
 
@@ -185,12 +188,19 @@ class VLLMEngine:
 
 
 def _params(spec: Any, seed: int | None) -> Any:
-    """vLLM's SamplingParams for one sample of `spec` (a `SamplingSpec`)."""
+    """vLLM's SamplingParams for one sample of `spec` (a `SamplingSpec`); its `json_schema`
+    goes to vLLM's structured outputs (the engine then needs a tokenizer: `make_llm(...,
+    skip_tokenizer_init=False)` on a directory holding one)."""
     from vllm import SamplingParams
+    structured = None
+    if getattr(spec, "json_schema", None) is not None:
+        from gagar_jax.rollout.vllm_internals import structured_outputs
+        structured = structured_outputs(json.loads(spec.json_schema))
     return SamplingParams(n=1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
                           max_tokens=spec.max_tokens, logprobs=0, detokenize=False,
                           ignore_eos=not spec.stop_token_ids,
-                          stop_token_ids=list(spec.stop_token_ids) or None, seed=seed)
+                          stop_token_ids=list(spec.stop_token_ids) or None, seed=seed,
+                          structured_outputs=structured)
 
 
 def make(path: str, options: EngineOptions) -> VLLMEngine:
