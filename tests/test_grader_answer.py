@@ -17,9 +17,11 @@ def test_schema_names_every_candidate_and_fixes_the_count():
     s = answer.answer_schema(IDS)
     items = s["properties"]["ranking"]
     assert items["minItems"] == items["maxItems"] == 4
-    assert items["items"]["properties"]["trajectory_id"]["enum"] == IDS
-    assert set(items["items"]["properties"]["tier"]["enum"]) == {"strong", "intermediate",
-                                                                 "defective"}
+    assert [e["properties"]["trajectory_id"]["const"] for e in items["prefixItems"]] == IDS
+    assert items["items"] is False
+    for e in items["prefixItems"]:
+        assert set(e["properties"]["tier"]["enum"]) == {"strong", "intermediate", "defective"}
+        assert e["properties"]["rank"] == {"type": "integer", "minimum": 0, "maximum": 3}
 
 
 def test_parse_answer_accepts_a_valid_answer_with_ties():

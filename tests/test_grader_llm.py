@@ -79,9 +79,8 @@ def test_an_invalid_answer_is_asked_again_and_the_good_one_counts(group):
     second = judge.calls[1][0]
     assert second[-2] == {"role": "assistant", "content": "not json"}
     assert "invalid" in second[-1]["content"]
-    # every ask carries the schema: the passing ids as an enum, the array's length fixed
-    schema = judge.calls[0][1]
-    assert schema == answer.answer_schema(["t0", "t1", "t2"])
+    # every ask carries the schema: one entry per passing id, in the order shown
+    assert [s for _, s in judge.calls] == [answer.answer_schema(["t0", "t1", "t2"])] * 3
 
 
 def test_invalid_after_the_retries_is_status_failed_with_the_reason(group):
@@ -241,7 +240,7 @@ def test_the_engine_judge_sends_the_schema_in_the_sampling_spec(group):
     out = as_grader_fn(llm.LLMGrader(judge, orderings=2, budget=8000))(task, views)
     assert out["status"] == "ok", out["evidence"]
     assert [json.loads(s.json_schema) for s in engine.specs] == [
-        answer.answer_schema(["t0", "t1", "t2"])] * 2
+        answer.answer_schema(["t0", "t1", "t2"]), answer.answer_schema(["t2", "t1", "t0"])]
     assert engine.specs[0].max_tokens == 300 and engine.cancelled == ["s0", "s0"]
     with pytest.raises(ValueError, match="json_schema"):
         SamplingSpec(json_schema="[1, 2]")

@@ -20,19 +20,27 @@ def answer_schema(candidate_ids: Sequence[str]) -> dict:
     """JSON schema of the judge's answer for these candidates (for `response_format`).
 
     Args:
-      candidate_ids: the passing candidates' trajectory ids the judge must rank.
+      candidate_ids: the passing candidates' trajectory ids, in the order the prompt shows them.
     Returns:
-      A JSON schema dict; ids are an enum, so guided decoding cannot invent one.
+      A JSON schema dict: entry i of the ranking is candidate i (`prefixItems`, its id a
+      `const`, no further items), so guided decoding can neither invent, drop nor repeat a
+      candidate (an enum of ids cannot stop a repeat: measured on vLLM's server, a random
+      judge named one id three times); ranks are bounded by the number of candidates (dense
+      ranks never exceed n - 1).
     """
-    entry = {"type": "object",
-             "properties": {"trajectory_id": {"type": "string", "enum": list(candidate_ids)},
-                            "tier": {"type": "string", "enum": list(grading.TIER_NAMES)},
-                            "rank": {"type": "integer", "minimum": 0}},
-             "required": ["trajectory_id", "tier", "rank"], "additionalProperties": False}
     n = len(candidate_ids)
+
+    def entry(tid: str) -> dict:
+        return {"type": "object",
+                "properties": {"trajectory_id": {"type": "string", "const": tid},
+                               "tier": {"type": "string", "enum": list(grading.TIER_NAMES)},
+                               "rank": {"type": "integer", "minimum": 0,
+                                        "maximum": max(n - 1, 0)}},
+                "required": ["trajectory_id", "tier", "rank"], "additionalProperties": False}
     return {"type": "object",
-            "properties": {"ranking": {"type": "array", "items": entry,
-                                       "minItems": n, "maxItems": n}},
+            "properties": {"ranking": {"type": "array",
+                                       "prefixItems": [entry(t) for t in candidate_ids],
+                                       "items": False, "minItems": n, "maxItems": n}},
             "required": ["ranking"], "additionalProperties": False}
 
 

@@ -51,14 +51,16 @@ class HTTPJudge:
     """An OpenAI-compatible chat endpoint (`http_client.chat`, structured outputs on).
 
     Attributes:
-      count: text -> tokens for the prompt budget (`prompt.approx_tokens`: no tokenizer here).
+      count: text -> tokens for the prompt budget (default `prompt.approx_tokens`: the judge's
+        tokenizer is not at hand; pass its count when it is).
     """
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
-                 max_tokens: int = 512, temperature: float = 0.0, timeout_s: float = 600.0):
+                 max_tokens: int = 512, temperature: float = 0.0, timeout_s: float = 600.0,
+                 count: Callable[[str], int] = prompt.approx_tokens):
         self.base_url, self.model, self.api_key = base_url, model, api_key
         self.max_tokens, self.temperature, self.timeout_s = max_tokens, temperature, timeout_s
-        self.count = prompt.approx_tokens
+        self.count = count
 
     def ask(self, messages: list, schema: dict) -> str:
         """The judge's answer text; `http_client.JudgeHTTPError` when there is none."""
@@ -150,9 +152,9 @@ class LLMGrader:
         if len(ids) <= 1:        # nothing to compare: one pass is strong by itself
             return GroupGrade([{"trajectory_id": t, "tier": "strong", "rank": 0} for t in ids],
                               evidence={"grader": self.name, "judge_calls": 0})
-        schema = answer.answer_schema(ids)
         rankings, prompts, asks = [], [], 0
         for order in orderings(ids, self.k, self.seed):
+            schema = answer.answer_schema(order)         # entries in the order shown
             r = prompt.render(ws, order, self.budget, self.judge.count)
             prompts.append({"order": list(order), "tokens": r.tokens, "cuts": list(r.cuts)})
             messages, errors = list(r.messages), []
