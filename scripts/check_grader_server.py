@@ -132,7 +132,7 @@ def main() -> int:
             valid = 0
             for raw in judge.answers:
                 try:
-                    answer.parse_answer(raw, ids)
+                    answer.parse_answer(raw, ids, renumber=True)
                     valid += 1
                 except ValueError as e:
                     print(f"  invalid answer: {e}: {raw[:200]!r}")
@@ -161,7 +161,7 @@ def main() -> int:
                     failures.append(f"{task.task_id}: the long log was not cut with the marker")
         # the server stopped mid-request: many orderings keep requests going; kill it in flight
         judge = llm.HTTPJudge(url, "judge", max_tokens=256, timeout_s=300, count=count)
-        grader = llm.LLMGrader(judge, orderings=50, retries=0, budget=args.budget)
+        grader = llm.LLMGrader(judge, orderings=50, retries=2, budget=args.budget)
         result = {}
         th = threading.Thread(target=lambda: result.update(out=grade_workspace(grader, ws)))
         th.start()

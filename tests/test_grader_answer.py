@@ -119,3 +119,13 @@ def test_borda_and_tau_reject_different_candidates():
         answer.kendall_tau(o1, o2)
     with pytest.raises(ValueError, match="no rankings"):
         answer.borda([])
+
+
+def test_parse_answer_renumbers_gapped_ranks_when_asked():
+    raw = json.dumps({"ranking": _r(("a", "strong", 1), ("b", "strong", 1),
+                                    ("c", "strong", 4), ("d", "defective", 2))})
+    with pytest.raises(ValueError, match="dense from 0"):
+        answer.parse_answer(raw, IDS)
+    out = answer.parse_answer(raw, IDS, renumber=True)
+    assert {r["trajectory_id"]: (r["tier"], r["rank"]) for r in out} == {
+        "a": ("strong", 0), "b": ("strong", 0), "c": ("strong", 1), "d": ("defective", 0)}

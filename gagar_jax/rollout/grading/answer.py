@@ -44,17 +44,22 @@ def answer_schema(candidate_ids: Sequence[str]) -> dict:
             "required": ["ranking"], "additionalProperties": False}
 
 
-def parse_answer(raw: str | Mapping, candidate_ids: Sequence[str]) -> list:
+def parse_answer(raw: str | Mapping, candidate_ids: Sequence[str], *,
+                 renumber: bool = False) -> list:
     """The judge's raw answer -> a checked ranking [{"trajectory_id", "tier", "rank"}].
 
     Args:
       raw: the answer text (JSON) or an already decoded dict.
       candidate_ids: the passing candidates; each must appear exactly once.
+      renumber: ranks within a tier that are not dense from 0 (a schema cannot ask for that;
+        a judge may answer ranks 1, 1 or 0, 2) are renumbered densely in their order, ties
+        kept, instead of rejected: the rank is ordinal, and the factor table interpolates
+        between the best and worst rank present, so gaps would move factors.
     Returns:
       The ranking, normalized (`tiers.check_ranking`).
     Raises:
       ValueError naming the problem: not JSON, no "ranking", a missing / duplicate / unknown
-      candidate, or ranks within a tier that are not dense from 0.
+      candidate, or (without `renumber`) ranks within a tier that are not dense from 0.
     """
     if isinstance(raw, str):
         try:
@@ -70,8 +75,12 @@ def parse_answer(raw: str | Mapping, candidate_ids: Sequence[str]) -> list:
         by_tier.setdefault(r["tier"], set()).add(r["rank"])
     for tier, ranks in by_tier.items():
         if ranks != set(range(len(ranks))):
-            raise ValueError(f"ranks within tier {tier!r} must be dense from 0 (ties share a "
-                             f"rank), got {sorted(ranks)}")
+            if not renumber:
+                raise ValueError(f"ranks within tier {tier!r} must be dense from 0 (ties share "
+                                 f"a rank), got {sorted(ranks)}")
+            dense = {r: i for i, r in enumerate(sorted(ranks))}
+            ranking = [{**r, "rank": dense[r["rank"]]} if r["tier"] == tier else r
+                       for r in ranking]
     return ranking
 
 

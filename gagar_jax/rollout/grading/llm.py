@@ -5,14 +5,14 @@
     grader = as_grader_fn(LLMGrader(judge, orderings=3, retries=2, budget=6000))
 
 Per group: the passing candidates are shown in `orderings` orders (the first sorted by id, the
-second reversed, the rest shuffled with `seed`) against position bias; each prompt is the rubric
-of `prompt.py` within `budget` tokens; each answer is constrained to `answer.answer_schema` (vLLM's
-structured outputs, or `response_format` over HTTP), then validated (`answer.parse_answer`) and
-asked again up to `retries` times with the error. The k rankings are aggregated by Borda
-(`answer.borda`); Kendall's tau of each ordering against the aggregate, and the mean over pairs,
-go into the grading evidence with the prompts' sizes and cuts. Any failure (an answer still
-invalid, a timeout of the whole group `timeout_s`, the endpoint or engine raising) gives
-`status: failed` with the reason (`base.grade_workspace`): the learner's binary fallback.
+second reversed, the rest shuffled with `seed`) against position bias; each prompt is the rubric of
+`prompt.py` within `budget` tokens; each answer is constrained to `answer.answer_schema` (vLLM's
+structured outputs, or `response_format` over HTTP), then validated (`answer.parse_answer`; ranks
+with gaps renumbered densely) and asked again up to `retries` times with the error. The k rankings
+are aggregated by Borda (`answer.borda`); Kendall's tau of each ordering against the aggregate, and
+the mean over pairs, go into the grading evidence with the prompts' sizes and cuts. Any failure (an
+answer still invalid, a timeout of the whole group `timeout_s`, the endpoint or engine raising)
+gives `status: failed` with the reason (`base.grade_workspace`): the learner's binary fallback.
 
 The judge is configured on its own, never the policy by default: `--grader
 gagar_jax.rollout.grading.llm:grader` builds it from the environment (`from_env`): a URL
@@ -162,7 +162,7 @@ class LLMGrader:
                 asks += 1
                 raw = self.judge.ask(messages, schema)
                 try:
-                    rankings.append(answer.parse_answer(raw, ids))
+                    rankings.append(answer.parse_answer(raw, ids, renumber=True))
                     break
                 except ValueError as e:
                     errors.append(str(e)[:300])
