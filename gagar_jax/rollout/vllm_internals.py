@@ -99,6 +99,7 @@ def dispatch_mode() -> type:
 
 def structured_outputs(schema: dict) -> Any:
     """vLLM's `StructuredOutputsParams` for a JSON schema (its `sampling_params` module: not
-    exported at the package's top level in 0.32)."""
+    exported at the package's top level in 0.32). Free whitespace is a setting of the engine,
+    not of the request (`vllm_engine.NO_FREE_WHITESPACE`)."""
     from vllm.sampling_params import StructuredOutputsParams
     return StructuredOutputsParams(json=schema)
