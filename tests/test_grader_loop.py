@@ -39,7 +39,7 @@ def get_config():
     c.loss.mode = "sum_preserving"
     c.loss.max_response_len = 1024
     f = c.feed
-    c.model.attention = "blockwise"   # plain attention's [S, S] at 2.5k tokens: GBs
+    c.model.attention = "blockwise"   # plain: 5x slower at 4k tokens on CPU, 4.7 GB
     f.seq_len = f.max_traj_tokens = 2560
     f.rows_per_batch = f.max_trajectories = 3
     f.groups_per_batch = 1
