@@ -2,6 +2,8 @@
 two graders, and the factor table's sensitivity on the learner's own advantage math.
 
     .venv/bin/python scripts/grader_report.py [--grader-b module:name] [--orderings 4]
+    GAGAR_JUDGE_URL=http://127.0.0.1:8000/v1 GAGAR_JUDGE_MODEL=judge .venv/bin/python \
+        scripts/grader_report.py --grader-b gagar_jax.rollout.grading.llm:grader --tasks 5
 
 The groups: the 20 repository tasks' planted groups (`tests/support/planted.py`: the reference
 fix, a sprawling fix, the special-cased fix, all graded as passes, and one failure), in real
@@ -11,7 +13,9 @@ LLM grader's `module:grader`) is optional.
 - Stability: each group graded under `--orderings` permutations of its candidates (ids kept);
   the share of candidates whose tier is the same in every ordering, and the mean Kendall's tau
   between each ordering's ranking and the first.
-- Agreement (with B): the share of candidates both put in the same tier, mean Kendall's tau.
+- Agreement (with B, e.g. the LLM grader and the heuristic): per group both rankings and their
+  Kendall's tau-b (`answer.kendall_tau`, ties allowed), then the share of candidates both put in
+  the same tier and the mean tau over the groups both graded; B's failed groups are listed.
 - Sensitivity: each factor of the table (`gagar_jax.grading.FactorTable`) moved by -0.1 and
   +0.1 (clipped into (0, 1]); per move, the mean |change| of lambda, the cap rate, and the mean
   |change| of the passes' advantages, from `gagar_jax.algo.advantage.gagar_advantages`; lambda
@@ -36,6 +40,7 @@ from support import planted  # noqa: E402
 from gagar_jax import grading  # noqa: E402
 from gagar_jax.algo.advantage import gagar_advantages  # noqa: E402
 from gagar_jax.rollout.envs import repo_tasks  # noqa: E402
+from gagar_jax.rollout.grading import answer as judge_answer  # noqa: E402
 
 KINDS = (("minimal", "pass"), ("sprawling", "pass"), ("special_case", "pass"), ("nothing", "fail"))
 
@@ -61,6 +66,13 @@ def ranked(answer):
     order = [r["trajectory_id"] for r in sorted(
         ev, key=lambda r: (grading.tier_code(r["tier"]), r["rank"], r["trajectory_id"]))]
     return order, {r["trajectory_id"]: r["tier"] for r in ev}
+
+
+def describe(answer):
+    """A ranking as `t0:strong/0 t2:intermediate/0 ...`, best first."""
+    order, _ = ranked(answer)
+    by = {r["trajectory_id"]: r for r in answer["evidence"]["ranking"]}
+    return " ".join(f"{t}:{by[t]['tier'][:3]}/{by[t]['rank']}" for t in order)
 
 
 def numpy_lambda(k, f_sum, cap):
@@ -106,13 +118,14 @@ def main():
     p.add_argument("--grader-b", default="")
     p.add_argument("--orderings", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tasks", type=int, default=0, help="the first N tasks only (0 = all 20)")
     args = p.parse_args()
     ga = load(args.grader_a)
     gb = load(args.grader_b) if args.grader_b else None
     rng = random.Random(args.seed)
-    same_tier, taus, agree, agree_tau, groups = [], [], [], [], []
+    same_tier, taus, agree, agree_tau, groups, failed_b = [], [], [], [], [], []
     with tempfile.TemporaryDirectory() as root:
-        for task in repo_tasks.load_tasks():
+        for task in repo_tasks.load_tasks()[:args.tasks or None]:
             t, views = planted.group(task, root, KINDS)
             first_order, first_tiers, tiers_seen = None, None, []
             for o in range(args.orderings):
@@ -127,10 +140,17 @@ def main():
                     taus.append(kendall_tau(first_order, order))
             same_tier += [all(ts[c] == first_tiers[c] for ts in tiers_seen) for c in first_tiers]
             if gb is not None:
-                order_b, tiers_b = ranked(gb(t, views))
-                agree += [tiers_b.get(c) == first_tiers[c] for c in first_tiers]
-                agree_tau.append(kendall_tau(first_order, [c for c in order_b
-                                                           if c in first_order]))
+                a, b = ga(t, views), gb(t, views)
+                if b["status"] != "ok":
+                    failed_b.append(f"{task.task_id}: {b['evidence'].get('error')}")
+                else:
+                    tiers_b = ranked(b)[1]
+                    agree += [tiers_b.get(c) == first_tiers[c] for c in first_tiers]
+                    tau = judge_answer.kendall_tau(a["evidence"]["ranking"],
+                                                   b["evidence"]["ranking"])
+                    agree_tau.append(tau)
+                    print(f"  {task.task_id:22s} A {describe(a)}  B {describe(b)}  "
+                          f"tau-b {tau:+.3f}", flush=True)
             ids = [v["trajectory_id"] for v in views]
             rank_of = {}
             for r in ga(t, views)["evidence"]["ranking"]:
@@ -140,10 +160,15 @@ def main():
                            "rewards": np.array([v["outcome"] == "pass" for v in views])})
     print(f"groups: {len(groups)} (planted: reference, sprawling, special-cased, failure)")
     print(f"stability over {args.orderings} orderings: same tier {np.mean(same_tier):.3f} of "
-          f"candidates; mean Kendall tau vs the first ordering {np.mean(taus):.3f}")
+          f"candidates; mean Kendall tau vs the first ordering "
+          f"{np.mean(taus) if taus else float('nan'):.3f}")
     if gb is not None:
-        print(f"agreement A vs B: same tier {np.mean(agree):.3f}; mean Kendall tau "
-              f"{np.mean(agree_tau):.3f}")
+        print(f"agreement A vs B over {len(agree_tau)} groups graded by both: same tier "
+              f"{np.mean(agree) if agree else float('nan'):.3f} of candidates; Kendall tau-b "
+              f"per group above, mean {np.mean(agree_tau) if agree_tau else float('nan'):.3f}; "
+              f"B failed on {len(failed_b)} groups")
+        for line in failed_b:
+            print(f"  B failed: {line}")
     lam0, rows = sensitivity(groups)
     print(f"base table: mean lambda {lam0.mean():.4f}")
     print(f"{'factor':20s} {'delta':>6s} {'value':>6s} {'|d lambda|':>11s} {'cap rate':>9s} "

@@ -118,3 +118,44 @@ def test_move_to_serves_the_new_weights(run):
     matches_learner(models[1], PROMPT, got["greedy_step1"], cfg, greedy=True)
     assert got["greedy_step2_again"]["tokens"] == refs[2]["greedy"]
     matches_learner(models[2], PROMPT, got["greedy_step2_again"], cfg, greedy=True)
+
+
+def test_the_llm_grader_on_the_offline_vllm_engine_with_structured_outputs(vllm_served):
+    """The LLM group grader (gagar_jax/rollout/grading/llm.py) on the test run's vLLM, a tiny
+    random qwen3_moe with the local byte tokenizer beside it, `SamplingSpec.json_schema` handed
+    to vLLM's structured outputs (issue 40's vLLM check against the offline engine: the server
+    check is scripts/check_grader_server.py). Every answer parses on the first ask into one
+    {tier, rank} per candidate, each prompt holds each candidate's diff and test log or the cut
+    marker, and the engine gone gives status failed with the reason."""
+    import json
+
+    from gagar_jax.rollout.grading import answer, prompt
+    spec, got = vllm_served["judge"]
+    out = got["answer"]
+    ids = ["t0", "t1"]
+    assert out["status"] == "ok", out["evidence"]
+    assert len(got["answers"]) == spec["orderings"] == out["evidence"]["detail"]["judge_calls"]
+    for raw in got["answers"]:
+        ranking = answer.parse_answer(raw, ids, renumber=True)
+        assert sorted(r["trajectory_id"] for r in ranking) == ids
+        entries = json.loads(raw)["ranking"]
+        assert len(entries) == 2 and all(set(e) == {"trajectory_id", "tier", "rank"}
+                                         for e in entries)
+    assert [v.get("quality") is not None for v in out["verdicts"]] == [True, True, False]
+    views = {v["trajectory_id"]: v for v in spec["views"]}
+    cut_marker = prompt.CUT.split("{")[0]
+    for user in got["sent"]:
+        assert "'t2'" not in user                       # the failure is not shown
+        for tid in ids:
+            diff = open(f"{views[tid]['workspace']}/final.diff").read()
+            section = user.split(f"trajectory_id {tid!r}")[1].split("## Candidate")[0]
+            assert diff in section or cut_marker in section.split("### last visible")[0]
+        t0 = user.split("trajectory_id 't0'")[1].split("## Candidate")[0]
+        tests = t0.split("### last visible test run")[1].split("### transcript")[0]
+        assert "LOG-HEAD" in tests and "LOG-TAIL" in tests and cut_marker in tests
+    cuts = out["evidence"]["detail"]["orderings"][0]["cuts"]
+    assert {"section": "tests", "trajectory_id": "t0"}.items() <= cuts[[
+        c["section"] for c in cuts].index("tests")].items()
+    assert all(o["tokens"] <= spec["budget"] for o in out["evidence"]["detail"]["orderings"])
+    closed = got["closed"]
+    assert closed["status"] == "failed" and closed["evidence"]["error"], closed

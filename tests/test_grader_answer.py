@@ -17,9 +17,11 @@ def test_schema_names_every_candidate_and_fixes_the_count():
     s = answer.answer_schema(IDS)
     items = s["properties"]["ranking"]
     assert items["minItems"] == items["maxItems"] == 4
-    assert items["items"]["properties"]["trajectory_id"]["enum"] == IDS
-    assert set(items["items"]["properties"]["tier"]["enum"]) == {"strong", "intermediate",
-                                                                 "defective"}
+    assert [e["properties"]["trajectory_id"]["const"] for e in items["prefixItems"]] == IDS
+    assert items["items"] is False
+    for e in items["prefixItems"]:
+        assert set(e["properties"]["tier"]["enum"]) == {"strong", "intermediate", "defective"}
+        assert e["properties"]["rank"] == {"type": "integer", "minimum": 0, "maximum": 3}
 
 
 def test_parse_answer_accepts_a_valid_answer_with_ties():
@@ -117,3 +119,13 @@ def test_borda_and_tau_reject_different_candidates():
         answer.kendall_tau(o1, o2)
     with pytest.raises(ValueError, match="no rankings"):
         answer.borda([])
+
+
+def test_parse_answer_renumbers_gapped_ranks_when_asked():
+    raw = json.dumps({"ranking": _r(("a", "strong", 1), ("b", "strong", 1),
+                                    ("c", "strong", 4), ("d", "defective", 2))})
+    with pytest.raises(ValueError, match="dense from 0"):
+        answer.parse_answer(raw, IDS)
+    out = answer.parse_answer(raw, IDS, renumber=True)
+    assert {r["trajectory_id"]: (r["tier"], r["rank"]) for r in out} == {
+        "a": ("strong", 0), "b": ("strong", 0), "c": ("strong", 1), "d": ("defective", 0)}

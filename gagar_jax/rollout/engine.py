@@ -19,6 +19,7 @@ Importing this module imports neither JAX nor any engine.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -39,6 +40,11 @@ class SamplingSpec:
         the distribution actually sampled from (after temperature, top-p), the exact behaviour
         probability. An engine may serve one mode only (`EngineOptions.logprobs_mode`).
       stop_token_ids: tokens that end a completion (kept in it; finish reason "stop").
+      json_schema: None, or a JSON schema (as JSON text, so the spec stays hashable) the
+        completion must follow: the vLLM engine hands it to vLLM's structured outputs (which
+        need a tokenizer); an engine without constrained decoding (the JAX sampler, scripted
+        ones) samples freely, and its reader validates (the LLM grader: docs/grader.md). Not
+        part of the record's `sampling`.
     """
     temperature: float = 1.0
     top_p: float = 1.0
@@ -46,6 +52,7 @@ class SamplingSpec:
     max_tokens: int = 8
     logprobs_mode: str = "raw_logprobs"
     stop_token_ids: tuple = ()
+    json_schema: str | None = None
 
     def __post_init__(self):
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -55,6 +62,14 @@ class SamplingSpec:
             raise ValueError(f"bad sampling parameters: {self}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        if self.json_schema is not None:
+            try:
+                ok = isinstance(json.loads(self.json_schema), dict)
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ValueError(f"json_schema must be a JSON object's text, got "
+                                 f"{self.json_schema!r:.80}")
 
     def record(self, engine: str = "vllm") -> dict:
         """The record's `sampling` field (docs/feed.md); `engine`: the engine's `name`."""

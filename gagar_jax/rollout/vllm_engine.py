@@ -22,6 +22,7 @@ default) finds the part already computed, so only the new tokens are prefilled.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +34,11 @@ from gagar_jax.rollout.pointer import read_latest, read_manifest
 EXTENSION = "gagar_jax.rollout.vllm_extension.GagarWorkerExtension"
 # vLLM's finish reasons -> the interface's (an aborted request was cancelled)
 _FINISH = {"stop": "stop", "length": "length", "abort": "cancelled"}
+# Structured outputs (`SamplingSpec.json_schema`) with a tokenizer: xgrammar, no whitespace
+# between JSON tokens. vLLM reads this from the engine's config only (a request's
+# `disable_any_whitespace` is ignored by xgrammar); with free whitespace a weak judge (the tiny
+# test models) fills max_tokens with "\r" between the braces (measured).
+NO_FREE_WHITESPACE = {"backend": "xgrammar", "disable_any_whitespace": True}
 
 
 def make_llm(path: str, *, seed: int = 0, max_model_len: int = 256,
@@ -40,9 +46,11 @@ def make_llm(path: str, *, seed: int = 0, max_model_len: int = 256,
              **kwargs: Any) -> Any:
     """A vLLM `LLM` on a published (full) directory, with the gagar worker extension.
 
-    No tokenizer (token ids in, token ids out), eager mode, float32 compute (a bf16 directory
-    is upcast: the engine then differs from the learner by the weight rounding only). Call it
-    under `if __name__ == "__main__":` (the CPU platform spawns its workers). On CPU set
+    No tokenizer (token ids in, token ids out; `skip_tokenizer_init=False` loads the one beside
+    the weights, which structured outputs need, with `NO_FREE_WHITESPACE`), eager mode, float32
+    compute (a bf16 directory is upcast: the engine then differs from the learner by the weight
+    rounding only). Call it under `if __name__ == "__main__":` (the CPU platform spawns its
+    workers). On CPU set
     `VLLM_CPU_KVCACHE_SPACE` (GiB) before calling; it defaults to 1 here.
 
     Args:
@@ -53,7 +61,10 @@ def make_llm(path: str, *, seed: int = 0, max_model_len: int = 256,
     """
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
-    return LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
+    kwargs.setdefault("skip_tokenizer_init", True)
+    if not kwargs["skip_tokenizer_init"]:
+        kwargs.setdefault("structured_outputs_config", NO_FREE_WHITESPACE)
+    return LLM(model=path, enforce_eager=True, dtype=dtype,
                max_model_len=max_model_len, seed=seed, logprobs_mode=logprobs_mode,
                worker_extension_cls=EXTENSION, **kwargs)
 
@@ -185,12 +196,19 @@ class VLLMEngine:
 
 
 def _params(spec: Any, seed: int | None) -> Any:
-    """vLLM's SamplingParams for one sample of `spec` (a `SamplingSpec`)."""
+    """vLLM's SamplingParams for one sample of `spec` (a `SamplingSpec`); its `json_schema`
+    goes to vLLM's structured outputs (the engine then needs a tokenizer: `make_llm(...,
+    skip_tokenizer_init=False)` on a directory holding one)."""
     from vllm import SamplingParams
+    structured = None
+    if getattr(spec, "json_schema", None) is not None:
+        from gagar_jax.rollout.vllm_internals import structured_outputs
+        structured = structured_outputs(json.loads(spec.json_schema))
     return SamplingParams(n=1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
                           max_tokens=spec.max_tokens, logprobs=0, detokenize=False,
                           ignore_eos=not spec.stop_token_ids,
-                          stop_token_ids=list(spec.stop_token_ids) or None, seed=seed)
+                          stop_token_ids=list(spec.stop_token_ids) or None, seed=seed,
+                          structured_outputs=structured)
 
 
 def make(path: str, options: EngineOptions) -> VLLMEngine:

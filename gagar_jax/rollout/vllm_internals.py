@@ -2,10 +2,11 @@
 
 A vLLM or torch upgrade that moves one of these touches this file only: vLLM's layerwise-reload
 helpers (internal modules), the online-quantization flag its reload resets, its parallel state's
-teardown; torch's storage ids and use counts, `TorchDispatchMode` (a private module), a
-module's non-persistent buffer set and buffer table, an op's schema. Everything else in
-`rollout/` calls public methods (`LLM.generate`, `collective_rpc`, `reload_weights`,
-`process_weights_after_loading`, the router's `set_capture_fn`).
+teardown, its structured-outputs parameters; torch's storage ids and use counts,
+`TorchDispatchMode` (a private module), a module's non-persistent buffer set and buffer table,
+an op's schema. Everything else in `rollout/` calls public methods (`LLM.generate`,
+`collective_rpc`, `reload_weights`, `process_weights_after_loading`, the router's
+`set_capture_fn`).
 
 Imports neither JAX nor, at import time, torch or vLLM.
 """
@@ -94,3 +95,11 @@ def dispatch_mode() -> type:
     """torch's `TorchDispatchMode` (a base class that sees every aten op run under it)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     return TorchDispatchMode
+
+
+def structured_outputs(schema: dict) -> Any:
+    """vLLM's `StructuredOutputsParams` for a JSON schema (its `sampling_params` module: not
+    exported at the package's top level in 0.32). Free whitespace is a setting of the engine,
+    not of the request (`vllm_engine.NO_FREE_WHITESPACE`)."""
+    from vllm.sampling_params import StructuredOutputsParams
+    return StructuredOutputsParams(json=schema)

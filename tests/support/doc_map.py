@@ -31,6 +31,8 @@ EXTERNAL = {
     # example names in prose, and metric names written like paths
     "name.jsonl", "feed/ahead_of_learner", "rollout/kl", "rollout/masked_token_frac",
     "rollout/logp_abs_diff_mean",
+    # a `vllm.LLM` held as `llm` (not gagar_jax/rollout/grading/llm.py)
+    "llm.reset_prefix_cache()", "llm.collective_rpc(name)",
 }
 # Config sections (`model.attention`, `feed.batch_groups`): `x.y` with these is a setting.
 CONFIG_SECTIONS = {"model", "train", "feed", "loss", "optim", "mesh", "sim", "rollout", "config"}

@@ -91,3 +91,42 @@ def grade(task: dict, trajectories: list) -> list:
     passes = [t for t in trajectories if t["outcome"] == "pass"]
     return [{"quality": {"tier": "strong", "rank": passes.index(t)}} if t in passes else {}
             for t in trajectories]
+
+
+class MixedReplayEngine(ReplayEngine):
+    """The closed loop's scripted agent (`--engine support.repo_replay:make_mixed_engine`):
+    per task, the k-th sequence started plays `MIXED_CYCLE[k % 3]`: the reference fix
+    (apply_patch, submit: passes), the reference fix plus three sprawling files written with
+    write_file (`planted.planted_files(task, "sprawling")`: passes, ranked lower), or a submit
+    at once (fails); so a group of 3 is mixed with two passes of different quality. Tasks in
+    `ALWAYS_FAIL` only submit (uniform groups, filtered by the learner). `sync` moves to the
+    version `latest` names, so the records carry the learner's versions."""
+
+    name = "repo-mixed"
+    ALWAYS_FAIL = ("clamp_values", "leap_years", "median_even")
+
+    def _script(self, prompt: list) -> list:
+        from support.planted import planted_files
+        text = TOKENIZER.decode(prompt)
+        [task] = [t for t in self.tasks if t.statement in text]
+        k = self.started.get(task.task_id, 0)
+        self.started[task.task_id] = k + 1
+        if task.task_id in self.ALWAYS_FAIL or k % 3 == 2:
+            return [call("submit")]
+        if k % 3 == 0:
+            return replay_turns(task)
+        files = planted_files(task, "sprawling")
+        return ["".join(call("write_file", path=p, content=t) for p, t in sorted(files.items())),
+                call("submit")]
+
+    def sync(self, workdir: str) -> dict | None:
+        from gagar_jax.rollout.pointer import read_latest
+        ptr = read_latest(workdir)
+        if ptr is None or ptr["path"] == self.path:
+            return None
+        return self.move_to(ptr["path"])
+
+
+def make_mixed_engine(path: str, options: EngineOptions) -> MixedReplayEngine:
+    """`--engine support.repo_replay:make_mixed_engine`."""
+    return MixedReplayEngine(path, options)

@@ -11,7 +11,9 @@ prompt log-probs and the captured routing [rows][L][K]. With "delta" ({"base", "
 reload of the delta's step (answers and `gagar_weights_digest`). With "prompt_b": then
 `engine_scenario.run` through the engine interface (it moves back to step 2 first). With
 "parity_prompts": then, on step 2, the greedy continuations of every one of those prompts in
-one batched `LLM.generate` (no routing capture), for the JAX sampler's argmax parity.
+one batched `LLM.generate` (no routing capture), for the JAX sampler's argmax parity. The spec
+named "judge" ({"dir", "task", "views", "orderings", "budget", "max_tokens"}) is the LLM grader on
+an engine with a tokenizer and structured outputs (`judge`).
 """
 import json
 import sys
@@ -116,11 +118,58 @@ def _against_full(llm, spec, full, key):
     return out
 
 
+def judge(spec):
+    """The LLM grader on an offline vLLM engine with the byte tokenizer and structured outputs
+    (tests/test_engine_conformance.py reads it): a planted group's workspace graded with k
+    orderings; then, the engine closed, the same group again (status failed)."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from gagar_jax.rollout.engine import EngineOptions
+    from gagar_jax.rollout.envs.hf_tokenizer import HFTokenizer
+    from gagar_jax.rollout.grading import llm
+    from gagar_jax.rollout.grading.base import grade_workspace
+    from gagar_jax.rollout.grading.workspace import GroupWorkspace
+    from gagar_jax.rollout.vllm_engine import VLLMEngine, make_llm
+    t0 = time.perf_counter()
+    opts = EngineOptions(seed=0, max_model_len=spec["budget"] + 512, routing=False)
+    engine = VLLMEngine(make_llm(spec["dir"], max_model_len=opts.max_model_len,
+                                 skip_tokenizer_init=False), spec["dir"], opts)
+    start_s = time.perf_counter() - t0
+    tok = HFTokenizer(AutoTokenizer.from_pretrained(spec["dir"]))
+    base = llm.EngineJudge(engine, tok, max_tokens=spec["max_tokens"])
+    sent, answers = [], []
+
+    class Recording:
+        count = staticmethod(base.count)
+
+        def ask(self, messages, schema):
+            sent.append(messages[1]["content"])
+            answers.append(base.ask(messages, schema))
+            return answers[-1]
+
+    ws = GroupWorkspace.from_views(spec["task"], spec["views"])
+    grader = llm.LLMGrader(Recording(), orderings=spec["orderings"], retries=0,
+                           budget=spec["budget"])
+    t0 = time.perf_counter()
+    out = grade_workspace(grader, ws)
+    grade_s = time.perf_counter() - t0
+    engine.close()
+    closed = grade_workspace(grader, ws)
+    return {"start_s": start_s, "grade_s": grade_s, "answer": out, "sent": sent,
+            "answers": answers, "closed": closed}
+
+
 def main(spec_path, out_path):
     """SPEC.json holds {name: spec}: the engines run one after the other in this process (one
-    import of vLLM), each shut down before the next starts."""
+    import of vLLM), each shut down before the next starts; the spec named "judge" runs
+    `judge`."""
     out = {}
     for name, spec in json.load(open(spec_path)).items():
+        if name == "judge":
+            out[name] = judge(spec)
+            continue
         engine, out[name] = one(spec)
         engine.close()
     json.dump(out, open(out_path, "w"))

@@ -7,6 +7,7 @@ Each family: two weight draws (steps 1 and 2, float32), their learner answers (g
 log-probs, routing), a delta chain (`delta_chain`), and the engine's answers: the parity runs of
 test_vllm.py, then the conformance scenario (tests/support/engine_scenario.py).
 """
+import dataclasses
 import json
 import os
 
@@ -168,6 +169,7 @@ def vllm_served(published_families, tmp_path_factory):
                          "prompt": PROMPT, "prompt_b": PROMPT_B, "gen": GEN,
                          "parity_prompts": PARITY_PROMPTS,
                          "delta": delta_chain(cfg, family, work / f"{family}_delta")}
+    specs["judge"] = judge_spec(work / "judge")
     spec, out = str(work / "spec.json"), str(work / "vllm.json")
     with open(spec, "w") as f:
         json.dump(specs, f)
@@ -175,5 +177,35 @@ def vllm_served(published_families, tmp_path_factory):
     run_vllm([driver, spec, out], timeout=600)
     with open(out) as f:
         got = json.load(f)
-    return {family: (family, *published_families[family][:3], got[family],
-                     published_families[family][3]) for family in CONFIGS}
+    served = {family: (family, *published_families[family][:3], got[family],
+                       published_families[family][3]) for family in CONFIGS}
+    served["judge"] = (specs["judge"], got["judge"])
+    return served
+
+
+# one ordering: the orderings on vLLM are scripts/check_grader_server.py's (3)
+JUDGE = {"orderings": 1, "budget": 2600, "max_tokens": 160}
+
+
+def judge_spec(root):
+    """The offline judge's spec: the tiny qwen3_moe with the byte tokenizer's 257 ids (random
+    weights) and the byte tokenizer beside them (`gagar_jax/hf/byte_tokenizer.py`), a planted
+    group of the first repository task (reference fix with a long test log, sprawling fix,
+    failure)."""
+    from gagar_jax.hf import byte_tokenizer
+    from gagar_jax.rollout.envs import repo_tasks
+    from support import planted
+    cfg = model_config("qwen3_moe")
+    cfg = dataclasses.replace(cfg, vocab_size=byte_tokenizer.END_ID + 1)
+    directory = str(root / "model")
+    hf.save_pretrained(random_model(cfg, 3), directory)
+    byte_tokenizer.save(directory)
+    task = repo_tasks.load_tasks()[0]
+    t, views = planted.group(task, str(root / "ws"), (("minimal", "pass"),
+                                                     ("sprawling", "pass"), ("nothing", "fail")))
+    tests = os.path.join(views[0]["workspace"], "tests")
+    os.makedirs(tests, exist_ok=True)
+    with open(os.path.join(tests, "run_001.log"), "w") as f:
+        f.write("LOG-HEAD\n" + "ok\n" * 3000 + "LOG-TAIL 3 passed")
+    views = [{k: v for k, v in view.items() if k not in ("tokens", "loss_mask")} for view in views]
+    return {"dir": directory, "task": t, "views": views, **JUDGE}

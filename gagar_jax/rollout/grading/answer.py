@@ -20,33 +20,46 @@ def answer_schema(candidate_ids: Sequence[str]) -> dict:
     """JSON schema of the judge's answer for these candidates (for `response_format`).
 
     Args:
-      candidate_ids: the passing candidates' trajectory ids the judge must rank.
+      candidate_ids: the passing candidates' trajectory ids, in the order the prompt shows them.
     Returns:
-      A JSON schema dict; ids are an enum, so guided decoding cannot invent one.
+      A JSON schema dict: entry i of the ranking is candidate i (`prefixItems`, its id a
+      `const`, no further items), so guided decoding can neither invent, drop nor repeat a
+      candidate (an enum of ids cannot stop a repeat: measured on vLLM's server, a random
+      judge named one id three times); ranks are bounded by the number of candidates (dense
+      ranks never exceed n - 1).
     """
-    entry = {"type": "object",
-             "properties": {"trajectory_id": {"type": "string", "enum": list(candidate_ids)},
-                            "tier": {"type": "string", "enum": list(grading.TIER_NAMES)},
-                            "rank": {"type": "integer", "minimum": 0}},
-             "required": ["trajectory_id", "tier", "rank"], "additionalProperties": False}
     n = len(candidate_ids)
+
+    def entry(tid: str) -> dict:
+        return {"type": "object",
+                "properties": {"trajectory_id": {"type": "string", "const": tid},
+                               "tier": {"type": "string", "enum": list(grading.TIER_NAMES)},
+                               "rank": {"type": "integer", "minimum": 0,
+                                        "maximum": max(n - 1, 0)}},
+                "required": ["trajectory_id", "tier", "rank"], "additionalProperties": False}
     return {"type": "object",
-            "properties": {"ranking": {"type": "array", "items": entry,
-                                       "minItems": n, "maxItems": n}},
+            "properties": {"ranking": {"type": "array",
+                                       "prefixItems": [entry(t) for t in candidate_ids],
+                                       "items": False, "minItems": n, "maxItems": n}},
             "required": ["ranking"], "additionalProperties": False}
 
 
-def parse_answer(raw: str | Mapping, candidate_ids: Sequence[str]) -> list:
+def parse_answer(raw: str | Mapping, candidate_ids: Sequence[str], *,
+                 renumber: bool = False) -> list:
     """The judge's raw answer -> a checked ranking [{"trajectory_id", "tier", "rank"}].
 
     Args:
       raw: the answer text (JSON) or an already decoded dict.
       candidate_ids: the passing candidates; each must appear exactly once.
+      renumber: ranks within a tier that are not dense from 0 (a schema cannot ask for that;
+        a judge may answer ranks 1, 1 or 0, 2) are renumbered densely in their order, ties
+        kept, instead of rejected: the rank is ordinal, and the factor table interpolates
+        between the best and worst rank present, so gaps would move factors.
     Returns:
       The ranking, normalized (`tiers.check_ranking`).
     Raises:
       ValueError naming the problem: not JSON, no "ranking", a missing / duplicate / unknown
-      candidate, or ranks within a tier that are not dense from 0.
+      candidate, or (without `renumber`) ranks within a tier that are not dense from 0.
     """
     if isinstance(raw, str):
         try:
@@ -62,8 +75,12 @@ def parse_answer(raw: str | Mapping, candidate_ids: Sequence[str]) -> list:
         by_tier.setdefault(r["tier"], set()).add(r["rank"])
     for tier, ranks in by_tier.items():
         if ranks != set(range(len(ranks))):
-            raise ValueError(f"ranks within tier {tier!r} must be dense from 0 (ties share a "
-                             f"rank), got {sorted(ranks)}")
+            if not renumber:
+                raise ValueError(f"ranks within tier {tier!r} must be dense from 0 (ties share "
+                                 f"a rank), got {sorted(ranks)}")
+            dense = {r: i for i, r in enumerate(sorted(ranks))}
+            ranking = [{**r, "rank": dense[r["rank"]]} if r["tier"] == tier else r
+                       for r in ranking]
     return ranking
 
 
