@@ -69,8 +69,8 @@ def devices():
 # (--dist loadfile; the vLLM files below together), handed out in collection order, so a long
 # file collected last would run alone at the end.
 _LONG_FIRST = ("test_vllm.py", "test_engine_conformance.py", "test_sampler_vllm.py",
-               "test_agent_vllm.py",
-               "test_miniature.py", "test_loop.py", "test_sampler_handover.py",
+               "test_agent_vllm.py", "test_miniature.py", "test_loop.py", "test_grader_loop.py",
+               "test_sampler_handover.py",
                "test_colocated.py", "test_paged_sampler.py",
                "test_train_step.py", "test_train.py", "test_train_mesh.py", "test_reliability.py",
                "test_context.py", "test_published_versions.py", "test_policy_loss.py",
