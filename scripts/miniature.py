@@ -104,9 +104,12 @@ def _args(argv=None):
                    help="extra --config.KEY=VALUE overrides for the trainer (and sweep)")
     a = p.parse_args(argv)
     a.quick_b = a.quick_b or a.quick_long
-    if a.quick or a.quick_b:   # the easy task, so a 150-step warm start already passes some
+    if a.quick or a.quick_b:   # the easy task, so an 80-step warm start already passes some
+        # (3 of 32 rollouts of the first batch, one intermediate: step 0 trains on a net-negative
+        # credit in downweight_only). The probe has the
+        # held-out evaluation's 32 rows, so both share one compiled teacher-forced program.
         a.arms, a.seeds, a.steps, a.groups, a.group_size = ",".join(_ARMS), "0", 2, 4, 8
-        a.eval_tasks, a.eval_every, a.probe_size, a.sft_steps, a.sft_lr = 4, 2, 8, 150, 1e-2
+        a.eval_tasks, a.eval_every, a.probe_size, a.sft_steps, a.sft_lr = 4, 2, 32, 80, 1e-2
         a.task, a.recipe = "easy", "round2"
     if a.quick_b:  # Design B's channel on the easy task with Design B's note language
         a.quick, a.task, a.factor_table, a.top_p = True, "easy-notes", "harsh", 0.9
