@@ -120,6 +120,11 @@ def _args(argv=None):
     return a
 
 
+# --quick: the train steps (one per advantage mode, each run a few times) compile at -O0, 2-3x
+# faster than at -O1 (5 s vs 13 s each, Zen 1, 2026-12-05); the sampler and the warm start, run
+# far more often, keep the process's level.
+QUICK_STEP_OPTIONS = {"xla_backend_optimization_level": 0}
+
 HARSH_TABLE = dict(strong_best=1.0, strong_other=0.8, intermediate_best=0.6,
                    intermediate_worst=0.3, defective=0.1)
 
@@ -234,7 +239,7 @@ def sweep(a) -> None:
     task_cfg = _task(a)
     runs_dir = os.path.join(a.out, "runs")
     os.makedirs(runs_dir, exist_ok=True)
-    learner = X.Learner(cfg, _table(a))
+    learner = X.Learner(cfg, _table(a), compiler_options=QUICK_STEP_OPTIONS if a.quick else None)
     probe = measure.ProbeSet(task_cfg, a.probe_size, _recipe(a))
     meta_path = os.path.join(a.out, "meta.json")
     meta = {"command": "python scripts/miniature.py " + " ".join(sys.argv[1:]),

@@ -12,7 +12,7 @@ from types import SimpleNamespace as NS
 
 import numpy as np
 from support.paths import REPO
-from support.xla_flags import FAST_COMPILE, cpu_flags
+from support.xla_flags import cpu_flags
 
 from gagar_jax.sim import measure, report
 
@@ -23,11 +23,10 @@ def _env():
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
     # One CPU device: the smoke test checks the sweep's logic, not sharding (the sharded step
-    # has its own tests), and single-device programs compile much faster. -O0: the smoke test
-    # is compile-bound (a train step per advantage mode, the sampler, the SFT step; each run
-    # once or a few times), and -O0 compiles them 2-3x faster than -O1 (5 s vs 13 s per train
-    # step, Zen 1, 2026-12-05).
-    env["XLA_FLAGS"] = cpu_flags(1, FAST_COMPILE)
+    # has its own tests), and single-device programs compile much faster. -O1, as for every
+    # subprocess: the warm start and the sampler run many times (--quick compiles the train
+    # steps, run only a few times, at -O0: the script's QUICK_STEP_OPTIONS).
+    env["XLA_FLAGS"] = cpu_flags(1)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(REPO, ".cache", "jax"))
     # The script imports this checkout's gagar_jax (an editable install may point elsewhere).
     env["PYTHONPATH"] = REPO
