@@ -3,6 +3,7 @@
   JAX_PLATFORMS=cpu python scripts/miniature_tabular.py                 # the full design
   JAX_PLATFORMS=cpu python scripts/miniature_tabular.py --quick         # smoke test (seconds)
   python scripts/miniature_tabular.py --report                          # tables and plots again
+  python scripts/miniature_tabular.py --report --no-plots               # tables only
 
 Every arm x sampler x seed of one optimizer runs as one vmapped program; each optimizer's state
 is saved to WORKDIR/tabular-<optimizer>.npz after every chunk of steps and a rerun resumes
