@@ -105,8 +105,8 @@ def _args(argv=None):
     a = p.parse_args(argv)
     a.quick_b = a.quick_b or a.quick_long
     if a.quick or a.quick_b:   # the easy task, so an 80-step warm start already passes some
-        # (3 of 32 rollouts of the first batch, one intermediate: step 0 trains on a net-negative
-        # credit in downweight_only). The probe has the
+        # (2 of 32 rollouts of the first batch, one strong and one intermediate: step 0 trains
+        # on a net-negative credit in downweight_only). The probe has the
         # held-out evaluation's 32 rows, so both share one compiled teacher-forced program.
         a.arms, a.seeds, a.steps, a.groups, a.group_size = ",".join(_ARMS), "0", 2, 4, 8
         a.eval_tasks, a.eval_every, a.probe_size, a.sft_steps, a.sft_lr = 4, 2, 32, 80, 1e-2
