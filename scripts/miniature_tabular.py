@@ -3,6 +3,7 @@
   JAX_PLATFORMS=cpu python scripts/miniature_tabular.py                 # the full design
   JAX_PLATFORMS=cpu python scripts/miniature_tabular.py --quick         # smoke test (seconds)
   python scripts/miniature_tabular.py --report                          # tables and plots again
+  python scripts/miniature_tabular.py --report --no-plots               # tables only
 
 Every arm x sampler x seed of one optimizer runs as one vmapped program; each optimizer's state
 is saved to WORKDIR/tabular-<optimizer>.npz after every chunk of steps and a rerun resumes
@@ -30,6 +31,8 @@ def _args(argv=None):
     p.add_argument("--workdir", default=os.path.join(REPO, "runs", "round3-A"))
     p.add_argument("--quick", action="store_true", help="TabularConfig.quick(), a temp workdir")
     p.add_argument("--report", action="store_true", help="rebuild OUT's report from its CSV")
+    p.add_argument("--no-plots", action="store_true",
+                   help="with --report: the tables only (no matplotlib: seconds faster)")
     p.add_argument("--optimizers", default="adam,sgd")
     p.add_argument("--seeds", type=int, default=None, help="override the config's seed count")
     p.add_argument("--steps", type=int, default=None, help="override the config's step count")
@@ -41,7 +44,7 @@ def main(argv=None) -> int:
     from gagar_jax.sim import tabular, tabular_report
     if a.report:
         table = tabular_report.load_steps(os.path.join(a.out, "steps.csv.gz"))
-        print(tabular_report.write_all(table, a.out, csv_too=False))
+        print(tabular_report.write_all(table, a.out, csv_too=False, plots=not a.no_plots))
         return 0
     cfg = tabular.TabularConfig.quick() if a.quick else tabular.TabularConfig()
     over = {k: v for k, v in (("seeds", a.seeds), ("steps", a.steps)) if v is not None}

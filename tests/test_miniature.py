@@ -23,7 +23,9 @@ def _env():
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
     # One CPU device: the smoke test checks the sweep's logic, not sharding (the sharded step
-    # has its own tests), and single-device programs compile much faster.
+    # has its own tests), and single-device programs compile much faster. -O1, as for every
+    # subprocess: the warm start and the sampler run many times (--quick compiles the train
+    # steps, run only a few times, at -O0: the script's QUICK_STEP_OPTIONS).
     env["XLA_FLAGS"] = cpu_flags(1)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(REPO, ".cache", "jax"))
     # The script imports this checkout's gagar_jax (an editable install may point elsewhere).
@@ -32,19 +34,28 @@ def _env():
     return env
 
 
-def _quick(out, *extra):
+def _script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "miniature_script", os.path.join(REPO, "scripts", "miniature.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _quick(out):
     # --quick-long: --quick's shapes and arms with round three's Design B settings (its note
     # language, harsh factor table, top-p 0.9, 4 mini-batches) and round four's B-long
     # additions (the flaky runner, the length_aware arm, a cut-and-resumed run compared with
     # the uninterrupted one): one smoke test covers all three.
     cmd = [sys.executable, os.path.join(REPO, "scripts", "miniature.py"), "--quick-long", "--out",
-           out] + list(extra)
+           out]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
 
-def test_quick_sweep_runs_every_arm_saves_and_resumes(tmp_path):
+def test_quick_sweep_runs_every_arm_saves_and_resumes(tmp_path, capsys):
     out = str(tmp_path / "out")
     stdout = _quick(out)
     files = sorted(glob.glob(os.path.join(out, "runs", "*.json")))
@@ -99,9 +110,15 @@ def test_quick_sweep_runs_every_arm_saves_and_resumes(tmp_path):
         assert -1 <= runs[arm][0]["token_net_frac"] <= 1
     assert runs["downweight_only"][0]["net_credit_per_traj"] < 0
     assert "resume check: a run cut at step 1 and resumed gave the sweep's 3 rows" in stdout
-    # A rerun skips every finished run (and the resume check) and only rewrites the report.
-    stdout = _quick(out)
+    # A rerun skips every finished run (and the resume check) and only rewrites the report. It
+    # runs in this process: skipping compiles nothing, so a second subprocess would only add an
+    # interpreter and a JAX start.
+    os.remove(os.path.join(out, "table.md"))
+    capsys.readouterr()
+    assert _script().main(["--quick-long", "--out", out]) == 0
+    stdout = capsys.readouterr().out
     assert stdout.count("skip ") == len(ARMS) and "saved " not in stdout
+    assert "resume check" not in stdout and os.path.exists(os.path.join(out, "table.md"))
 
 
 def _row(step, **kw):
@@ -181,11 +198,7 @@ def test_last_window_averages_the_last_10_steps_without_the_final_evaluation():
 
 
 def test_bad_factor_table_is_one_clear_error(capsys):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "miniature_script", os.path.join(REPO, "scripts", "miniature.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script()
     for bad in ("defective=2", "bogus=0.5", "strong_best"):
         try:
             mod.main(["--factor-table", bad, "--report", "--out", "/nonexistent"])

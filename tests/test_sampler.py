@@ -143,6 +143,12 @@ def test_top_p_samples_the_nucleus_and_records_untruncated_logprobs(model):
         logp = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
         np.testing.assert_allclose(np.asarray(gen.logprobs_BxM[:, 0]), logp[toks], atol=1e-5)
     assert drawn <= nucleus and len(drawn) > 1
+    # top_p is traced: another mass, or none (1), reuses the compiled program.
+    compiled = sampler._extend._cache_size()
+    for top_p in (0.9, 1.0):
+        sampler.generate(model, ctx, lengths, jax.random.key(0), max_new=M, temperature=2.0,
+                         stop_tokens=STOP, top_p=top_p)
+    assert sampler._extend._cache_size() == compiled
     with pytest.raises(ValueError, match="top_p"):
         sampler.generate(model, ctx, lengths, jax.random.key(0), max_new=M, top_p=0.0)
 

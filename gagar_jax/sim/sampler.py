@@ -177,32 +177,40 @@ def _empty_caches(model: Transformer, B: int, C: int):
 
 
 # ----------------------------------------------------------------------------- generation
-def _sample(logits_BxV: jax.Array, key: jax.Array, temperature: jax.Array, top_p: float = 1.0):
+def _nucleus(scaled_BxV: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`scaled_BxV` with every token outside the smallest set of most likely tokens whose mass
+    reaches `top_p` set to -inf (in effect)."""
+    order = jnp.argsort(-scaled_BxV, axis=-1)
+    p_sorted = jax.nn.softmax(jnp.take_along_axis(scaled_BxV, order, axis=-1), axis=-1)
+    keep_sorted = (jnp.cumsum(p_sorted, axis=-1) - p_sorted) < top_p
+    keep = jnp.zeros_like(keep_sorted).at[
+        jnp.arange(scaled_BxV.shape[0])[:, None], order].set(keep_sorted)
+    return jnp.where(keep, scaled_BxV, _NEG)
+
+
+def _sample(logits_BxV: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array):
     """Samples at `temperature` (a traced scalar; 0 = greedy) from the nucleus of mass `top_p`
-    (static; 1 = the whole distribution); returns (token, untempered untruncated log-prob,
-    untempered entropy)."""
+    (a traced scalar; 1 = the whole distribution); returns (token, untempered untruncated
+    log-prob, untempered entropy).
+
+    `top_p` is traced so that truncated and untruncated sampling (a sweep's training batches and
+    its held-out evaluation) share one compiled program; `lax.cond` runs the sort only when
+    `top_p < 1`, and leaves the logits untouched (bit for bit) otherwise."""
     logp = jax.nn.log_softmax(logits_BxV, axis=-1)
     ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
     scaled = logits_BxV / jnp.maximum(temperature, 1e-6)
-    if top_p < 1.0:
-        # Keep the smallest set of most likely tokens whose mass reaches top_p.
-        order = jnp.argsort(-scaled, axis=-1)
-        p_sorted = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
-        keep_sorted = (jnp.cumsum(p_sorted, axis=-1) - p_sorted) < top_p
-        keep = jnp.zeros_like(keep_sorted).at[
-            jnp.arange(scaled.shape[0])[:, None], order].set(keep_sorted)
-        scaled = jnp.where(keep, scaled, _NEG)
+    scaled = jax.lax.cond(top_p < 1.0, _nucleus, lambda x, _: x, scaled, top_p)
     drawn = jax.random.categorical(key, scaled, axis=-1)
     tok = jnp.where(temperature > 0, drawn, jnp.argmax(logits_BxV, axis=-1)).astype(jnp.int32)
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], ent
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "stop_tokens", "top_p"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "stop_tokens"))
 def _extend(graphdef: nnx.GraphDef, state: nnx.State,
             caches: dict[str, tuple[list[jax.Array], list[jax.Array]]], chunk_BxN: jax.Array,
             start_B: jax.Array, n_B: jax.Array, active_B: jax.Array, routed_BxNxLxK: jax.Array,
-            key: jax.Array, temperature: jax.Array, *, max_new: int, stop_tokens: tuple,
-            top_p: float = 1.0):
+            key: jax.Array, temperature: jax.Array, top_p: jax.Array, *, max_new: int,
+            stop_tokens: tuple):
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
     B, N = chunk_BxN.shape
@@ -308,8 +316,8 @@ def generate(model: Transformer, context_BxC: np.ndarray, lengths_B: np.ndarray,
     gen, _ = _extend(graphdef, state, _empty_caches(model, B, C), jnp.asarray(context_BxC),
                      jnp.zeros((B,), jnp.int32), jnp.asarray(lengths_B),
                      jnp.ones((B,), jnp.bool_), jnp.asarray(routed_experts_BxCxLxK, jnp.int32),
-                     key, jnp.asarray(temperature, jnp.float32), max_new=int(max_new),
-                     stop_tokens=tuple(int(s) for s in stop_tokens), top_p=float(top_p))
+                     key, jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32),
+                     max_new=int(max_new), stop_tokens=tuple(int(s) for s in stop_tokens))
     return gen
 
 
@@ -379,8 +387,9 @@ def rollout(model: Transformer, episodes: Sequence[Any], key: jax.Array, *, cach
         gen, caches = _extend(graphdef, state, caches, jnp.asarray(chunk), jnp.asarray(start),
                               jnp.asarray(n), jnp.asarray(is_active),
                               jnp.full((B, N, L, K), -1, jnp.int32), jax.random.fold_in(key, turn),
-                              jnp.asarray(temperature, jnp.float32), max_new=int(max_turn_tokens),
-                              stop_tokens=stops, top_p=float(top_p))
+                              jnp.asarray(temperature, jnp.float32),
+                              jnp.asarray(top_p, jnp.float32), max_new=int(max_turn_tokens),
+                              stop_tokens=stops)
         gen = jax.device_get(gen)
         for i in active:
             ep, n0, m = episodes[i], int(n[i]), int(gen.num_new_B[i])

@@ -359,15 +359,20 @@ def run(cfg: TabularConfig, optimizer: str, workdir: str | None = None, *, key_s
             "final_entropy_answer": final[:, -1], "seconds": seconds}
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _step0_arrays(lg: jax.Array, top_p: float) -> tuple:
+    """(policy, entropy, nucleus, nucleus-truncated policy) of the logits: one program (op by op,
+    each op would be a compile of its own)."""
+    p = jax.nn.softmax(lg, -1)
+    keep = nucleus(p, top_p)
+    return p, entropy(lg), keep, jnp.where(keep, p, 0.0)
+
+
 def step0_report(cfg: TabularConfig) -> dict:
     """The initial policy's analytic figures (entropy, pass probability under each sampler)."""
-    lg = jnp.asarray(initial_logits(cfg))
-    p = jax.nn.softmax(lg, -1)
-    ent = entropy(lg)
+    p, ent, keep, q = _step0_arrays(jnp.asarray(initial_logits(cfg)), cfg.top_p)
     out = {"entropy_filler": float(ent[:-1].mean()), "entropy_answer": float(ent[-1]),
            "top_filler": float(p[0, 0]), "pass_prob_exact": float(p[-1, :NUM_PASS].sum())}
-    keep = nucleus(p, cfg.top_p)
-    q = jnp.where(keep, p, 0.0)
     out["pass_prob_top_p"] = float(q[-1, :NUM_PASS].sum() / q[-1].sum())
     out["nucleus_filler"] = int(keep[0].sum())
     out["nucleus_answer"] = int(keep[-1].sum())

@@ -238,7 +238,9 @@ def plot(table: dict, out: str) -> list:
     return paths
 
 
-def write_all(table: dict, out: str, *, csv_too: bool = True) -> str:
+def write_all(table: dict, out: str, *, csv_too: bool = True, plots: bool = True) -> str:
+    """OUT's steps.csv.gz (with `csv_too`), table.md, criteria.md and (with `plots`) the PNGs;
+    returns the table and criteria text."""
     os.makedirs(out, exist_ok=True)
     if csv_too:
         write_csv(table, os.path.join(out, "steps.csv.gz"))
@@ -247,5 +249,6 @@ def write_all(table: dict, out: str, *, csv_too: bool = True) -> str:
         f.write(text)
     with open(os.path.join(out, "criteria.md"), "w") as f:
         f.write(crit)
-    plot(table, out)
+    if plots:
+        plot(table, out)
     return text + "\n" + crit
