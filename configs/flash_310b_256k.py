@@ -1,23 +1,23 @@
 """`flash_310b` on long rows with context parallelism, training an RL batch of 32 groups x 8
 trajectories of the paper's length per step.
 
-The paper's code-agent trajectories average 173k-192k tokens. Rows of 196608 tokens (192k) hold
-one such trajectory whole (~8% padding at 180k; 256k rows would pad ~31%); each row is split
-along the sequence over a `context` axis of 8 chips (24576 tokens per chip), attention exchanges
-keys and values across it (all-gather on the 9 full layers, the 128 preceding tokens on the 39
-sliding ones; gagar_jax/kernels/attention/context.py). A step is 256 rows (32 groups x 8, 50.3M
-token slots, ~46M real tokens) accumulated over 16 micro-batches of 16 rows, one row per 32
-chips, so per-chip activations stay below the 32k configs' (docs/scaling.md, "An RL batch").
-Rows of 262144 are one override away (`--config.feed.seq_len=262144
---config.feed.max_traj_tokens=262144 --config.loss.max_response_len=262144`). Same model,
-optimizer and chips as `configs/flash_310b.py`.
+The paper's code-agent trajectories average 173k-192k tokens. A step is micro-batches of 16 rows
+(one row per batch shard) in five length buckets (64k, 128k, 192k, 256k, 320k; `feed.buckets`,
+docs/feed.md), 50.3M token slots in all: with trajectories of 180k +- 20% (log-normal) 99.8% of
+groups are trained whole at 13% padding, against 6% whole with one row length of 192k
+(scripts/bench_feed.py --only-buckets, docs/scaling.md "Long agent trajectories kept"). Each row
+is split along the sequence over a `context` axis of 8 chips (24576 tokens per chip at 192k,
+40960 at 320k), attention exchanges keys and values across it (all-gather on the 9 full layers,
+the 128 preceding tokens on the 39 sliding ones; gagar_jax/kernels/attention/context.py). Same
+model, optimizer and chips as `configs/flash_310b.py`.
 
 Run:  gagar-train --config configs/flash_310b_256k.py --workdir gs://BUCKET/runs/flash_long \
         --config.feed.spool_dir=gs://BUCKET/spool --config.train.init_from=/ckpt/MiMo-V2-Flash
 AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/flash_310b_256k.py \
 --topology v5p:8x8x8
 Numbers (gagar_jax/aot/flops.py, checked by tests/test_configs.py): 308.8B total, 15.4B active
-params (the model of flash_310b). Compiled for v5p:8x8x8: 30.2 GiB per chip (fits 95.7; 45.5 for
+params (the model of flash_310b). Compiled for v5p:8x8x8 with one row length of 196608 (before the
+buckets; the 320k bucket is not compiled yet): 30.2 GiB per chip (fits 95.7; 45.5 for
 the former 32 rows of 262144 tokens), 198.3 model GFLOPs per token slot, a compute-bound step of
 66.9 s at peak (docs/aot/flash_310b_256k_v5p_8x8x8.json, docs/scaling.md).
 """
@@ -41,14 +41,23 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh.context = 8
     c.mesh.tensor = 4
 
-    c.train.micro_batches = 16        # 16 rows per micro-batch: one row per batch shard
+    c.train.micro_batches = 16        # unused with feed.buckets: the packing forms micro-batches
 
-    c.loss.max_response_len = 196_608
+    c.loss.max_response_len = 327_680
 
     f = c.feed
-    f.rows_per_batch = 256            # B: 256 x 196608 = 50.3M token slots per step
-    f.seq_len = 196_608               # S: one ~180k trajectory per row (~8% padding)
-    f.max_traj_tokens = 196_608       # longer trajectories are rejected (dead-lettered)
+    # Length buckets (docs/feed.md, docs/scaling.md "Long agent trajectories kept"): micro-batches
+    # of 16 rows (one per batch shard) of one of five compiled row lengths, within today's
+    # 50.3M token slots per step. A 180k +- 20% trajectory over 192k no longer rejects its group
+    # (one row of 192k did: 7% of groups trained whole), and short ones pack several to a row.
+    # scripts/bench_feed.py: 100% whole, 13% padding (log-normal, mean 180k); 100%, 8% (47k ->
+    # 114k growth).
+    f.buckets = (65_536, 131_072, 196_608, 262_144, 327_680)
+    f.bucket_rows = 16
+    f.tokens_per_batch = 16 * 16 * 196_608   # 50.3M token slots per step
+    f.rows_per_batch = 0              # resolved from the buckets (their static arrays)
+    f.seq_len = 327_680               # the largest bucket
+    f.max_traj_tokens = 327_680       # longer ones follow feed.overlong (reject: quarantined)
     f.max_trajectories = 256          # T: 32 groups x 8
     f.groups_per_batch = 32           # G: the RL batch (docs/scaling.md, "An RL batch")
     return c

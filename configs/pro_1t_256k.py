@@ -1,12 +1,14 @@
 """`pro_1t` on long rows with context parallelism: 32 groups x 8 trajectories of ~180k tokens
-per step in 16 micro-batches of 16 rows of 196608 tokens (see configs/flash_310b_256k.py).
+per step in micro-batches of 16 rows in five length buckets up to 327680 tokens (see
+configs/flash_310b_256k.py).
 
 Run:  gagar-train --config configs/pro_1t_256k.py --workdir gs://BUCKET/runs/pro_long \
         --config.feed.spool_dir=gs://BUCKET/spool
 AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/pro_1t_256k.py \
 --topology v5p:8x8x16
 Numbers (gagar_jax/aot/flops.py, checked by tests/test_configs.py): 1022.3B total, 43.0B active
-params (the model of pro_1t). Compiled for v5p:8x8x16: 41.5 GiB per chip (fits 95.7; 75.1 for
+params (the model of pro_1t). Compiled for v5p:8x8x16 with one row length of 196608 (before the
+buckets; the 320k bucket is not compiled yet): 41.5 GiB per chip (fits 95.7; 75.1 for
 the former 32 rows of 262144 tokens), 543.9 model GFLOPs per token slot, a compute-bound step of
 90.6 s at peak (docs/aot/pro_1t_256k_v5p_8x8x16.json, docs/scaling.md).
 """
@@ -28,14 +30,23 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh.context = 8
     c.mesh.tensor = 8
 
-    c.train.micro_batches = 16        # 16 rows per micro-batch: one row per batch shard
+    c.train.micro_batches = 16        # unused with feed.buckets: the packing forms micro-batches
 
-    c.loss.max_response_len = 196_608
+    c.loss.max_response_len = 327_680
 
     f = c.feed
-    f.rows_per_batch = 256            # B: 256 x 196608 = 50.3M token slots per step
-    f.seq_len = 196_608               # S: one ~180k trajectory per row (~8% padding)
-    f.max_traj_tokens = 196_608       # longer trajectories are rejected (dead-lettered)
+    # Length buckets (docs/feed.md, docs/scaling.md "Long agent trajectories kept"): micro-batches
+    # of 16 rows (one per batch shard) of one of five compiled row lengths, within today's
+    # 50.3M token slots per step. A 180k +- 20% trajectory over 192k no longer rejects its group
+    # (one row of 192k did: 7% of groups trained whole), and short ones pack several to a row.
+    # scripts/bench_feed.py: 100% whole, 13% padding (log-normal, mean 180k); 100%, 8% (47k ->
+    # 114k growth).
+    f.buckets = (65_536, 131_072, 196_608, 262_144, 327_680)
+    f.bucket_rows = 16
+    f.tokens_per_batch = 16 * 16 * 196_608   # 50.3M token slots per step
+    f.rows_per_batch = 0              # resolved from the buckets (their static arrays)
+    f.seq_len = 327_680               # the largest bucket
+    f.max_traj_tokens = 327_680       # longer ones follow feed.overlong (reject: quarantined)
     f.max_trajectories = 256          # T: 32 groups x 8
     f.groups_per_batch = 32           # G: the RL batch (docs/scaling.md, "An RL batch")
     return c

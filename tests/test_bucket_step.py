@@ -13,7 +13,7 @@ from support.close import assert_rel_close
 
 from gagar_jax import batch as batch_lib
 from gagar_jax import sharding
-from gagar_jax.feed import Feed, FeedConfig, IteratorSource, buckets, synthetic
+from gagar_jax.feed import Feed, FeedConfig, IteratorSource, bucket_figures, buckets, synthetic
 from gagar_jax.run import step as step_lib
 
 MODEL = dict(vocab_size=256, num_moe_layers=2, top_k=2, num_experts=8)
@@ -39,6 +39,33 @@ def test_bucket_pack_by_hand():
     assert buckets.bucket_pack([200], (256,), 2, (4,), 500) is None
     with pytest.raises(ValueError, match="lengths"):
         buckets.bucket_pack([300], (128, 256), 2, (4, 4), 10_000)
+
+
+def test_bucket_figures_by_hand():
+    # Three groups; the middle one has a 300-token trajectory over max_traj_tokens = 256.
+    lengths = np.array([[100, 100], [300, 50], [200, 200]])
+    one = FeedConfig(rows_per_batch=2, seq_len=256, max_traj_tokens=256, max_trajectories=8,
+                     groups_per_batch=1)
+    # reject: the middle group is quarantined; one group a step, the last step (group 3) is not
+    # counted in the padding: 200 tokens in 2 x 256 slots.
+    f = bucket_figures.simulate(one, lengths)
+    assert (f.groups, f.whole, f.trained, f.quarantined) == (3, 2, 2, 1)
+    assert (f.steps, f.step_groups, f.tokens, f.slots) == (1, 1, 200, 512)
+    assert f.padding == pytest.approx(1 - 200 / 512) and f.whole_share == pytest.approx(2 / 3)
+    # drop: the group is trained (its long one cut to 256, out of the loss) but not whole.
+    f = bucket_figures.simulate(dataclasses.replace(one, overlong="drop"), lengths)
+    assert (f.whole, f.trained, f.quarantined, f.steps, f.tokens) == (2, 3, 0, 2, 200 + 306)
+    # Buckets of 128 and 256, one row per micro-batch, 512 slots: groups 1 and 2 (cut) share a
+    # step (100 + 100 in a 256 row, 256 and 50 in rows of their own), group 3 waits for the next.
+    b = FeedConfig(buckets=(128, 256), bucket_rows=1, tokens_per_batch=1024, seq_len=0,
+                   max_traj_tokens=256, max_trajectories=8, groups_per_batch=2, overlong="drop")
+    f = bucket_figures.simulate(b, lengths)
+    assert (f.steps, f.step_groups, f.tokens) == (1, 2, 506) and f.slots <= 1024
+    # Log-normal draws have the asked mean and spread.
+    x = bucket_figures.lognormal_lengths(np.random.default_rng(0), 4000, 8, 180_000, 0.2)
+    assert x.shape == (4000, 8)
+    assert x.mean() == pytest.approx(180_000, rel=0.01) and x.std() / x.mean() == pytest.approx(
+        0.2, rel=0.03)
 
 
 @given(st.lists(st.integers(1, 256), min_size=1, max_size=40), st.integers(1, 4))

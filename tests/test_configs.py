@@ -3,6 +3,7 @@
 Parameter counts come from `gagar_jax.aot.flops` (analytic), which is itself checked against the
 model's real parameter tree (`nnx.eval_shape`, nothing allocated) for every config.
 """
+import dataclasses
 import glob
 import json
 import os
@@ -15,7 +16,7 @@ from flax import nnx
 from support.paths import REPO, load_config
 
 from gagar_jax.aot import flops
-from gagar_jax.feed import FeedConfig
+from gagar_jax.feed import FeedConfig, bucket_figures
 from gagar_jax.hf.families import resolve_family
 from gagar_jax.model.transformer import ModelConfig, Transformer
 
@@ -136,30 +137,47 @@ def test_pod_meshes_fill_their_slice_and_divide_shapes(name, chips):
     assert m.hidden_size % (sizes["fsdp"] * sizes["context"]) == 0
     # Rows split along S over context in whole attention blocks.
     assert cfg.feed.seq_len % (sizes["context"] * m.attn_block) == 0
+    fc = FeedConfig.from_config(cfg.feed)
+    for size in fc.buckets:   # every bucket's rows split along S in whole attention blocks too
+        assert size % (sizes["context"] * m.attn_block) == 0, size
     if sizes["context"] > 1:  # long rows: at least the 32k configs' 256 x 32768 tokens a step
-        assert cfg.feed.rows_per_batch * cfg.feed.seq_len >= 256 * 32768
-        assert cfg.feed.max_traj_tokens == cfg.feed.seq_len >= 131072
+        assert fc.batch_tokens >= 256 * 32768
+        assert fc.max_traj_tokens == fc.seq_len >= 131072
     batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    rows = FeedConfig.from_config(cfg.feed).rows_per_batch
-    micro_rows = rows // (cfg.train.mini_batches * cfg.train.micro_batches)
+    micro_rows = fc.bucket_rows or fc.rows_per_batch // (
+        cfg.train.mini_batches * cfg.train.micro_batches)
     assert micro_rows % batch_shards == 0, "every batch shard gets whole rows"
 
 
 
 @pytest.mark.parametrize("name", ["flash_310b_256k", "pro_1t_256k"])
 def test_long_configs_train_an_rl_batch(name):
-    """Issue 29: >= 32 groups x 8 trajectories of ~180k tokens per step, padding under 15%,
-    accumulated over micro-batches with no more tokens per chip than the 32k configs."""
+    """Issues 29 and 41 (item 6): >= 32 groups x 8 trajectories a step, and for trajectories
+    of the paper's length (log-normal, mean 180k, 20% spread) and its growth from 47k to 114k,
+    >= 95% of groups trained whole with padding under 20%, in the config's own length buckets
+    (`feed.bucket_figures.simulate`, the feed's packer); a micro-batch's row never holds more
+    tokens per chip than the largest bucket split over context."""
     cfg = _load(name)
-    f, mesh = cfg.feed, cfg.mesh
+    f, mesh = FeedConfig.from_config(cfg.feed), cfg.mesh
     assert f.groups_per_batch >= 32 and f.max_trajectories >= 8 * f.groups_per_batch
-    per_row = f.seq_len // 180_000                      # ~180k trajectories a row holds whole
-    assert per_row >= 1 and f.rows_per_batch * per_row >= 8 * f.groups_per_batch
-    assert 1 - per_row * 180_000 / f.seq_len < 0.15     # padding at the paper's mean length
-    assert f.max_traj_tokens >= 190_000                 # the paper's longest mean (192k) fits
+    assert f.buckets and f.batch_tokens >= 256 * 32768
+    rng = np.random.default_rng(0)
+    draws = {"lognormal 180k": bucket_figures.lognormal_lengths(rng, 80, 8, 180_000, 0.2),
+             "47k -> 114k": bucket_figures.lognormal_lengths(
+                 rng, 80, 8, np.linspace(47_000, 114_000, 80), 0.2)}
+    for what, lengths in draws.items():
+        fig = bucket_figures.simulate(f, lengths)
+        assert fig.steps >= 1, what
+        assert fig.whole_share >= 0.95 and fig.padding < 0.20, (what, fig)
+        assert fig.step_groups / fig.steps >= 24, (what, fig)   # near-full RL batches
+    # The one-row-length feed of the same budget keeps few groups of 180k whole (issue 41).
+    one = dataclasses.replace(f, buckets=(), bucket_rows=0, bucket_micro_batches=(),
+                              tokens_per_batch=0, rows_per_batch=256, seq_len=196_608,
+                              max_traj_tokens=196_608)
+    assert bucket_figures.simulate(one, draws["lognormal 180k"]).whole_share < 0.3
     batch_shards = mesh.data * mesh.fsdp * mesh.expert
-    micro_rows = f.rows_per_batch // (cfg.train.mini_batches * cfg.train.micro_batches)
-    assert micro_rows // batch_shards * f.seq_len // mesh.context <= 32_768
+    assert f.bucket_rows % batch_shards == 0
+    assert f.bucket_rows // batch_shards * f.buckets[-1] // mesh.context <= 40_960
 
 
 @pytest.mark.parametrize("name", ["flash_310b", "pro_1t", "tiny_mimo"])
