@@ -30,23 +30,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh.context = 8
     c.mesh.tensor = 8
 
-    c.train.micro_batches = 16        # unused with feed.buckets: the packing forms micro-batches
-
-    c.loss.max_response_len = 327_680
-
-    f = c.feed
-    # Length buckets (docs/feed.md, docs/scaling.md "Long agent trajectories kept"): micro-batches
-    # of 16 rows (one per batch shard) of one of five compiled row lengths, within today's
-    # 50.3M token slots per step. A 180k +- 20% trajectory over 192k no longer rejects its group
-    # (one row of 192k did: 7% of groups trained whole), and short ones pack several to a row.
-    # scripts/bench_feed.py: 100% whole, 13% padding (log-normal, mean 180k); 100%, 8% (47k ->
-    # 114k growth).
-    f.buckets = (65_536, 131_072, 196_608, 262_144, 327_680)
-    f.bucket_rows = 16
-    f.tokens_per_batch = 16 * 16 * 196_608   # 50.3M token slots per step
-    f.rows_per_batch = 0              # resolved from the buckets (their static arrays)
-    f.seq_len = 327_680               # the largest bucket
-    f.max_traj_tokens = 327_680       # longer ones follow feed.overlong (reject: quarantined)
-    f.max_trajectories = 256          # T: 32 groups x 8
-    f.groups_per_batch = 32           # G: the RL batch (docs/scaling.md, "An RL batch")
+    # The RL batch and its length buckets are flash_310b_256k's (written once, in its feed section).
+    long = load_config_file(str(pathlib.Path(__file__).with_name("flash_310b_256k.py")))
+    c.feed = long.feed
+    c.loss.max_response_len = long.loss.max_response_len
+    c.train.micro_batches = long.train.micro_batches
     return c

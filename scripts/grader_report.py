@@ -24,7 +24,6 @@ LLM grader's `module:grader`) is optional.
 import argparse
 import dataclasses
 import importlib
-import itertools
 import os
 import random
 import sys
@@ -51,13 +50,11 @@ def load(spec):
 
 
 def kendall_tau(a, b):
-    """Kendall's tau-a between two orders of the same items (lists of ids, best first)."""
-    pa, pb = {x: i for i, x in enumerate(a)}, {x: i for i, x in enumerate(b)}
-    pairs = list(itertools.combinations(a, 2))
-    if not pairs:
-        return 1.0
-    s = sum(np.sign(pa[x] - pa[y]) * np.sign(pb[x] - pb[y]) for x, y in pairs)
-    return float(s / len(pairs))
+    """Kendall's tau between two orders of the same items (lists of ids, best first): the
+    judge answer's tau-b (`answer.kendall_tau`) on one tier ranked 0, 1, ... (no ties: tau-a)."""
+    as_ranking = lambda order: [{"trajectory_id": x, "tier": "strong", "rank": i}
+                                for i, x in enumerate(order)]
+    return judge_answer.kendall_tau(as_ranking(a), as_ranking(b))
 
 
 def ranked(answer):

@@ -1,21 +1,13 @@
 """scripts/grader_report.py's measures, checked by hand: Kendall's tau and the factor table's
 sensitivity on the learner's advantages (lambda = min(k / sum f, cap))."""
-import importlib.util
-import os
-
+import grader_report  # scripts/grader_report.py (pytest puts scripts/ on the path)
 import numpy as np
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def report():
-    spec = importlib.util.spec_from_file_location(
-        "grader_report", os.path.join(REPO, "scripts", "grader_report.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return grader_report
 
 
 def test_kendall_tau_by_hand(report):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from types import SimpleNamespace as NS
 
+import miniature  # scripts/miniature.py (pytest puts scripts/ on the path)
 import numpy as np
 from support.paths import REPO
 from support.xla_flags import cpu_flags
@@ -32,15 +33,6 @@ def _env():
     env["PYTHONPATH"] = REPO
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return env
-
-
-def _script():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "miniature_script", os.path.join(REPO, "scripts", "miniature.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _quick(out):
@@ -115,7 +107,7 @@ def test_quick_sweep_runs_every_arm_saves_and_resumes(tmp_path, capsys):
     # interpreter and a JAX start.
     os.remove(os.path.join(out, "table.md"))
     capsys.readouterr()
-    assert _script().main(["--quick-long", "--out", out]) == 0
+    assert miniature.main(["--quick-long", "--out", out]) == 0
     stdout = capsys.readouterr().out
     assert stdout.count("skip ") == len(ARMS) and "saved " not in stdout
     assert "resume check" not in stdout and os.path.exists(os.path.join(out, "table.md"))
@@ -198,7 +190,7 @@ def test_last_window_averages_the_last_10_steps_without_the_final_evaluation():
 
 
 def test_bad_factor_table_is_one_clear_error(capsys):
-    mod = _script()
+    mod = miniature
     for bad in ("defective=2", "bogus=0.5", "strong_best"):
         try:
             mod.main(["--factor-table", bad, "--report", "--out", "/nonexistent"])

@@ -3,15 +3,14 @@ control's advantages against their definition, the zero-gradient argument on the
 against a NumPy formula, and the `--quick` run (resumable, reported).
 """
 import dataclasses
-import importlib.util
 import json
 import os
 
 import jax
 import jax.numpy as jnp
+import miniature_tabular  # scripts/miniature_tabular.py (pytest puts scripts/ on the path)
 import numpy as np
 import pytest
-from support.paths import REPO
 
 from gagar_jax import grading
 from gagar_jax.sim import tabular, tabular_report
@@ -98,18 +97,10 @@ def test_initial_policy_matches_the_design():
     assert keep.tolist() == [[True, True, True, False]]
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location(
-        "miniature_tabular", os.path.join(REPO, "scripts", "miniature_tabular.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tabA") / "out")
-    assert _script().main(["--quick", "--out", out]) == 0
+    assert miniature_tabular.main(["--quick", "--out", out]) == 0
     return out
 
 
@@ -141,7 +132,7 @@ def test_quick_writes_every_run_the_report_and_the_plots(quick):
     # --report rebuilds the same tables from the CSV alone (the plots above are the same code).
     before = open(os.path.join(quick, "criteria.md")).read()
     os.remove(os.path.join(quick, "criteria.md"))
-    assert _script().main(["--report", "--no-plots", "--out", quick]) == 0
+    assert miniature_tabular.main(["--report", "--no-plots", "--out", quick]) == 0
     assert open(os.path.join(quick, "criteria.md")).read() == before
 
 
@@ -157,5 +148,5 @@ def test_a_run_resumes_from_its_last_chunk_exactly(tmp_path):
 
 
 def test_unknown_optimizer_is_one_clear_error(capsys):
-    assert _script().main(["--quick", "--optimizers", "rmsprop"]) == 2
+    assert miniature_tabular.main(["--quick", "--optimizers", "rmsprop"]) == 2
     assert "--optimizers" in capsys.readouterr().err

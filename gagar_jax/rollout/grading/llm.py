@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import os
 import random
 from collections.abc import Callable, Sequence
@@ -103,13 +104,9 @@ def orderings(ids: Sequence[str], k: int, seed: int) -> list:
     while len(out) < k:
         order = base[:]
         rng.shuffle(order)
-        if tuple(order) not in out or len(set(out)) >= _factorial(len(base)):
+        if tuple(order) not in out or len(set(out)) >= math.factorial(len(base)):
             out.append(tuple(order))
     return out
-
-
-def _factorial(n: int) -> int:
-    return 1 if n <= 1 else n * _factorial(n - 1)
 
 
 class LLMGrader:
