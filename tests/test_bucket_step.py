@@ -175,3 +175,35 @@ def test_bucketed_step_equals_the_one_length_step(tmp_path, tiny_config):
     assert float(m1.tokens) == float(m0.tokens) > 0
     for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True):
         assert_rel_close(b, a)
+
+
+@pytest.mark.parametrize("overlong", ["reject", "drop"])
+@pytest.mark.parametrize("cfg", [BUCKETED, FeedConfig(rows_per_batch=4, seq_len=256,
+                                                      max_trajectories=24, groups_per_batch=2,
+                                                      max_traj_tokens=128, max_staleness=10**9)],
+                         ids=["buckets", "rows"])
+def test_bucket_figures_form_the_steps_the_feed_forms(tmp_path, cfg, overlong):
+    """`bucket_figures.simulate` re-implements the feed's step formation on lengths alone (the
+    real feed cannot hold the 256k configs' groups): on groups the feed can hold, its figures
+    are the feed's own, step by step (the last, partial step left out, as simulate does)."""
+    cfg = dataclasses.replace(cfg, overlong=overlong)
+    spec = synthetic.SyntheticSpec(min_group=4, max_group=4, min_len=10, max_len=150,
+                                   p_uniform=0.0, p_infra=0.0, p_hacked=0.0, p_grading_failed=0.0,
+                                   p_routed=0.0, groups_per_step=10**9)
+    groups = synthetic.make_groups(24, seed=5, spec=spec)
+    lengths = np.array([[len(t.tokens) for t in g.trajectories] for g in groups])
+    assert (lengths > cfg.max_traj_tokens).any(axis=1).sum() >= 2     # the policy is exercised
+    feed = Feed(cfg, tmp_path, **MODEL, source=IteratorSource(groups), log=lambda _: None)
+    infos = []
+    while (item := feed.next_batch(0)) is not None:
+        infos.append(item[1])
+    ledger = feed.finish()
+    want = bucket_figures.simulate(cfg, lengths)
+    counted = infos[:-1]
+    assert (want.trained, want.quarantined) == (ledger.trained, ledger.quarantined)
+    # whole: trained with every trajectory uncut and in the loss (drop trains the others too)
+    assert want.whole == (lengths <= cfg.max_traj_tokens).all(axis=1).sum()
+    assert want.steps == len(counted)
+    assert want.step_groups == sum(i.num_groups for i in counted)
+    assert want.tokens == sum(i.num_tokens for i in counted)
+    assert want.slots == sum(i.token_slots for i in counted)
