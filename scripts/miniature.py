@@ -52,6 +52,10 @@ def _args(argv=None):
     p.add_argument("--criteria-b", default="", metavar="EXACT_OUT",
                    help="with --report on Design B's top-p OUT: also write OUT/criteria_b.md "
                         "(round three's B1-B3) using the pair without top-p in EXACT_OUT")
+    p.add_argument("--criteria-long", default="", metavar="EXACT_OUT",
+                   help="with --report on B-long's top-p OUT: write OUT/criteria_long.md "
+                        "(round four's L1-L5) using the untruncated runs in EXACT_OUT, and no "
+                        "round-two criteria.md")
     p.add_argument("--workdir", default=os.path.join(REPO, "runs", "miniature"))
     p.add_argument("--out", default=os.path.join(REPO, "docs", "miniature"), help="sweep output")
     p.add_argument("--task", default="hard", choices=("hard", "easy", "easy-notes"),
@@ -346,13 +350,26 @@ def load_runs(out: str) -> dict:
     return runs
 
 
-def write_report(out: str) -> str:
-    """table.md, per-step CSV, PNGs and criteria.md from OUT/runs/*.json."""
+def write_report(out: str, with_criteria: bool = True) -> str:
+    """table.md, per-step CSV, PNGs and (round two's) criteria.md from OUT/runs/*.json."""
     from gagar_jax.sim import report
     runs = load_runs(out)
     if not runs:
         return "no finished runs"
-    return report.write_all(runs, out)
+    return report.write_all(runs, out, with_criteria)
+
+
+def write_criteria_long(out: str, exact_out: str) -> str:
+    """OUT/criteria_long.md: round four's B-long predictions L1-L5 from OUT (top-p) and
+    EXACT_OUT (untruncated) runs."""
+    from gagar_jax.sim import report
+    rows = report.criteria_long(load_runs(out), load_runs(exact_out))
+    text = ("| prediction | met | evidence (steps 110-119 unless named; mean over seeds, paired "
+            "95% t-CI) |\n|---|---|---|\n")
+    text += "".join(f"| {n} | {v} | {ev} |\n" for n, v, ev in rows)
+    with open(os.path.join(out, "criteria_long.md"), "w") as f:
+        f.write(text)
+    return text
 
 
 def write_criteria_b(out: str, exact_out: str) -> str:
@@ -444,9 +461,11 @@ def _main(a) -> int:
     if a.closed_loop:
         return closed_loop(a)
     if a.report:
-        print(write_report(a.out))
+        print(write_report(a.out, with_criteria=not a.criteria_long))
         if a.criteria_b:
             print(write_criteria_b(a.out, a.criteria_b))
+        if a.criteria_long:
+            print(write_criteria_long(a.out, a.criteria_long))
         return 0
     if a.calibrate:
         calibrate(a)

@@ -216,3 +216,43 @@ def test_design_b_criteria_by_hand():
     assert [ok for _, ok, _ in got] == [True, False, True]
     assert got[1][2] == "+0.0300, 1 seed(s)"
     assert [ok for _, ok, _ in report.criteria_b({}, {})] == [False, False, False]
+
+
+def test_criteria_long_by_hand():
+    """Round four's L1-L5 on runs built by hand: 3 seeds, 120 steps, the window = steps 110-119
+    (row 120 is the final evaluation)."""
+    def run(e_win, net=-0.1, tokens=18.0, turns=2.0, credit=(1.0, 1.0), final_pass=0.6):
+        rows = [_row(0, train_entropy_note=1.0, net_credit_per_traj=net, train_mean_generated=10.0,
+                     train_mean_turns=2.0, token_net_credit=credit[0],
+                     token_outcome_credit=credit[1])]
+        rows += [_row(t, train_entropy_note=1.0 if t < 110 else e_win, net_credit_per_traj=net,
+                      train_mean_generated=tokens, train_mean_turns=turns,
+                      token_net_credit=credit[0], token_outcome_credit=credit[1])
+                 for t in range(1, 120)]
+        return rows + [_row(120, heldout_true_pass_rate=final_pass)]
+
+    def runs(**arms):
+        return {f"{a}/{s}": rows for a, per_seed in arms.items() for s, rows in enumerate(per_seed)}
+    topp = runs(downweight_only=[run(1.45, tokens=20.0), run(1.5, tokens=20.5),
+                                 run(1.55, tokens=21.0)],
+                sum_preserving=[run(1.0, credit=(1.4, 1.0), final_pass=0.62)] * 3,
+                length_aware=[run(1.02, final_pass=0.6)] * 3)
+    exact = runs(downweight_only=[run(1.02)] * 3, sum_preserving=[run(1.0)] * 3)
+    got = {name[:2]: (v, ev) for name, v, ev in report.criteria_long(topp, exact)}
+    # L1: differences 0.45, 0.5, 0.55: mean 0.5, t-interval 0.5 +- 4.303 x 0.05 / sqrt(3).
+    assert got["L1"][0] == "yes" and "+0.500 [+0.376, +0.624]" in got["L1"][1]
+    assert got["L2"][0] == "yes" and got["L2"][1].startswith("+0.020")
+    assert got["L3"][0] == "yes" and "downweight_only +0.500, sum_preserving +0.000" in got["L3"][1]
+    # L4: tokens +2.5 [CI above 0] but turns equal: not met.
+    assert got["L4"][0] == "no" and "train_mean_generated +2.500" in got["L4"][1]
+    assert got["L5"][0] == "yes" and "INV-1W holds, sum_preserving differs" in got["L5"][1]
+    assert "pass rate -0.020" in got["L5"][1]
+    # L3's condition: a net credit above -0.05 over the window makes it "not tested".
+    topp["downweight_only/0"] = run(1.45, net=0.0)
+    topp["downweight_only/1"] = run(1.5, net=0.0)
+    got = {name[:2]: v for name, v, _ in report.criteria_long(topp, exact)}
+    assert got["L3"] == "not tested"
+    # A broken INV-1W in length_aware fails L5; missing arms are reported, not guessed.
+    topp["length_aware/1"] = run(1.02, credit=(1.1, 1.0))
+    assert [v for n, v, _ in report.criteria_long(topp, exact) if n.startswith("L5")] == ["no"]
+    assert report.criteria_long({}, {})[0][1] == "missing runs"

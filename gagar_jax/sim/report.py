@@ -245,13 +245,15 @@ def plot(runs: dict, out_dir: str) -> list:
     return [path]
 
 
-def write_all(runs: dict, out: str) -> str:
+def write_all(runs: dict, out: str, with_criteria: bool = True) -> str:
+    """table.md, steps.csv, curves.png and (`with_criteria`: round two's) criteria.md."""
     os.makedirs(out, exist_ok=True)
-    table, crit = markdown_table(runs), criteria_markdown(runs)
+    table, crit = markdown_table(runs), criteria_markdown(runs) if with_criteria else ""
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(table)
-    with open(os.path.join(out, "criteria.md"), "w") as f:
-        f.write(crit)
+    if with_criteria:
+        with open(os.path.join(out, "criteria.md"), "w") as f:
+            f.write(crit)
     write_csv(runs, os.path.join(out, "steps.csv"))
     plot(runs, out)
     return table + "\n" + crit
@@ -288,4 +290,73 @@ def criteria_b(topp: dict, exact: dict) -> list:
                     f"{mc:+.4f} [{lo:+.4f}, {hi:+.4f}] vs downweight_only {md:+.4f}"))
     else:
         out.append(("B3 top-p: control - sum_preserving", False, "missing runs"))
+    return out
+
+
+def _window_change(rows: list, key: str) -> float:
+    """`key` over the last-10-steps window minus its step-0 value."""
+    return last_window(rows, key) - series(rows, key)[0]
+
+
+def _credit_equal(rows: list, tol: float = 1e-3) -> bool:
+    """Whether the token-weighted credit equals the outcome advantages' at every trained step
+    (INV-1W), within `tol` relative to the outcome credit's size (at least 1)."""
+    a, b = series(rows, "token_net_credit"), series(rows, "token_outcome_credit")
+    ok = np.isfinite(a) & np.isfinite(b)
+    return bool(ok.any() and np.all(np.abs(a[ok] - b[ok]) <= tol * np.maximum(1, np.abs(b[ok]))))
+
+
+def criteria_long(topp: dict, exact: dict) -> list:
+    """Round four's B-long predictions L1-L5 (docs/miniature.md, pre-registered): `topp` and
+    `exact` are the runs with top-p 0.9 and untruncated. List of (name, verdict, evidence),
+    verdict "yes", "no", "not tested" (L3, when its net-credit condition does not hold) or
+    "missing runs"."""
+    e, dw, sp, la = "train_entropy_note", "downweight_only", "sum_preserving", "length_aware"
+    t, x = by_arm(topp), by_arm(exact)
+    yes = lambda ok: "yes" if ok else "no"
+    ci = lambda m, lo, hi: f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+    out = []
+    have = {dw, sp} <= set(t)
+    if have:
+        d = _paired(t, dw, sp, e, last_window)
+        m, lo, hi = t_ci(d.values())
+        out.append(("L1 top-p: downweight_only - sum_preserving E_note >= +0.3, CI above 0",
+                    yes(m >= 0.3 and lo > 0), f"{ci(m, lo, hi)}, {len(d)} seeds"))
+    if {dw, sp} <= set(x):
+        d = _paired(x, dw, sp, e, last_window)
+        m, lo, hi = t_ci(d.values())
+        out.append(("L2 untruncated: downweight_only - sum_preserving E_note <= +0.05",
+                    yes(m <= 0.05), f"{ci(m, lo, hi)}, {len(d)} seeds"))
+    if have:
+        rise = np.mean([_window_change(r, e) for r in t[dw].values()])
+        rise_sp = np.mean([_window_change(r, e) for r in t[sp].values()])
+        net = np.mean([last_window(r, "net_credit_per_traj") for r in t[dw].values()])
+        verdict = ("not tested" if not net <= -0.05
+                   else yes(rise >= 0.1 and rise_sp < 0.1))
+        out.append(("L3 top-p: downweight_only E_note window - step 0 >= +0.1 with net credit "
+                    "<= -0.05; sum_preserving's < +0.1", verdict,
+                    f"downweight_only {rise:+.3f}, sum_preserving {rise_sp:+.3f}; net credit "
+                    f"per trajectory over the window {net:+.4f}"))
+        ev, ok = [], True
+        for key in ("train_mean_generated", "train_mean_turns"):
+            m, lo, hi = t_ci(_paired(t, dw, sp, key, last_window).values())
+            ok &= bool(m > 0 and lo > 0)
+            ev.append(f"{key} {ci(m, lo, hi)}")
+        out.append(("L4 top-p: downweight_only - sum_preserving length (tokens and turns) > 0, "
+                    "CI above 0", yes(ok), "; ".join(ev)))
+    if {la, sp} <= set(t):
+        inv = all(_credit_equal(r) for r in t[la].values())
+        sp_differs = any(not _credit_equal(r) for r in t[sp].values())
+        m, lo, hi = t_ci(_paired(t, la, sp, e, last_window).values())
+        final = lambda rows, key: series(rows, key)[-1]
+        p = np.mean(list(_paired(t, la, sp, "heldout_true_pass_rate", final).values()))
+        out.append(("L5 length_aware: token credit = outcome credit every step (sum_preserving's "
+                    "differs); E_note - sum_preserving in [-0.05, +0.1]; held-out true pass rate "
+                    "at the last step within +-0.05", yes(inv and sp_differs and -0.05 <= m <= 0.1
+                                                          and abs(p) <= 0.05),
+                    f"INV-1W {'holds' if inv else 'broken'}, sum_preserving "
+                    f"{'differs' if sp_differs else 'equal'}; E_note {ci(m, lo, hi)}; "
+                    f"pass rate {p:+.3f}"))
+    if not out:
+        out.append(("L1-L5", "missing runs", "no pair of arms present"))
     return out
