@@ -351,12 +351,14 @@ def load_runs(out: str) -> dict:
 
 
 def write_report(out: str, with_criteria: bool = True) -> str:
-    """table.md, per-step CSV, PNGs and (round two's) criteria.md from OUT/runs/*.json."""
+    """table.md, per-step CSV, PNGs and (round two's) criteria.md from OUT/runs/*.json; without
+    the criteria (B-long), the plots are round four's panels (credit per token among them)."""
     from gagar_jax.sim import report
     runs = load_runs(out)
     if not runs:
         return "no finished runs"
-    return report.write_all(runs, out, with_criteria)
+    panels = report.PANELS if with_criteria else report.LONG_PANELS
+    return report.write_all(runs, out, with_criteria, panels)
 
 
 def write_criteria_long(out: str, exact_out: str) -> str:

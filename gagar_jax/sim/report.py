@@ -38,7 +38,7 @@ METRICS = (
     ("clip_frac_high", "clip fraction (high)", "{:.4f}"),
 )
 ARM_COLORS = {"binary": "tab:gray", "downweight_only": "tab:red", "sum_preserving": "tab:blue",
-              "control": "tab:orange"}
+              "control": "tab:orange", "length_aware": "tab:green"}
 WINDOW = 10          # "the last 10 steps"
 
 
@@ -215,16 +215,24 @@ PANELS = (("train_entropy", "entropy, own samples"), ("train_entropy_note", "not
           ("train_mean_generated", "mean length (tokens)"), ("train_timeout_rate", "timeout rate"),
           ("net_credit_per_seq", "net credit per sequence"),
           ("heldout_strong_share", "held-out strong share"))
+# Round four's B-long: entropy, credit per trajectory and per token, length, the factors.
+LONG_PANELS = (("train_entropy", "entropy, own samples"),
+               ("train_entropy_note", "note-token entropy"),
+               ("train_mean_generated", "mean length (tokens)"),
+               ("net_credit_per_traj", "net credit per trajectory"),
+               ("token_net_frac", "net credit per token (token_net_frac)"),
+               ("fbar", "mean pass factor f_bar"))
 
 
-def plot(runs: dict, out_dir: str) -> list:
-    """curves.png: per arm the mean over seeds (line) and the seed range (band)."""
+def plot(runs: dict, out_dir: str, panels: tuple = PANELS) -> list:
+    """curves.png: per arm the mean over seeds (line) and the seed range (band), one panel per
+    (row key, title) of `panels` (six)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     arms = by_arm(runs)
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for ax, (key, title) in zip(axes.flat, PANELS, strict=False):
+    for ax, (key, title) in zip(axes.flat, panels, strict=False):
         for arm, seeds in arms.items():
             ys = np.stack([series(r, key) for r in seeds.values()])
             x = np.arange(ys.shape[1])
@@ -245,8 +253,9 @@ def plot(runs: dict, out_dir: str) -> list:
     return [path]
 
 
-def write_all(runs: dict, out: str, with_criteria: bool = True) -> str:
-    """table.md, steps.csv, curves.png and (`with_criteria`: round two's) criteria.md."""
+def write_all(runs: dict, out: str, with_criteria: bool = True, panels: tuple = PANELS) -> str:
+    """table.md, steps.csv, curves.png (`panels`) and (`with_criteria`: round two's)
+    criteria.md."""
     os.makedirs(out, exist_ok=True)
     table, crit = markdown_table(runs), criteria_markdown(runs) if with_criteria else ""
     with open(os.path.join(out, "table.md"), "w") as f:
@@ -255,7 +264,7 @@ def write_all(runs: dict, out: str, with_criteria: bool = True) -> str:
         with open(os.path.join(out, "criteria.md"), "w") as f:
             f.write(crit)
     write_csv(runs, os.path.join(out, "steps.csv"))
-    plot(runs, out)
+    plot(runs, out, panels)
     return table + "\n" + crit
 
 
