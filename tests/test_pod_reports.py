@@ -8,7 +8,7 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-POD_REPORTS = ("flash_310b_v5p_8x8x8",)
+POD_REPORTS = ("flash_310b_v5p_8x8x8", "pro_1t_v5p_8x8x16")
 GIB = 2**30
 TOLERANCE = GIB // 2   # issue 41 item 4: the rows sum to the compiled total within 0.5 GiB
 
