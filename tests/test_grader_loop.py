@@ -62,7 +62,11 @@ def get_config():
 WORKER = ("--engine=support.repo_replay:make_mixed_engine",
           "--env=gagar_jax.rollout.envs.repo:make_env", "--tasks=gagar_jax.rollout.envs.repo:tasks",
           "--n=3", "--max-turns=4", "--max-tokens=4096", "--max-model-len=16384", "--no-routing",
-          "--grader-workers=2", "--concurrent-groups=2", "--tool-timeout-s=30", "--stall-s=120")
+          "--grader-workers=2", "--concurrent-groups=2", "--tool-timeout-s=30", "--stall-s=120",
+          # no per-version cap (the loop's default waits after 2 mixed groups per version): the
+          # sandboxed verdicts are the bottleneck here, so the worker never idles while the
+          # learner compiles its first step
+          "--mixed-per-version=0", "--groups-per-version=0")
 
 
 def test_closed_loop_with_the_heuristic_grader_pool_on_repository_tasks(tmp_path, monkeypatch):
