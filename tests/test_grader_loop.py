@@ -29,17 +29,29 @@ TASKS = ("epoch_batches", "find_emails", "leap_years", "version_compare")
 HEURISTIC = "gagar_jax.rollout.grading.heuristic:grader"
 # configs/tiny_agent.py for the repository tasks: the byte tokenizer's 257 ids, trajectories of
 # up to ~2.3k tokens (four tasks with short fixes) one per row, one mixed group of 3 per step,
-# the Gagar credit
+# the Gagar credit. Made cheap for the test (each step was ~4.5 s, now ~1.1 s; docs/grader.md):
+# one layer, one head of 32, attention blocks of 512 (blocks of 64 cost 40 x 40 loop trips per
+# row), and no recomputed old log-probs (one forward less: the scripted agent's log-probs are
+# not the model's, so there is no rollout mismatch to correct; R3 routes the learner itself).
 CONFIG = '''from gagar_jax.config import load_config_file
 
 
 def get_config():
     c = load_config_file({base!r})
-    c.model.vocab_size = 257
-    c.loss.mode = "sum_preserving"
-    c.loss.max_response_len = 1024
+    m = c.model
+    m.vocab_size = 257
+    m.num_layers = 1
+    m.num_heads = 1
+    m.head_dim = 32
+    m.attention = "blockwise"   # plain: 5x slower at 4k tokens on CPU, 4.7 GB
+    m.attn_block = 512
+    lo = c.loss
+    lo.mode = "sum_preserving"
+    lo.max_response_len = 1024
+    lo.recompute_old_logprobs = False
+    lo.rollout_is = None
+    lo.routing_replay = "r3"
     f = c.feed
-    c.model.attention = "blockwise"   # plain: 5x slower at 4k tokens on CPU, 4.7 GB
     f.seq_len = f.max_traj_tokens = 2560
     f.rows_per_batch = f.max_trajectories = 3
     f.groups_per_batch = 1
@@ -50,7 +62,11 @@ def get_config():
 WORKER = ("--engine=support.repo_replay:make_mixed_engine",
           "--env=gagar_jax.rollout.envs.repo:make_env", "--tasks=gagar_jax.rollout.envs.repo:tasks",
           "--n=3", "--max-turns=4", "--max-tokens=4096", "--max-model-len=16384", "--no-routing",
-          "--grader-workers=2", "--concurrent-groups=2", "--tool-timeout-s=30", "--stall-s=120")
+          "--grader-workers=2", "--concurrent-groups=2", "--tool-timeout-s=30", "--stall-s=120",
+          # no per-version cap (the loop's default waits after 2 mixed groups per version): the
+          # sandboxed verdicts are the bottleneck here, so the worker never idles while the
+          # learner compiles its first step
+          "--mixed-per-version=0", "--groups-per-version=0")
 
 
 def test_closed_loop_with_the_heuristic_grader_pool_on_repository_tasks(tmp_path, monkeypatch):

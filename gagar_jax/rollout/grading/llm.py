@@ -13,6 +13,8 @@ are aggregated by Borda (`answer.borda`); Kendall's tau of each ordering against
 the mean over pairs, go into the grading evidence with the prompts' sizes and cuts. Any failure (an
 answer still invalid, a timeout of the whole group `timeout_s`, the endpoint or engine raising)
 gives `status: failed` with the reason (`base.grade_workspace`): the learner's binary fallback.
+With `tools=judge_tools.ToolConfig()` (off by default) the judge may first read candidates' files
+and rerun their visible tests in the agents' sandbox (`judge_tools.py`, a bounded number of turns).
 
 The judge is configured on its own, never the policy by default: `--grader
 gagar_jax.rollout.grading.llm:grader` builds it from the environment (`from_env`): a URL
@@ -33,7 +35,7 @@ from typing import Protocol
 
 from gagar_jax.rollout.engine import Engine, EngineOptions, Request, SamplingSpec
 from gagar_jax.rollout.envs.tokenizer import Tokenizer
-from gagar_jax.rollout.grading import answer, http_client, prompt
+from gagar_jax.rollout.grading import answer, http_client, judge_tools, prompt
 from gagar_jax.rollout.grading.base import GroupGrade, as_grader_fn
 from gagar_jax.rollout.grading.workspace import GroupWorkspace
 
@@ -121,15 +123,18 @@ class LLMGrader:
       timeout_s: the whole group's grading (0 = none): past it, status failed.
       seed: the shuffled orderings' seed.
       name: the grader's name in the evidence.
+      tools: `judge_tools.ToolConfig` to let the judge read candidates' files and rerun their
+        visible tests before answering (None, the default: no tools).
     """
 
     def __init__(self, judge: Judge, *, orderings: int = 3, retries: int = 2, budget: int = 6000,
-                 timeout_s: float = 0.0, seed: int = 0, name: str = "llm"):
+                 timeout_s: float = 0.0, seed: int = 0, name: str = "llm",
+                 tools: judge_tools.ToolConfig | None = None):
         if orderings < 1 or retries < 0:
             raise ValueError(f"orderings must be >= 1 and retries >= 0, got {orderings}, "
                              f"{retries}")
         self.judge, self.k, self.retries, self.budget = judge, orderings, retries, budget
-        self.timeout_s, self.seed, self.name = timeout_s, seed, name
+        self.timeout_s, self.seed, self.name, self.tools = timeout_s, seed, name, tools
 
     def grade(self, ws: GroupWorkspace) -> GroupGrade:
         """Ranks `ws.passing()` (see the module docstring); raises on failure."""
@@ -150,20 +155,25 @@ class LLMGrader:
             return GroupGrade([{"trajectory_id": t, "tier": "strong", "rank": 0} for t in ids],
                               evidence={"grader": self.name, "judge_calls": 0})
         rankings, prompts, asks = [], [], 0
+        session = judge_tools.ToolSession(ws, self.tools, self.judge.count) if self.tools else None
         for order in orderings(ids, self.k, self.seed):
             schema = answer.answer_schema(order)         # entries in the order shown
             r = prompt.render(ws, order, self.budget, self.judge.count)
             prompts.append({"order": list(order), "tokens": r.tokens, "cuts": list(r.cuts)})
-            messages, errors = list(r.messages), []
-            for _ in range(self.retries + 1):
-                asks += 1
-                raw = self.judge.ask(messages, schema)
+            messages, errors, convo = list(r.messages), [], list(r.messages)
+            for attempt in range(self.retries + 1):
+                if session is not None and attempt == 0:     # tool turns, then the answer
+                    raw, convo, n = judge_tools.converse(self.judge, messages, schema, session)
+                    asks += n
+                else:
+                    asks += 1
+                    raw = self.judge.ask(messages, schema)
                 try:
                     rankings.append(answer.parse_answer(raw, ids, renumber=True))
                     break
                 except ValueError as e:
                     errors.append(str(e)[:300])
-                    messages = r.messages + [
+                    messages = convo + [
                         {"role": "assistant", "content": raw[:2000]},
                         {"role": "user", "content": f"That answer is invalid: {e}. Answer again "
                                                     "with the JSON object only."}]
@@ -178,7 +188,16 @@ class LLMGrader:
         evidence = {"grader": self.name, "judge_calls": asks, "orderings": prompts,
                     "rankings": rankings, "kendall_tau_to_borda": taus,
                     "kendall_tau_pairs_mean": sum(pairs) / len(pairs) if pairs else 1.0}
+        if session is not None:
+            evidence["tools"] = session.log
         return GroupGrade(final, evidence=evidence)
+
+
+def _context(opts: dict, max_tokens: int) -> int:
+    """The judge's context: the prompt, its answers and, with tools, the tool turns."""
+    t = opts.get("tools")
+    extra = 0 if t is None else t.budget + (t.max_turns + 1) * (max_tokens + 32)
+    return opts["budget"] + max_tokens + 64 + extra
 
 
 def from_env(env: dict | None = None) -> LLMGrader:
@@ -193,6 +212,10 @@ def from_env(env: dict | None = None) -> LLMGrader:
             "retries": int(env.get("GAGAR_JUDGE_RETRIES", 2)),
             "budget": int(env.get("GAGAR_JUDGE_BUDGET", 6000)),
             "timeout_s": float(env.get("GAGAR_JUDGE_TIMEOUT_S", 900))}
+    if env.get("GAGAR_JUDGE_TOOLS", "0") not in ("", "0"):
+        opts["tools"] = judge_tools.ToolConfig(
+            max_turns=int(env.get("GAGAR_JUDGE_TOOL_TURNS", 4)),
+            budget=int(env.get("GAGAR_JUDGE_TOOL_BUDGET", 4000)))
     max_tokens = int(env.get("GAGAR_JUDGE_MAX_TOKENS", 512))
     if env.get("GAGAR_JUDGE_URL"):
         judge = HTTPJudge(env["GAGAR_JUDGE_URL"], env.get("GAGAR_JUDGE_MODEL", ""),
@@ -204,8 +227,8 @@ def from_env(env: dict | None = None) -> LLMGrader:
         if not env.get("GAGAR_JUDGE_PATH"):
             raise ValueError("GAGAR_JUDGE_ENGINE needs GAGAR_JUDGE_PATH (the judge's weights)")
         engine = load_callable(env["GAGAR_JUDGE_ENGINE"], "GAGAR_JUDGE_ENGINE")(
-            env["GAGAR_JUDGE_PATH"], EngineOptions(max_model_len=opts["budget"] + max_tokens
-                                                   + 64, routing=False))
+            env["GAGAR_JUDGE_PATH"], EngineOptions(max_model_len=_context(opts, max_tokens),
+                                                   routing=False))
         tok = load_tokenizer(env.get("GAGAR_JUDGE_TOKENIZER", ""), load_callable)
         judge = EngineJudge(engine, tok, max_tokens=max_tokens)
     else:
