@@ -365,22 +365,25 @@ def write_criteria_long(out: str, exact_out: str) -> str:
     """OUT/criteria_long.md: round four's B-long predictions L1-L5 from OUT (top-p) and
     EXACT_OUT (untruncated) runs."""
     from gagar_jax.sim import report
-    rows = report.criteria_long(load_runs(out), load_runs(exact_out))
-    text = ("| prediction | met | evidence (steps 110-119 unless named; mean over seeds, paired "
-            "95% t-CI) |\n|---|---|---|\n")
-    text += "".join(f"| {n} | {v} | {ev} |\n" for n, v, ev in rows)
-    with open(os.path.join(out, "criteria_long.md"), "w") as f:
-        f.write(text)
-    return text
+    return _write_checks(os.path.join(out, "criteria_long.md"),
+                         "| prediction | met | evidence (steps 110-119 unless named; mean over "
+                         "seeds, paired 95% t-CI) |",
+                         report.criteria_long(load_runs(out), load_runs(exact_out)))
 
 
 def write_criteria_b(out: str, exact_out: str) -> str:
     """OUT/criteria_b.md: Design B's checks from OUT (top-p) and EXACT_OUT (no top-p) runs."""
     from gagar_jax.sim import report
-    rows = report.criteria_b(load_runs(out), load_runs(exact_out))
-    text = "| criterion | met | evidence (steps 30-39; paired 95% t-CI) |\n|---|---|---|\n"
-    text += "".join(f"| {n} | {'yes' if ok else 'no'} | {ev} |\n" for n, ok, ev in rows)
-    with open(os.path.join(out, "criteria_b.md"), "w") as f:
+    rows = [(n, "yes" if ok else "no", ev)
+            for n, ok, ev in report.criteria_b(load_runs(out), load_runs(exact_out))]
+    return _write_checks(os.path.join(out, "criteria_b.md"),
+                         "| criterion | met | evidence (steps 30-39; paired 95% t-CI) |", rows)
+
+
+def _write_checks(path: str, header: str, rows: list) -> str:
+    """A markdown table of (check, verdict, evidence) rows under `header`, written to `path`."""
+    text = header + "\n|---|---|---|\n" + "".join(f"| {n} | {v} | {ev} |\n" for n, v, ev in rows)
+    with open(path, "w") as f:
         f.write(text)
     return text
 

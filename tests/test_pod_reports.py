@@ -6,15 +6,15 @@ import os
 import re
 
 import pytest
+from support.paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POD_REPORTS = ("flash_310b_v5p_8x8x8", "pro_1t_v5p_8x8x16")
 GIB = 2**30
 TOLERANCE = GIB // 2   # issue 41 item 4: the rows sum to the compiled total within 0.5 GiB
 
 
 def _load(name: str) -> dict:
-    with open(os.path.join(ROOT, "docs", "aot", name + ".json")) as f:
+    with open(os.path.join(REPO, "docs", "aot", name + ".json")) as f:
         return json.load(f)
 
 
@@ -71,7 +71,7 @@ def test_reports_are_one_clean_commit_that_the_docs_cite(reports):
     assert len(commits) == 1, commits
     commit = commits.pop()
     assert re.fullmatch(r"[0-9a-f]{7,40}", commit), f"not a clean tree: {commit!r}"
-    with open(os.path.join(ROOT, "docs", "scaling.md")) as f:
+    with open(os.path.join(REPO, "docs", "scaling.md")) as f:
         assert commit in f.read()
 
 
