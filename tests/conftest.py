@@ -65,19 +65,27 @@ def devices():
     return devs
 
 
-# The longest files first: `make test` runs two xdist workers with a file per worker
-# (--dist loadfile; the vLLM files below together), handed out in collection order, so a long
-# file collected last would run alone at the end.
+# The longest files first (longest-processing-time-first scheduling): `make test` runs two
+# xdist workers with a file per worker (--dist loadfile; the vLLM files below together), handed
+# out in collection order, so a long file collected last would run alone at the end. The order
+# is the files' pytest seconds in a fresh-clone `make test` (Zen 1, 2 cores, 2026-12-05), the
+# vLLM group first (its four files together, ~120 s). xdist itself would sort files by their
+# number of tests, which put the long files of one to three tests (the loops, the miniature, the
+# two-process trainers) last: pytest_xdist_make_scheduler turns that off.
 _LONG_FIRST = ("test_vllm.py", "test_engine_conformance.py", "test_sampler_vllm.py",
-               "test_agent_vllm.py", "test_miniature.py", "test_loop.py", "test_grader_loop.py",
-               "test_sampler_handover.py",
-               "test_colocated.py", "test_paged_sampler.py",
-               "test_train_step.py", "test_train.py", "test_train_mesh.py", "test_reliability.py",
-               "test_context.py", "test_published_versions.py", "test_policy_loss.py",
-               "test_checkpoint.py", "test_aot.py", "test_train_signals.py", "test_hf_mimo.py",
-               "test_experts.py", "test_bench_vs_transformers.py", "test_gcs.py",
-               "test_configs.py", "test_weights_io.py", "test_startup.py", "test_sim.py",
-               "test_advantage.py", "test_bench_device.py", "test_miniature_tabular.py")
+               "test_agent_vllm.py", "test_train_step.py", "test_miniature.py", "test_train.py",
+               "test_loop.py", "test_context.py", "test_train_mesh.py", "test_aot.py",
+               "test_grader_loop.py", "test_reliability.py", "test_advantage.py", "test_sim.py",
+               "test_policy_loss.py", "test_gcs.py", "test_hf_mimo.py", "test_configs.py",
+               "test_attention_splash.py", "test_colocated.py", "test_sampler.py",
+               "test_experts.py", "test_model.py", "test_miniature_tabular.py",
+               "test_published_versions.py", "test_ep_a2a.py", "test_weights_io.py",
+               "test_repo_env.py", "test_sampler_handover.py", "test_sharding.py",
+               "test_train_signals.py", "test_startup.py", "test_bench_vs_transformers.py",
+               "test_layout.py", "test_experts_megablox.py", "test_logprobs.py",
+               "test_profile_cpu_step.py", "test_attention.py", "test_bench_device.py",
+               "test_loss.py", "test_paged_sampler.py", "test_checkpoint.py",
+               "test_bucket_step.py", "test_feed_batcher.py", "test_agent_loop.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -98,6 +106,7 @@ VLLM_FILES = ("test_vllm.py", "test_engine_conformance.py", "test_sampler_vllm.p
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadfile":
         return None
+    config.option.loadscopereorder = False     # keep _LONG_FIRST's order (see above)
     from xdist.scheduler import LoadFileScheduling
 
     class VLLMFilesTogether(LoadFileScheduling):

@@ -178,11 +178,23 @@ def init_train_state(cfg: StepConfig, mesh: jax.sharding.Mesh,
     Returns:
       (state, graphdef, shardings) with `shardings` a TrainState of NamedShardings.
     """
+    init, graphdef, shardings = train_state_initializer(cfg, mesh)
+    return init(rng), graphdef, shardings
+
+
+def train_state_initializer(cfg: StepConfig, mesh: jax.sharding.Mesh
+                            ) -> tuple[Callable[[jax.Array], TrainState], nnx.GraphDef, TrainState]:
+    """`init_train_state` in two parts, for a caller that starts many runs of one config (the
+    miniature's arms and seeds): `init(rng)` is jitted once, so a later run neither traces nor
+    lowers it again. Returns (init, graphdef, shardings)."""
     abstract, graphdef = abstract_train_state(cfg, mesh)
     shardings = state_shardings(abstract, mesh, cfg)
-    with jax.set_mesh(mesh):
-        state = jax.jit(functools.partial(_init_state, cfg=cfg), out_shardings=shardings)(rng)
-    return state, graphdef, shardings
+    jitted = jax.jit(functools.partial(_init_state, cfg=cfg), out_shardings=shardings)
+
+    def init(rng: jax.Array) -> TrainState:
+        with jax.set_mesh(mesh):
+            return jitted(rng)
+    return init, graphdef, shardings
 
 
 # --------------------------------------------------------------------------- the step

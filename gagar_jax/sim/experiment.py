@@ -36,7 +36,7 @@ from gagar_jax.feed.packing import make_global_batch
 from gagar_jax.feed.sources import IteratorSource
 from gagar_jax.model.moe import RouterBias
 from gagar_jax.model.transformer import ModelConfig, Transformer
-from gagar_jax.run.step import StepConfig, TrainState, init_train_state, make_train_step
+from gagar_jax.run.step import StepConfig, TrainState, make_train_step, train_state_initializer
 from gagar_jax.sharding import batch_shardings, make_mesh
 from gagar_jax.sim import arms, demos, difficulty, measure, producer, resume
 from gagar_jax.sim import task as task_lib
@@ -124,6 +124,7 @@ class Learner:
         self.feed_table = table or grading.FactorTable()
         self.compiler_options = compiler_options
         self._steps: dict = {}      # mode -> (StepConfig, step_fn)
+        self._init = None           # (init, graphdef, shardings), built on the first run
 
     def step_config(self, mode: str) -> StepConfig:
         if mode not in MODES:
@@ -136,9 +137,12 @@ class Learner:
                    seed: int) -> tuple[TrainState, nnx.GraphDef, TrainState]:
         """A fresh TrainState holding (copies of) the warm-start weights; fresh Adam moments."""
         self.step_config(mode)   # validates the mode
-        # The state's structure does not depend on the advantage mode: one init compile for all.
-        state, graphdef, shardings = init_train_state(self.step_config("binary"), self.mesh,
-                                                      jax.random.key(seed))
+        # The state's structure does not depend on the advantage mode: one init program for
+        # every arm and seed, traced and compiled on the first run.
+        if self._init is None:
+            self._init = train_state_initializer(self.step_config("binary"), self.mesh)
+        init, graphdef, shardings = self._init
+        state = init(jax.random.key(seed))
         params = jax.device_put(warm.params, shardings.params)
         bias = jax.device_put(warm.router_bias, shardings.router_bias)
         return state.replace(params=params, router_bias=bias), graphdef, shardings
