@@ -15,6 +15,7 @@ import re
 
 import pytest
 from support.vllm_env import vllm_python
+from support.xla_flags import cpu_flags
 
 from gagar_jax.feed import schema
 from gagar_jax.run import loop_cli
@@ -27,7 +28,10 @@ def loop(tmp_path_factory):
     py = vllm_python()              # fails (never skips) without .venv-vllm
     wd = str(tmp_path_factory.mktemp("loop") / "run")
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    # The learner on one CPU device with the subprocesses' flags (not the suite's 8 fake devices
+    # at -O0 with the MLIR fusion emitters, which it would inherit): its compile is most of it.
+    with contextlib.redirect_stdout(out), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XLA_FLAGS", cpu_flags(1))
         # delta publishing (a full version every 3 publishes): the worker applies the chains
         code = loop_cli.main(["--workdir", wd, f"--steps={STEPS}", "--seed=0",
                               f"--vllm-python={py}", "--timeout-s=400",

@@ -5,6 +5,7 @@ import sys
 
 import profile_cpu_step
 from support.paths import REPO, TINY_CONFIG
+from support.xla_flags import FAST_COMPILE, cpu_flags
 
 
 def test_report_groups_by_call_count_and_names_shapes():
@@ -29,7 +30,9 @@ def test_report_groups_by_call_count_and_names_shapes():
 def test_tiny_trunk_is_traced():
     # A process of its own: the profiler crashes in a process that has loaded libtpu (the AOT
     # tests do, and pytest workers share processes between test files).
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # One CPU device with the subprocesses' flags, at -O0 (the step is compiled for one call):
+    # not the suite's 8 fake devices without the CPU-only flags, which it would inherit.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_flags(1, FAST_COMPILE))
     out = subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", "profile_cpu_step.py"), "--config",
          TINY_CONFIG, "--rows", "2", "--seq", "32", "--top", "2"],
