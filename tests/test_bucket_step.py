@@ -207,3 +207,26 @@ def test_bucket_figures_form_the_steps_the_feed_forms(tmp_path, cfg, overlong):
     assert want.step_groups == sum(i.num_groups for i in counted)
     assert want.tokens == sum(i.num_tokens for i in counted)
     assert want.slots == sum(i.token_slots for i in counted)
+
+
+def test_aot_lowers_the_bucketed_batch_the_trainer_feeds(tiny_config):
+    """`scripts/aot_compile.py` on a bucketed config (the 256k pod configs) lowers the trainer's
+    `BucketedBatch`, every bucket's static rows at its own length, and counts the token budget
+    (before: one [rows_per_batch, largest bucket] batch, 1744 x 327,680 tokens at Flash 256k)."""
+    import jax
+
+    from gagar_jax.aot import compile as aot
+    from gagar_jax.batch import BucketedBatch
+    cfg = _step_cfg(tiny_config, buckets=(64, 128), bucket_rows=4,
+                    tokens_per_batch=4 * 128 * 3, seq_len=0, rows_per_batch=0)
+    cfg.train.mini_batches = 1
+    fc = FeedConfig.from_config(cfg.feed)
+    lowered, meta = aot.lower_train_step(cfg, jax.devices()[:4])
+    batch_info = lowered.args_info[0][1]
+    assert isinstance(batch_info, BucketedBatch)
+    shapes = [tuple(b.tokens_BxS.shape) for b in batch_info.buckets]
+    assert shapes == list(fc.bucket_shapes) and [s for _, s in shapes] == [64, 128]
+    b = meta["batch"]
+    assert b["buckets"] == [list(s) for s in shapes] and b["tokens"] == 4 * 128 * 3
+    assert b["micro_batches"] == sum(fc.bucket_micro_batches) and b["rows_per_shard"] == 1
+    assert b["rows"] == sum(r for r, _ in shapes) and b["seq_len"] == 128

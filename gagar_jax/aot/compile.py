@@ -142,10 +142,14 @@ def lower_train_step(cfg: ml_collections.ConfigDict,
     f = FeedConfig.from_config(cfg.feed)     # rows_per_batch resolved from tokens_per_batch
     abstract_state, graphdef = ts.abstract_train_state(step_cfg, mesh)
     mc = step_cfg.model
-    abstract_batch = jax.eval_shape(lambda: batch_lib.dummy_batch(
-        f.rows_per_batch, f.seq_len, f.max_trajectories, f.groups_per_batch,
-        num_moe_layers=mc.num_moe_layers if f.routing_replay else 0,
-        top_k=mc.top_k if f.routing_replay else 0))
+    routing = dict(num_moe_layers=mc.num_moe_layers if f.routing_replay else 0,
+                   top_k=mc.top_k if f.routing_replay else 0)
+    if f.buckets:   # length buckets: the trainer's `BucketedBatch`, every bucket's static rows
+        abstract_batch = jax.eval_shape(lambda: batch_lib.dummy_bucketed_batch(
+            f.bucket_shapes, f.max_trajectories, f.groups_per_batch, **routing))
+    else:
+        abstract_batch = jax.eval_shape(lambda: batch_lib.dummy_batch(
+            f.rows_per_batch, f.seq_len, f.max_trajectories, f.groups_per_batch, **routing))
     state_sh = ts.state_shardings(abstract_state, mesh, step_cfg)
     batch_sh = sharding.batch_shardings(abstract_batch, mesh)
     with_sharding = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
@@ -156,7 +160,10 @@ def lower_train_step(cfg: ml_collections.ConfigDict,
         lowered = step_fn.jitted.lower(state_in, batch_in)
     sizes = dict(mesh.shape)
     batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    micro_rows = f.rows_per_batch // (step_cfg.mini_batches * step_cfg.micro_batches)
+    # With buckets a micro-batch is `feed.bucket_rows` rows of one bucket's length, and a step
+    # trains at most the token budget of them (the static rows hold every bucket's maximum).
+    micro_rows = (f.bucket_rows if f.buckets else
+                  f.rows_per_batch // (step_cfg.mini_batches * step_cfg.micro_batches))
     meta = {
         "model_config": mc,
         "grid": mesh.devices,
@@ -164,8 +171,12 @@ def lower_train_step(cfg: ml_collections.ConfigDict,
         "batch": {
             "rows": f.rows_per_batch,
             "seq_len": f.seq_len,
+            # the step's token slots: rows x seq_len, or with buckets the token budget
+            "tokens": f.batch_tokens,
+            "buckets": [list(shape) for shape in f.bucket_shapes] if f.buckets else [],
             "mini_batches": step_cfg.mini_batches,
-            "micro_batches": step_cfg.micro_batches,
+            "micro_batches": (sum(f.bucket_micro_batches) if f.buckets
+                              else step_cfg.micro_batches),
             "rows_per_shard": max(1, micro_rows // batch_shards),
             "expert_backend": mc.expert_backend,
             "ep_local_ffn": mc.ep_local_ffn if mc.expert_backend == "ep_a2a" else "",
@@ -270,7 +281,9 @@ def step_figures(meta: dict, d: dict, grid: Any, chip: roofline.Chip, devices: l
       The `AotReport` fields they fill.
     """
     model_cfg, b = meta["model_config"], meta["batch"]
-    tokens = b["rows"] * b["seq_len"]
+    # Per-token FLOPs at seq_len: with buckets the largest bucket's length, an upper bound (a
+    # step's budget of live tokens all in its longest rows).
+    tokens = b.get("tokens", b["rows"] * b["seq_len"])
     model_flops = flops.train_flops_per_token(model_cfg, b["seq_len"]) * tokens
     ep = model_cfg.expert_backend == "ep_a2a"
     chunks = (model_cfg.ep_chunks or meta["mesh"].get("expert", 1)) if ep else 1
