@@ -8,21 +8,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from safetensors.torch import save_file
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from gagar_jax import sharding
 from gagar_jax.hf import api as hf
 
+# torch and transformers are imported where used: at module level they were ~7 s of every
+# xdist worker's collection.
 FAST = dict(expert_backend="dense", attention="plain")  # cheapest compile; math is the same
 TOKENS = np.random.default_rng(0).integers(0, 64, size=(2, 12))
 
 
 def _hf_config(**kw):
+    from transformers import Qwen3MoeConfig
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16,
                 num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
@@ -33,6 +33,8 @@ def _hf_config(**kw):
 
 @pytest.fixture(scope="module")
 def torch_model():
+    import torch
+    from transformers import Qwen3MoeForCausalLM
     torch.manual_seed(0)
     m = Qwen3MoeForCausalLM(_hf_config()).eval()
     with torch.no_grad():  # HF's 0.02 init gives near-uniform logits: use larger weights
@@ -44,6 +46,7 @@ def torch_model():
 
 
 def _torch_logits(m, tokens=TOKENS):
+    import torch
     with torch.no_grad():
         return m(torch.tensor(tokens)).logits.float().numpy()
 
@@ -68,6 +71,7 @@ def test_transformers_checkpoint_loads_with_equal_logits(torch_model, hf_dir):
 
 
 def test_export_reloads_in_transformers(torch_model, hf_dir, tmp_path):
+    from transformers import Qwen3MoeForCausalLM
     model, _ = hf.from_pretrained(hf_dir, **FAST)
     hf.save_pretrained(model, str(tmp_path), max_shard_bytes=40_000)  # force several shards
     assert os.path.exists(tmp_path / hf.INDEX_FILE)
@@ -98,6 +102,7 @@ def test_load_onto_a_mesh_places_shards(hf_dir, devices):
 
 def test_fused_expert_layout_and_hub_style_config(torch_model, hf_dir, tmp_path):
     # transformers keeps experts fused in memory (experts.gate_up_proj); store that layout.
+    from safetensors.torch import save_file
     state = {k: v.contiguous() for k, v in torch_model.state_dict().items()}
     assert any(k.endswith("experts.gate_up_proj") for k in state)
     save_file(state, str(tmp_path / "model.safetensors"))
@@ -131,6 +136,8 @@ def test_config_errors_are_clear():
 
 
 def test_tied_all_moe_model_exports_to_transformers(tmp_path):
+    from transformers import Qwen3MoeForCausalLM
+
     from gagar_jax.model.transformer import ModelConfig, Transformer
     cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                       head_dim=8, moe_intermediate_size=16, intermediate_size=48, num_experts=4,

@@ -9,11 +9,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
 from flax import nnx
-from safetensors.torch import save_file
 from support.paths import TINY_CONFIG, load_config
-from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 
 from gagar_jax.hf import api as hf
 from gagar_jax.hf import families as hf_families
@@ -28,6 +25,7 @@ LAYER_TYPES = ["full_attention", "sliding_attention", "sliding_attention", "full
 
 
 def _hf_config():
+    from transformers import MiMoV2FlashConfig
     return MiMoV2FlashConfig(
         vocab_size=64,
         hidden_size=32,
@@ -65,6 +63,8 @@ def _hf_config():
 
 @pytest.fixture(scope="module")
 def torch_model():
+    import torch
+    from transformers import MiMoV2FlashForCausalLM
     torch.manual_seed(0)
     m = MiMoV2FlashForCausalLM(_hf_config()).eval()
     with torch.no_grad():  # HF's 0.02 init gives near-uniform logits: use larger weights
@@ -77,6 +77,7 @@ def torch_model():
 
 
 def _torch_logits(m, tokens=TOKENS):
+    import torch
     with torch.no_grad():
         return m(torch.tensor(tokens)).logits.float().numpy()
 
@@ -140,6 +141,8 @@ def test_transformers_checkpoint_loads_with_equal_logits(loaded):
 
 
 def test_our_save_loads_in_transformers(loaded, tmp_path):
+    import torch
+    from transformers import MiMoV2FlashForCausalLM
     model, _, want, _ = loaded
     hf.save_pretrained(model, str(tmp_path))
     names = hf.read_header(str(tmp_path / "model.safetensors"))[0]
@@ -171,6 +174,8 @@ def test_fp32_round_trip_is_exact(loaded, tmp_path):
 
 
 def test_fused_layout_in_memory_names_and_mtp_skipped(torch_model, hf_dir, loaded, tmp_path):
+    import torch
+    from safetensors.torch import save_file
     state = {k: v.contiguous() for k, v in torch_model.state_dict().items()}
     assert (
         "model.layers.1.mlp.experts.gate_up_proj" in state
@@ -429,6 +434,7 @@ def test_window_convention_round_trips_and_matches_transformers(
     loaded, torch_model, tmp_path, caplog, convention
 ):
     """W=3 < S: each convention publishes sliding_window_size so that its engine sees W."""
+    from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
     model, _, want, ours = loaded
     m = _ablate(model, sliding_window_convention=convention)
     with caplog.at_level("WARNING"):
