@@ -355,6 +355,11 @@ def compile_report(cfg: ml_collections.ConfigDict, topology: str, *, name: str =
         flags.append("megablox gmm declares 2*rows*K*N over its whole worst-case row buffer")
     if b["attention"].startswith("splash"):
         flags.append("splash declares its own cost (Mosaic kernel)")
+    if b.get("buckets"):
+        flags.append("length buckets: the memory is the compiled program's; FLOPs and the "
+                     "roofline count every token at the largest bucket's length and the "
+                     "kernels' and collectives' runs over every bucket's static micro-batches "
+                     "(upper bounds: a step trains its token budget)")
     chip = roofline.CHIPS.get(generation, roofline.CHIPS["v5p"])
     d = r.dump
     return AotReport(
