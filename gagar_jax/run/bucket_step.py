@@ -28,7 +28,6 @@ from gagar_jax import sharding as shd
 from gagar_jax.algo import loss as loss_lib
 from gagar_jax.algo.step_metrics import RouterStats, UpdateStats, step_metrics
 from gagar_jax.batch import Batch, BucketedBatch
-from gagar_jax.model.moe import RouterBias, update_router_bias
 from gagar_jax.run import step_parts as st
 from gagar_jax.run.optim import make_optimizer, make_schedule
 
@@ -172,17 +171,7 @@ def bucket_train_step(state: Any, batch: BucketedBatch, *, graphdef: nnx.GraphDe
         stats = jax.tree.map(lambda x: x[None], stats)     # the [mini_batches] axis: one
         return (params, opt_state, updates + fin, skipped + 1 - fin), stats
 
-    carry0 = (state.params, state.opt_state, state.updates, state.skipped)
-    (params, opt_state, updates, skipped), stats = jax.lax.scan(epoch, carry0, None,
-                                                                length=cfg.epochs)
-    load_LxE = jnp.mean(stats.router.expert_load_LxE, axis=(0, 1))
-    bias = state.router_bias
-    if cfg.model.router == "sigmoid_bias":
-        model = nnx.merge(graphdef, params, bias)
-        update_router_bias(model, load_LxE, cfg.model.router_bias_update_rate)
-        bias = nnx.state(model, RouterBias)
-    new_state = state.replace(step=state.step + 1, updates=updates, skipped=skipped,
-                              params=params, opt_state=opt_state, router_bias=bias)
+    new_state, stats, load_LxE = st.run_epochs(state, epoch, graphdef=graphdef, cfg=cfg)
     return new_state, step_metrics(flat, prep.inputs, prep.adv, stats, load_LxE, prep.rollout)
 
 

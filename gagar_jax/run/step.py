@@ -34,7 +34,7 @@ from gagar_jax.algo.advantage import GroupOutcomes
 from gagar_jax.algo.advantage_checks import check_invariants_of
 from gagar_jax.algo.step_metrics import RouterStats, UpdateStats, step_metrics
 from gagar_jax.batch import Batch, BucketedBatch
-from gagar_jax.model.moe import RouterBias, update_router_bias
+from gagar_jax.model.moe import RouterBias
 from gagar_jax.model.transformer import ModelConfig, Transformer, resolve_kernels
 from gagar_jax.run.bucket_step import bucket_train_step
 from gagar_jax.run.optim import OptimConfig, make_optimizer, make_schedule
@@ -44,6 +44,7 @@ from gagar_jax.run.step_parts import (
     forward_only,
     model_logprobs,
     replay_inputs,
+    run_epochs,
 )
 
 
@@ -289,17 +290,7 @@ def train_step(state: TrainState, batch: Batch | BucketedBatch, *, graphdef: nnx
     def epoch(carry: tuple, _: None):
         return jax.lax.scan(update, carry, (tok_MxU, split(inputs)))
 
-    carry0 = (state.params, state.opt_state, state.updates, state.skipped)
-    (params, opt_state, updates, skipped), stats = jax.lax.scan(epoch, carry0, None,
-                                                                length=cfg.epochs)
-    load_LxE = jnp.mean(stats.router.expert_load_LxE, axis=(0, 1))
-    bias = state.router_bias
-    if cfg.model.router == "sigmoid_bias":
-        model = nnx.merge(graphdef, params, bias)
-        update_router_bias(model, load_LxE, cfg.model.router_bias_update_rate)
-        bias = nnx.state(model, RouterBias)
-    new_state = state.replace(step=state.step + 1, updates=updates, skipped=skipped,
-                              params=params, opt_state=opt_state, router_bias=bias)
+    new_state, stats, load_LxE = run_epochs(state, epoch, graphdef=graphdef, cfg=cfg)
     return new_state, step_metrics(batch, inputs, adv, stats, load_LxE, prep.rollout)
 
 

@@ -8,12 +8,14 @@ from typing import Any, Optional
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from gagar_jax.algo import loss as loss_lib
 from gagar_jax.algo.step_metrics import RouterStats
 from gagar_jax.batch import Batch
 from gagar_jax.model.logprobs import token_logprobs
+from gagar_jax.model.moe import RouterBias, update_router_bias
 
 
 @flax.struct.dataclass
@@ -76,3 +78,24 @@ def replay_inputs(graphdef: nnx.GraphDef, params: nnx.State, bias: nnx.State,
         lp, ids = forward_only(graphdef, params, bias, free, routes=True)
         return lp, free.replace(routed_experts_BxSxLxK=ids)
     return forward_only(graphdef, params, bias, tok_MxU), tok_MxU
+
+
+def run_epochs(state: Any, epoch: Any, *, graphdef: nnx.GraphDef, cfg: Any) -> tuple:
+    """The step's `cfg.epochs` passes of `epoch` (a scan body over the optimizer carry
+    (params, opt_state, updates, skipped)), then the router bias's aux-loss-free update from the
+    step's mean expert load: the end of `step.train_step` and `bucket_step.bucket_train_step`.
+
+    Returns:
+      (the new `TrainState`, the stacked update stats, the mean expert load [L, E]).
+    """
+    carry0 = (state.params, state.opt_state, state.updates, state.skipped)
+    (params, opt_state, updates, skipped), stats = jax.lax.scan(epoch, carry0, None,
+                                                                length=cfg.epochs)
+    load_LxE = jnp.mean(stats.router.expert_load_LxE, axis=(0, 1))
+    bias = state.router_bias
+    if cfg.model.router == "sigmoid_bias":
+        model = nnx.merge(graphdef, params, bias)
+        update_router_bias(model, load_LxE, cfg.model.router_bias_update_rate)
+        bias = nnx.state(model, RouterBias)
+    return (state.replace(step=state.step + 1, updates=updates, skipped=skipped, params=params,
+                          opt_state=opt_state, router_bias=bias), stats, load_LxE)
