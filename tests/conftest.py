@@ -13,6 +13,12 @@ from support.xla_flags import (  # fast compiles: xla_flags.py
 )
 
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {cpu_flags(8, FAST_COMPILE)}".strip()
+# One OpenMP / BLAS thread per process (torch in the parity tests, vLLM's CPU build, NumPy's
+# OpenBLAS), inherited by the subprocesses: `make test` runs two workers on two cores, and a pool
+# of two threads beside a busy core spins while it waits (measured: the vLLM driver of
+# vllm_served 50 -> 36 CPU-seconds beside a busy core, alone 38 -> 33). XLA:CPU keeps its
+# own thread pool.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _CACHE = os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",

@@ -5,12 +5,14 @@ does (gate/up rows interleaved in blocks of 16, the intermediate dim zero-padded
 find where every checkpoint element lands, and patching a few changed elements gives the
 kernel tensor a full processing of the new weights gives, bit for bit. A processing that
 scales, or that drops elements into a handle, is refused.
+
+torch is imported by the tests, not at collection (2 s per pytest worker).
 """
+import importlib
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
 from gagar_jax.rollout.delta import Tensor
 from gagar_jax.rollout.vllm_patch import _positions, probe_part, refresh
@@ -20,20 +22,19 @@ from gagar_jax.rollout.vllm_plans import FastApplyPlan
 E, F, D, PAD = 3, 20, 8, 32        # experts, intermediate (padded to 32), hidden
 
 
+def _torch():
+    return importlib.import_module("torch")
+
+
 def pack(loader_w13, scale=1.0):
     """[E, 2F, D] loader layout -> [E, 2*PAD, D] kernel: pad F to PAD, then interleave gate and
     up in blocks of 16 rows, and store each 16 x D block transposed."""
+    torch = _torch()
     w = torch.zeros(E, 2 * PAD, D, dtype=loader_w13.dtype)
     w[:, :F], w[:, PAD:PAD + F] = loader_w13[:, :F], loader_w13[:, F:]
     g, u = w[:, :PAD].reshape(E, PAD // 16, 16, D), w[:, PAD:].reshape(E, PAD // 16, 16, D)
     blocks = torch.stack([g, u], dim=2).reshape(E, PAD // 8, 16, D)
     return (blocks.transpose(-1, -2).contiguous() * scale).reshape(E, 2 * PAD, D)
-
-
-class Experts(torch.nn.Module):
-    def __init__(self, dtype, rows=2 * PAD):
-        super().__init__()
-        self.w13 = torch.nn.Parameter(torch.zeros(E, rows, D, dtype=dtype), requires_grad=False)
 
 
 def names():
@@ -54,15 +55,19 @@ def plan(dtype):
 
 def loader_of(weights, dtype):
     """The loader-layout w13 the module's loader would fill from checkpoint tensors."""
-    w = torch.empty(E, 2 * F, D, dtype=dtype)
+    w = _torch().empty(E, 2 * F, D, dtype=dtype)
     for e in range(E):
         w[e, :F], w[e, F:] = weights[f"e{e}.gate"], weights[f"e{e}.up"]
     return w
 
 
 def probe(dtype, process, rows=2 * PAD, calls=None):
+    torch = _torch()
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model = torch.nn.Module()
-    model.experts = Experts(dtype, rows)
+    model.experts = torch.nn.Module()      # a fused-experts module: one w13 parameter
+    model.experts.w13 = torch.nn.Parameter(torch.zeros(E, rows, D, dtype=dtype),
+                                           requires_grad=False)
     lw = SimpleNamespace(tensors=lambda m: dict(m.named_parameters(recurse=False)),
                          quant_base=type(None))
 
@@ -76,8 +81,10 @@ def probe(dtype, process, rows=2 * PAD, calls=None):
     return model, probe_part(model, ("experts",), plan(dtype), sizes, rebuild, lw)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_patch_equals_processing_the_new_weights(dtype):
+    torch = _torch()
+    dtype = getattr(torch, dtype)
     model, got = probe(dtype, pack)
     assert got is not None and sorted(got.maps) == names()
     assert got.reprocess == {n: [] for n in names()}
@@ -113,11 +120,11 @@ def test_patch_equals_processing_the_new_weights(dtype):
 
 @pytest.mark.parametrize("process", [lambda w: pack(w, scale=2.0),          # arithmetic
                                      lambda w: pack(w) + 1.0,                # not a copy
-                                     lambda w: pack(w[:, torch.arange(2 * F) // 2 * 2])])
+                                     lambda w: pack(w[:, _torch().arange(2 * F) // 2 * 2])])
 def test_a_processing_that_is_not_a_copy_is_refused(process):
     """Scaling, an offset, or an element copied twice (a lost one): no map, the module is
     rebuilt instead."""
-    assert probe(torch.bfloat16, process)[1] is None
+    assert probe("bfloat16", process)[1] is None
 
 
 def test_positions():
@@ -133,7 +140,7 @@ def test_a_plain_copy_needs_no_digit_runs():
     """A processing that keeps the loader layout (an embedding, a norm, a linear that keeps its
     weight): two random runs show it, every tensor maps contiguously."""
     calls = []
-    model, got = probe(torch.bfloat16, lambda w: w.clone(), rows=2 * F, calls=calls)
+    model, got = probe("bfloat16", lambda w: w.clone(), rows=2 * F, calls=calls)
     assert len(calls) == 2
     assert {n: (m[1], m[2], m[3]) for n, m in got.maps.items()} == {
         f"e{e}.{p}": ("w13", (2 * e + j) * F * D, None)

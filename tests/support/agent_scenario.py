@@ -42,7 +42,11 @@ def run(engine: object, spec: dict) -> dict:
     "counts": the loop's counts, "version": the engine's version at the end, "s": seconds}."""
     t0 = time.perf_counter()
     engine.move_to(spec["step1"])
-    workdir = tempfile.mkdtemp(prefix="agent_scenario_")
+    with tempfile.TemporaryDirectory(prefix="agent_scenario_") as workdir:
+        return _run(engine, spec, workdir, t0)
+
+
+def _run(engine: object, spec: dict, workdir: str, t0: float) -> dict:
     agent_fakes.point(workdir, spec["step1"])
     out = {"records": [], "infos": []}
 
