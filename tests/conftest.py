@@ -79,7 +79,8 @@ def devices():
 # number of tests, which put the long files of one to three tests (the loops, the miniature, the
 # two-process trainers) last: pytest_xdist_make_scheduler turns that off.
 _LONG_FIRST = ("test_vllm.py", "test_engine_conformance.py", "test_sampler_vllm.py",
-               "test_agent_vllm.py", "test_train_step.py", "test_miniature.py", "test_train.py",
+               "test_agent_vllm.py", "test_grader_server.py", "test_train_step.py",
+               "test_miniature.py", "test_train.py",
                "test_loop.py", "test_context.py", "test_train_mesh.py", "test_aot.py",
                "test_grader_loop.py", "test_reliability.py", "test_advantage.py", "test_sim.py",
                "test_policy_loss.py", "test_gcs.py", "test_hf_mimo.py", "test_configs.py",

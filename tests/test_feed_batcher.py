@@ -297,7 +297,8 @@ def test_committed_sample_feed_matches_its_documented_command(tmp_path):
     out = tmp_path / "s.jsonl"
     # One device, as `make`; the suite's subprocess XLA flags (compile speed, no float change:
     # support/xla_flags.py) instead of XLA:CPU's full optimisation, which took most of the run.
-    env = {**os.environ, "XLA_FLAGS": cpu_flags(1)}
+    # PYTHONPATH: this checkout's package (an editable install may point at another checkout).
+    env = {**os.environ, "XLA_FLAGS": cpu_flags(1), "PYTHONPATH": REPO}
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_sample_feed.py"), "--out",
                     str(out), "--groups", "96", "--seed", "0", "--rescore-config",
                     str(ROOT / "configs" / "tiny_cpu.py")], check=True, capture_output=True,

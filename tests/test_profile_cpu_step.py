@@ -32,7 +32,9 @@ def test_tiny_trunk_is_traced():
     # tests do, and pytest workers share processes between test files).
     # One CPU device with the subprocesses' flags, at -O0 (the step is compiled for one call):
     # not the suite's 8 fake devices without the CPU-only flags, which it would inherit.
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_flags(1, FAST_COMPILE))
+    # PYTHONPATH: this checkout's package (an editable install may point at another checkout).
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_flags(1, FAST_COMPILE),
+               PYTHONPATH=REPO)
     out = subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", "profile_cpu_step.py"), "--config",
          TINY_CONFIG, "--rows", "2", "--seq", "32", "--top", "2"],
