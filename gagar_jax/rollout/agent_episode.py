@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from gagar_jax.rollout.agent_record import AgentTrajectory
 from gagar_jax.rollout.envs.base import check_verdict
+from gagar_jax.rollout.queues import drain
 
 log = logging.getLogger("gagar_jax.rollout.agent_loop")
 
@@ -66,15 +67,7 @@ class Jobs:
             call()
 
     def collect(self, wait_s: float) -> list:
-        out = []
-        try:
-            out.append(self.answers.get(timeout=wait_s) if wait_s > 0
-                       else self.answers.get_nowait())
-            while True:
-                out.append(self.answers.get_nowait())
-        except queue.Empty:
-            pass
-        return out
+        return drain(self.answers, wait_s)
 
 
 def judge(env: object, end_reason: str | None, task_id: str) -> dict:

@@ -18,6 +18,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from gagar_jax.rollout.queues import drain
+
 log = logging.getLogger(__name__)
 
 
@@ -90,15 +92,7 @@ class GraderPool:
 
     def collect(self, wait_s: float = 0.0) -> list:
         """The answers that came, waiting up to `wait_s` for the first."""
-        out = []
-        try:
-            out.append(self.answers.get(timeout=wait_s) if wait_s > 0
-                       else self.answers.get_nowait())
-            while True:
-                out.append(self.answers.get_nowait())
-        except queue.Empty:
-            pass
-        return out
+        return drain(self.answers, wait_s)
 
     def stats(self) -> dict:
         """The ledger: submitted, done, queued, in_flight, requeued, crashes, fallbacks."""
