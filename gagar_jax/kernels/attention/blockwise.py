@@ -88,15 +88,25 @@ def plain_attention(q_BxSxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.A
     s = s * (Dh ** -0.5)
     m = _mask(segment_ids_BxS, seg_k, jnp.arange(S) + q_offset, jnp.arange(seg_k.shape[1]), window)
     s = jnp.where(m[:, None, None], s, _NEG)
-    if sinks_H is None:
-        p = jax.nn.softmax(s, axis=-1)
-    else:
-        sink = jnp.broadcast_to(sinks_H.astype(jnp.float32).reshape(1, Kv, H // Kv, 1, 1),
-                                s.shape[:-1] + (1,))
-        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
-    o = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v_BxSxKxD.dtype), v_BxSxKxD,
-                   preferred_element_type=jnp.float32)
+    o = softmax_values(s, v_BxSxKxD, sinks_H)
     return o.reshape(B, S, H, Dv).astype(q_BxSxHxD.dtype)
+
+
+def softmax_values(s_BxKvxGxQxK: jax.Array, v_BxKxKvxD: jax.Array,
+                   sinks_H: jax.Array | None = None) -> jax.Array:
+    """The attention output of masked float32 scores: their softmax over the keys (a head's sink
+    logit joins every denominator and contributes no value) times the values, [B, Q, Kv, G, Dv]
+    float32. The plain reference above and the sampler's paged attention (`paged.py`) share it.
+    """
+    if sinks_H is None:
+        p = jax.nn.softmax(s_BxKvxGxQxK, axis=-1)
+    else:
+        _, Kv, G = s_BxKvxGxQxK.shape[:3]
+        sink = jnp.broadcast_to(sinks_H.astype(jnp.float32).reshape(1, Kv, G, 1, 1),
+                                s_BxKvxGxQxK.shape[:-1] + (1,))
+        p = jax.nn.softmax(jnp.concatenate([s_BxKvxGxQxK, sink], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v_BxKxKvxD.dtype), v_BxKxKvxD,
+                      preferred_element_type=jnp.float32)
 
 
 # ----------------------------------------------------------------------------- blockwise

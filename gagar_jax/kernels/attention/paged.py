@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from gagar_jax import sharding
+from gagar_jax.kernels.attention.blockwise import softmax_values
 
 _NEG = -1e30   # finite "minus infinity" (no inf - inf in the softmax)
 
@@ -92,14 +93,7 @@ def paged_attention_xla(q_BxNxHxD: jax.Array, k_new_BxNxKvxD: jax.Array,
     vals = jnp.concatenate([v_old, v_new_BxNxKvxD.astype(q.dtype)], axis=1)
     s = jnp.einsum("bqkgd,bskd->bkgqs", q, keys, preferred_element_type=jnp.float32)
     s = jnp.where(visible[:, None, None], s * (Dh ** -0.5), _NEG)
-    if sinks_H is None:
-        p = jax.nn.softmax(s, axis=-1)
-    else:
-        sink = jnp.broadcast_to(sinks_H.astype(jnp.float32).reshape(1, Kv, H // Kv, 1, 1),
-                                s.shape[:-1] + (1,))
-        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
-    o = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(vals.dtype), vals,
-                   preferred_element_type=jnp.float32)
+    o = softmax_values(s, vals, sinks_H)
     return o.reshape(B, N, H, Dv).astype(q_BxNxHxD.dtype)
 
 
