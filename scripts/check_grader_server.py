@@ -48,13 +48,12 @@ def publish_judge(directory: str) -> None:
 def start_server(directory: str, port: int, log_path: str) -> tuple:
     """`vllm serve` on 127.0.0.1:port; returns (process, seconds until /health answered)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-    # No third process for the one worker: the model runs in the engine core's process (with
-    # "uni" below; vLLM's CPU build keeps its multiprocessing executor without this variable).
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0 with "uni" below: the model runs in the engine core's
+    # process, not in a third one that imports vLLM and torch again (vLLM's CPU build keeps that
+    # worker process without either; /health after 28-31 s instead of 44-73 s on two idle CPU
+    # cores, 2026-12-05).
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=REPO)
-    # "uni" (and VLLM_ENABLE_V1_MULTIPROCESSING=0 above): the model runs in the engine core's
-    # process, not in a third one that imports vLLM and torch again (/health after 28-30 s
-    # instead of 44-73 s on two idle CPU cores, 2026-12-05).
     cmd = [os.path.join(REPO, ".venv-vllm", "bin", "python"), "-m",
            "vllm.entrypoints.openai.api_server", "--model", directory,
            "--served-model-name", "judge", "--host", "127.0.0.1", "--port", str(port),

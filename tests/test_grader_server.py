@@ -9,21 +9,14 @@ cut); a server killed while a request is in flight gives the group `status: fail
 HTTP error as its reason. The offline engine's judge (structured outputs through `LLM.generate`)
 is tests/test_engine_conformance.py's, on the test run's shared vLLM process.
 """
-import socket
-
 import check_grader_server  # scripts/check_grader_server.py (pytest puts scripts/ on the path)
+from support.trainer_runs import free_port
 from support.vllm_env import vllm_python
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_llm_grader_against_the_openai_server(tmp_path):
     vllm_python()                   # fails (never skips) without .venv-vllm
-    r = check_grader_server.run_checks(tasks=1, orderings=2, budget=8000, port=_free_port(),
+    r = check_grader_server.run_checks(tasks=1, orderings=2, budget=8000, port=free_port(),
                                        workdir=str(tmp_path))
     assert r["failures"] == [], r
     [group] = r["groups"]
