@@ -43,6 +43,8 @@ def main(argv) -> int:
     flags.DEFINE_string("out", None, "JSON report path (default: aot_<config>_<topology>.json).",
                         flag_values=fv)
     flags.DEFINE_string("dump_dir", "", "Keep the compiler's HLO dump here.", flag_values=fv)
+    flags.DEFINE_integer("num_slices", 1, "train_step: slices of --topology joined over DCN "
+                         "(the mesh's dcn_* sizes say which axes cross them).", flag_values=fv)
     flags.DEFINE_enum("what", "train_step", ["train_step", "weights_io", "decode"],
                       "train_step, or weights_io: per-host load/publish bytes and the compiled "
                       "publish reshard (gagar_jax/aot/weights_io.py), or decode: the JAX "
@@ -96,7 +98,7 @@ def main(argv) -> int:
                                                  "per_device_bytes", "hbm_bytes", "fits")}))
         return 0
     report = aot.compile_report(fv.config, fv.topology, name=name, dump_dir=fv.dump_dir,
-                                overrides=overrides)
+                                overrides=overrides, num_slices=fv.num_slices)
     report = dataclasses.replace(report, commit=commit)
     out = fv.out or f"aot_{name}_{fv.topology.replace(':', '_')}.json"
     aot.write_report(report, out)

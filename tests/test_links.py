@@ -142,6 +142,84 @@ def test_torus_roofline_adds_what_is_not_overlapped():
     assert chip.link_bytes_per_s == 100e9
 
 
+
+# A program compiled per slice (2 slices of 2 chips): a loop of 3 trips sends an f32[16]
+# all-reduce buffer (64 B) over DCN with a matmul before its send-done, and outside it an
+# all-gather sends a bf16[4,8] shard (64 B) synchronously.
+_MS = ('frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",'
+       '_xla_megascale_target="{1,2}x{0:1}",_xla_megascale_transfer_type="%s",'
+       'is_spmd_generated="true"}')
+DCN_HLO = "\n".join([
+    "HloModule jit_f, is_scheduled=true, num_partitions=2",
+    "",
+    "%fused_matmul (p0: bf16[2048,2048], p1: bf16[2048,2048]) -> bf16[2048,2048] {",
+    "  %p0 = bf16[2048,2048]{1,0} parameter(0)",
+    "  %p1 = bf16[2048,2048]{1,0} parameter(1)",
+    "  ROOT %c = bf16[2048,2048]{1,0} convolution(%p0, %p1), dim_labels=bf_io->bf",
+    "}",
+    "",
+    "%cond (p: (s32[], f32[16])) -> pred[] {",
+    "  %p = (s32[], f32[16]) parameter(0)",
+    "  %i = s32[] get-tuple-element(%p), index=0",
+    "  %constant.1 = s32[] constant(3)",
+    "  ROOT %lt = pred[] compare(%i, %constant.1), direction=LT",
+    "}",
+    "",
+    "%body (p: (s32[], f32[16])) -> (s32[], f32[16]) {",
+    "  %p = (s32[], f32[16]) parameter(0)",
+    "  %g = f32[16]{0} get-tuple-element(%p), index=1",
+    "  %send.1 = (f32[16]{0}, u32[]{:S(2)}, token[]) send(%g, %tok), channel_id=1, "
+    "is_host_transfer=true, " + _MS % "ALL_REDUCE",
+    "  %mm = bf16[2048,2048]{1,0} fusion(%y, %y), kind=kOutput, calls=%fused_matmul",
+    "  %send-done.1 = token[] send-done(%send.1), channel_id=1, is_host_transfer=true",
+    "  ROOT %t = (s32[], f32[16]) tuple(%i, %g)",
+    "}",
+    "",
+    "ENTRY %main (x: bf16[4,8]) -> bf16[8,8] {",
+    "  %x = bf16[4,8]{1,0} parameter(0)",
+    "  %send.2 = (bf16[4,8]{1,0}, u32[]{:S(2)}, token[]) send(%x, %tok), channel_id=2, "
+    "is_host_transfer=true, " + _MS % "ALL_GATHER",
+    "  %send-done.2 = token[] send-done(%send.2), channel_id=2, is_host_transfer=true",
+    "  %while.1 = (s32[], f32[16]) while(%init), condition=%cond, body=%body",
+    "  ROOT %r = bf16[8,8]{1,0} copy(%z)",
+    "}",
+    ""])
+
+
+def test_transfers_between_slices_by_hand():
+    """The Megascale sends of a per-slice program: kind, buffer, trips and overlap read from
+    the HLO; priced as rings over S slices (an all-reduce 2 (S-1)/S of its buffer per chip, an
+    all-gather its shard to each of the S-1 others); the program's partition ids number the
+    first slice's chips."""
+    assert schedule.num_partitions(DCN_HLO) == 2 and schedule.dcn_records(HLO) == []
+    recs = {r["kind"]: r for r in schedule.dcn_records(DCN_HLO)}
+    assert recs["ALL_REDUCE"] == {"kind": "ALL_REDUCE", "bytes": 64, "runs": 3,
+                                  "overlapped": True}
+    assert recs["ALL_GATHER"] == {"kind": "ALL_GATHER", "bytes": 64, "runs": 1,
+                                  "overlapped": False}
+    place = links.Placement.ring(2, wrap=False)
+    for slices, ar, ag in ((2, 3 * 64 * 1.0, 64 * 1.0), (4, 3 * 64 * 1.5, 64 * 3.0)):
+        c = links.step_costs(place, [], link_bw=BW, dcn_bw=2.0,
+                             dcn_records=list(recs.values()), slices=slices)
+        assert c["dcn_bytes"] == pytest.approx(ar + ag)
+        assert c["dcn_s"] == pytest.approx((ar + ag) / 2.0)
+        assert c["overlapped_s"] == pytest.approx(ar / 2.0)
+        assert c["exposed_by_op"] == {"dcn all_gather": pytest.approx(ag / 2.0)}
+
+
+def test_a_per_slice_program_is_placed_on_the_first_slice():
+    class Chip:
+        def __init__(self, i, s):
+            self.id, self.slice_index, self.coords = i, s, (i % 2, 0, 0)
+    # data 2 over DCN (outermost), then 2 chips per slice.
+    grid = np.array([[Chip(0, 0), Chip(1, 0)], [Chip(2, 1), Chip(3, 1)]], dtype=object)
+    place = links.Placement.of_grid(grid, partitions=2)
+    assert place.shape == (1, 2) and list(place.slice_of) == [0, 0]
+    assert place.coords.tolist() == [[0, 0, 0], [1, 0, 0]]
+    assert links.Placement.of_grid(grid).shape == (2, 2)
+    with pytest.raises(ValueError, match="partitions"):
+        links.Placement.of_grid(grid, partitions=3)
+
 META = ('custom_call_target="tpu_custom_call", operand_layout_constraints={s32[], s32[5]{0}, '
         "s32[11]{0}, s32[11]{0}, s32[1]{0}, ")
 KERNELS = "\n".join([

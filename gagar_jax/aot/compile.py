@@ -207,7 +207,8 @@ class CompileResult:
 def dump_figures(dump: str) -> dict:
     """What the compiler's dump says of one compiled program (no compile needed: a kept dump can
     be read again with newer code): collectives by op, ring traffic (issue 29's measure), every
-    collective with its groups and overlap (`schedule.collective_records`), the megablox calls,
+    collective with its groups and overlap (`schedule.collective_records`), the transfers between
+    slices of a multi-slice program (`schedule.dcn_records`), the megablox calls,
     the peak live set and the table of every HBM byte."""
     import glob
     texts = [open(t).read() for t in
@@ -225,6 +226,8 @@ def dump_figures(dump: str) -> dict:
     return {"collectives": count_collectives("".join(texts)), "collective_bytes": moved,
             "traffic": traffic,
             "records": [r for t in texts for r in schedule.collective_records(t)],
+            "dcn_records": [r for t in texts for r in schedule.dcn_records(t)],
+            "num_partitions": max((schedule.num_partitions(t) for t in texts), default=0),
             "kernels": [k for t in texts for k in schedule.grouped_matmuls(t)],
             "peak": buffers.peak_buffers(dump, top=40, min_bytes=2**27),
             "buffer_table": buffers.buffer_table(dump)}
@@ -319,8 +322,11 @@ def step_figures(meta: dict, d: dict, grid: Any, chip: roofline.Chip, devices: l
         chips=chips, ring_bytes=ring,
         ring_bytes_imbalanced=ring - ragged["balanced"] + ragged["imbalanced"], chip=chip))
     if mesh_layout.device_coords(devices) is not None:
-        costs = links.step_costs(links.Placement.of_grid(grid), d["records"],
-                                 link_bw=chip.link_bytes_per_s, dcn_bw=chip.dcn_bytes_per_s)
+        slices = len({getattr(x, "slice_index", 0) for x in devices})
+        costs = links.step_costs(links.Placement.of_grid(grid, d.get("num_partitions", 0)),
+                                 d["records"], link_bw=chip.link_bytes_per_s,
+                                 dcn_bw=chip.dcn_bytes_per_s,
+                                 dcn_records=d.get("dcn_records", ()), slices=slices)
         out["links"] = costs
         out["roofline"] = roofline.torus_roofline(
             model_flops=model_flops, hardware_flops=out["hardware_flops_per_step"],

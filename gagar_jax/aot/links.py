@@ -21,6 +21,9 @@ spread over six links. This module routes the traffic instead:
   * **Collective-permute:** each (source, target) pair sends its buffer.
   * **Across slices (DCN):** a phase whose ring crosses slices sends its chunks over the chip's
     data-center network share (`dcn_bw` per chip) instead; those bytes are reported apart.
+    The TPU compiler compiles a multi-slice program per slice: its collectives stay inside the
+    slice and the traffic between slices is Megascale `send`s (`schedule.dcn_records`), priced
+    as ring algorithms over the slices (`DCN_FACTOR`) at `dcn_bw`.
 
 Partition ids in the compiled HLO index the mesh's devices in `mesh.devices.flat` order.
 """
@@ -54,8 +57,15 @@ class Placement:
     shape: tuple
 
     @classmethod
-    def of_grid(cls, grid: np.ndarray) -> Placement:
-        """From a mesh's device grid (`mesh.devices`)."""
+    def of_grid(cls, grid: np.ndarray, partitions: int = 0) -> Placement:
+        """From a mesh's device grid (`mesh.devices`) for a program of `partitions` partition
+        ids (0 = all the grid's devices). A multi-slice TPU program is compiled per slice
+        (fewer partitions than devices): its ids number the first slice's devices in mesh order."""
+        if partitions and partitions < grid.size:
+            grid = _first_slice_block(grid)
+            if grid.size != partitions:
+                raise ValueError(f"a program of {partitions} partitions on slices of "
+                                 f"{grid.size} devices")
         flat = list(grid.flat)
         slices = np.array([int(getattr(d, "slice_index", 0) or 0) for d in flat])
         first = [d for d, s in zip(flat, slices, strict=True) if s == slices.min()]
@@ -81,6 +91,24 @@ class Placement:
         index = np.stack(np.unravel_index(np.arange(len(coords)), shape), axis=1)
         return cls(torus=torus, coords=coords, slice_of=np.zeros(len(coords), np.int64),
                    index=index, shape=tuple(shape))
+
+
+def _first_slice_block(grid: np.ndarray) -> np.ndarray:
+    """The first slice's devices as the block of the mesh they form (the `dcn_*` axes split the
+    mesh into one block per slice: `mesh_layout.device_grid`)."""
+    slice_of = np.vectorize(lambda d: int(getattr(d, "slice_index", 0) or 0), otypes=[int])(grid)
+    where = np.nonzero(slice_of == slice_of.min())
+    block = grid[tuple(slice(int(w.min()), int(w.max()) + 1) for w in where)]
+    if block.size != len(where[0]):
+        raise ValueError("the first slice's devices do not form a block of the mesh")
+    return block
+
+
+# Bytes a chip sends over DCN per byte of a Megascale send's buffer, ring algorithms over S
+# slices: an all-reduce reduce-scatters and all-gathers the buffer (2 (S-1)/S), an all-gather
+# forwards its shard to the S-1 other slices, an all-to-all keeps 1/S of its buffer at home.
+DCN_FACTOR = {"ALL_REDUCE": lambda s: 2.0 * (s - 1) / s, "ALL_GATHER": lambda s: float(s - 1),
+              "ALL_TO_ALL": lambda s: (s - 1) / s, "ONE_TO_ONE": lambda s: 1.0}
 
 
 def link_loads(torus: Torus, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
@@ -253,9 +281,12 @@ def _add(a: Cost, b: Cost) -> Cost:
 
 
 def step_costs(place: Placement, records: list[dict[str, Any]], *, link_bw: float,
-               dcn_bw: float) -> dict:
+               dcn_bw: float, dcn_records: Sequence[dict[str, Any]] = (), slices: int = 1
+               ) -> dict:
     """Per step: seconds on the links of every collective of `schedule.collective_records`,
-    split by op and by whether the HLO schedule overlaps it with compute.
+    split by op and by whether the HLO schedule overlaps it with compute; with
+    `schedule.dcn_records` of a program compiled per slice (`slices` of them), its Megascale
+    transfers too, as "dcn <kind>" ops (an unknown kind counts its buffer once).
 
     Returns:
       {"by_op": {op: seconds}, "exposed_by_op", "exposed_s", "overlapped_s", "dcn_bytes"
@@ -279,5 +310,16 @@ def step_costs(place: Placement, records: list[dict[str, Any]], *, link_bw: floa
             exposed_by_op[r["op"]] = exposed_by_op.get(r["op"], 0.0) + c.seconds
         dcn_bytes += c.dcn_bytes
         dcn_s += c.dcn_s
+    for r in dcn_records:
+        nbytes = DCN_FACTOR.get(r["kind"], lambda s: 1.0)(slices) * r["bytes"] * r["runs"]
+        op, seconds = f"dcn {r['kind'].lower()}", nbytes / dcn_bw
+        by_op[op] = by_op.get(op, 0.0) + seconds
+        if r["overlapped"]:
+            overlapped += seconds
+        else:
+            exposed += seconds
+            exposed_by_op[op] = exposed_by_op.get(op, 0.0) + seconds
+        dcn_bytes += nbytes
+        dcn_s += seconds
     return {"by_op": by_op, "exposed_by_op": exposed_by_op, "exposed_s": exposed,
             "overlapped_s": overlapped, "dcn_bytes": dcn_bytes, "dcn_s": dcn_s}

@@ -90,29 +90,11 @@ def _compute_computations(comps: dict) -> set:
     return heavy
 
 
-def collective_records(hlo_text: str, num_devices: int = 0) -> list[dict]:
-    """Every collective of a compiled module with what `links.step_costs` needs.
-
-    Returns:
-      [{"op", "bytes" (per device, as `collective_traffic` counts them), "groups" (partition
-      ids), "groups_key", "pairs" (collective-permute), "runs" (times per step, loops followed),
-      "overlapped" (the schedule puts a matmul, kernel or loop between its start and its done:
-      it can hide behind compute; a synchronous collective cannot)}].
-    """
-    if not num_devices:
-        m = re.search(r"num_partitions=(\d+)", hlo_text.split("\n", 1)[0])
-        num_devices = int(m.group(1)) if m else 0
-    comps, runs = parse_computations(hlo_text)
+def _overlap_checker(comps: dict):
+    """`overlap_in(lines, start)`: whether the schedule puts compute (a matmul, a kernel, or a
+    call of a computation that has one) between instruction `start` of `lines` and the done
+    that consumes it."""
     heavy = _compute_computations(comps)
-    shapes = {}
-    for name, lines in comps.items():
-        if name == "__entry__":
-            continue
-        for line in lines:
-            m = re.match(r"^\s+(?:ROOT )?%([\w.\-]+) = (\(.*?\)(?= [a-z])|[a-z0-9]+\[[\d,]*\])",
-                         line)
-            if m:
-                shapes[m.group(1)] = m.group(2)
 
     def is_compute(line: str) -> bool:
         if _is_heavy_line(line):
@@ -123,7 +105,6 @@ def collective_records(hlo_text: str, num_devices: int = 0) -> list[dict]:
         return any(c in heavy for c in callees)
 
     def overlap_in(lines: list[str], start: str) -> bool:
-        """Compute between instruction `start` and the done that consumes it."""
         inside = False
         for line in lines:
             name = re.match(r"^\s+(?:ROOT )?%([\w.\-]+) =", line)
@@ -137,6 +118,31 @@ def collective_records(hlo_text: str, num_devices: int = 0) -> list[dict]:
                 if is_compute(line):
                     return True
         return False
+
+    return overlap_in
+
+
+def collective_records(hlo_text: str, num_devices: int = 0) -> list[dict]:
+    """Every collective of a compiled module with what `links.step_costs` needs.
+
+    Returns:
+      [{"op", "bytes" (per device, as `collective_traffic` counts them), "groups" (partition
+      ids), "groups_key", "pairs" (collective-permute), "runs" (times per step, loops followed),
+      "overlapped" (the schedule puts a matmul, kernel or loop between its start and its done:
+      it can hide behind compute; a synchronous collective cannot)}].
+    """
+    num_devices = num_devices or num_partitions(hlo_text)
+    comps, runs = parse_computations(hlo_text)
+    overlap_in = _overlap_checker(comps)
+    shapes = {}
+    for name, lines in comps.items():
+        if name == "__entry__":
+            continue
+        for line in lines:
+            m = re.match(r"^\s+(?:ROOT )?%([\w.\-]+) = (\(.*?\)(?= [a-z])|[a-z0-9]+\[[\d,]*\])",
+                         line)
+            if m:
+                shapes[m.group(1)] = m.group(2)
 
     # async computations (a collective wrapped by `async-start(..., calls=%c)`): who starts them
     starter = {}
@@ -194,6 +200,41 @@ def collective_records(hlo_text: str, num_devices: int = 0) -> list[dict]:
                         "runs": mult, "overlapped": False})
     return out
 
+
+
+_MEGASCALE_SEND = re.compile(r'^\s+%([\w.\-]+) = \((.*?)\) send\(.*'
+                             r'_xla_megascale_transfer_type="([A-Z_]+)"')
+
+
+def num_partitions(hlo_text: str) -> int:
+    """The module's `num_partitions` (0 if it does not say)."""
+    m = re.search(r"num_partitions=(\d+)", hlo_text.split("\n", 1)[0])
+    return int(m.group(1)) if m else 0
+
+
+def dcn_records(hlo_text: str) -> list[dict]:
+    """A multi-slice TPU program's transfers between slices.
+
+    The TPU compiler compiles one program per slice (its `num_partitions` is the slice's chip
+    count) and turns each collective whose groups cross slices into host-transfer `send` /
+    `recv` pairs for the Megascale runtime over DCN, tagged `_xla_megascale_transfer_type`
+    (ALL_REDUCE, ALL_GATHER, ALL_TO_ALL, ONE_TO_ONE). A single-slice program has none.
+
+    Returns:
+      [{"kind" (the transfer type), "bytes" (the send's buffer per chip: the whole buffer of
+      an all-reduce or all-to-all, the chip's shard of an all-gather), "runs" (times per step,
+      loops followed), "overlapped" (compute between the send and its send-done)}].
+    """
+    comps, runs = parse_computations(hlo_text)
+    overlap_in = _overlap_checker(comps)
+    out = []
+    for name, mult in runs.items():
+        for line in comps.get(name, ()) if name != "__unknown__" else ():
+            m = _MEGASCALE_SEND.match(line)
+            if m:
+                out.append({"kind": m.group(3), "bytes": max(array_bytes(m.group(2)), default=0),
+                            "runs": mult, "overlapped": overlap_in(comps[name], m.group(1))})
+    return out
 
 _KERNEL = re.compile(r"^\s+(?:ROOT )?%(t?gmm)[.\d]* = (\S+) custom-call\(.*"
                      r"operand_layout_constraints=\{(.*?)\}\s*,\s*[a-z_]+=")
