@@ -230,3 +230,28 @@ def test_aot_lowers_the_bucketed_batch_the_trainer_feeds(tiny_config):
     assert b["buckets"] == [list(s) for s in shapes] and b["tokens"] == 4 * 128 * 3
     assert b["micro_batches"] == sum(fc.bucket_micro_batches) and b["rows_per_shard"] == 1
     assert b["rows"] == sum(r for r, _ in shapes) and b["seq_len"] == 128
+    # The reports' mean step needs trajectories these buckets hold: 180k-token ones fill none.
+    assert meta["occupancy"] == {}
+
+
+def test_the_reports_mean_step_is_the_feeds(tiny_config, monkeypatch):
+    """`aot.bucket_occupancy` (a bucketed report's mean step): the feed's own steps over the
+    workload's groups, each bucket's live micro-batches between 0 and its static count, their
+    token slots within the step's token budget and holding the real tokens."""
+    from gagar_jax.aot import compile as aot
+    cfg = _step_cfg(tiny_config, buckets=(64, 128), bucket_rows=4,
+                    tokens_per_batch=4 * 128 * 3, seq_len=0, rows_per_batch=0)
+    fc = FeedConfig.from_config(cfg.feed)
+    work = dict(mean=70, spread=0.3, groups=60, group_size=3, seed=1)
+    monkeypatch.setattr(aot, "BUCKET_WORKLOAD", work)
+    occ = aot.bucket_occupancy(fc)
+    f = bucket_figures.simulate(fc, bucket_figures.lognormal_lengths(
+        np.random.default_rng(1), 60, 3, 70, 0.3))
+    assert f.steps > 1 and occ["steps"] == f.steps
+    assert occ["live_micro_batches"] == [k / f.steps for k in f.micro_K]
+    assert occ["static_micro_batches"] == list(fc.bucket_micro_batches)
+    slots = sum(n * 4 * s for n, s in zip(occ["live_micro_batches"], (64, 128), strict=True))
+    assert all(0 <= n <= m for n, m in zip(occ["live_micro_batches"],
+                                           occ["static_micro_batches"], strict=True))
+    assert occ["tokens_per_step"] <= slots <= fc.tokens_per_batch
+    assert occ["padding"] == pytest.approx(1 - occ["tokens_per_step"] / slots)

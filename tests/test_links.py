@@ -194,9 +194,9 @@ def test_transfers_between_slices_by_hand():
     assert schedule.num_partitions(DCN_HLO) == 2 and schedule.dcn_records(HLO) == []
     recs = {r["kind"]: r for r in schedule.dcn_records(DCN_HLO)}
     assert recs["ALL_REDUCE"] == {"kind": "ALL_REDUCE", "bytes": 64, "runs": 3,
-                                  "overlapped": True}
+                                  "overlapped": True, "computation": "body"}
     assert recs["ALL_GATHER"] == {"kind": "ALL_GATHER", "bytes": 64, "runs": 1,
-                                  "overlapped": False}
+                                  "overlapped": False, "computation": "main"}
     place = links.Placement.ring(2, wrap=False)
     for slices, ar, ag in ((2, 3 * 64 * 1.0, 64 * 1.0), (4, 3 * 64 * 1.5, 64 * 3.0)):
         c = links.step_costs(place, [], link_bw=BW, dcn_bw=2.0,
@@ -219,6 +219,89 @@ def test_a_per_slice_program_is_placed_on_the_first_slice():
     assert links.Placement.of_grid(grid).shape == (2, 2)
     with pytest.raises(ValueError, match="partitions"):
         links.Placement.of_grid(grid, partitions=3)
+
+
+# A bucketed step's two micro-batch loops (3 and 2 trips, each body a conditional that skips an
+# empty micro-batch, whose live branch all-reduces 64 B) and the optimizer's all-reduce of
+# 40 B after them.
+BUCKET_HLO = "\n".join([
+    "HloModule jit_f, is_scheduled=true, num_partitions=2",
+    "",
+    "%live.1 (p: f32[16]) -> f32[16] {",
+    "  %p = f32[16]{0} parameter(0)",
+    "  ROOT %ar.1 = f32[16]{0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add",
+    "}",
+    "",
+    "%skip (p: f32[16]) -> f32[16] {",
+    "  ROOT %p = f32[16]{0} parameter(0)",
+    "}",
+    "",
+    "%cond.1 (p: (s32[], f32[16])) -> pred[] {",
+    "  %p = (s32[], f32[16]) parameter(0)",
+    "  %i = s32[] get-tuple-element(%p), index=0",
+    "  %c = s32[] constant(3)",
+    "  ROOT %lt = pred[] compare(%i, %c), direction=LT",
+    "}",
+    "",
+    "%body.1 (p: (s32[], f32[16])) -> (s32[], f32[16]) {",
+    "  %p = (s32[], f32[16]) parameter(0)",
+    "  %x = f32[16]{0} conditional(%b, %g, %g), branch_computations={%skip, %live.1}",
+    "  ROOT %t = (s32[], f32[16]) tuple(%i, %x)",
+    "}",
+    "",
+    "%live.2 (p: f32[16]) -> f32[16] {",
+    "  %p = f32[16]{0} parameter(0)",
+    "  ROOT %ar.2 = f32[16]{0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add",
+    "}",
+    "",
+    "%cond.2 (p: (s32[], f32[16])) -> pred[] {",
+    "  %p = (s32[], f32[16]) parameter(0)",
+    "  %i = s32[] get-tuple-element(%p), index=0",
+    "  %c = s32[] constant(2)",
+    "  ROOT %lt = pred[] compare(%i, %c), direction=LT",
+    "}",
+    "",
+    "%body.2 (p: (s32[], f32[16])) -> (s32[], f32[16]) {",
+    "  %p = (s32[], f32[16]) parameter(0)",
+    "  %x = f32[16]{0} conditional(%b, %g, %g), branch_computations={%skip, %live.2}",
+    "  ROOT %t = (s32[], f32[16]) tuple(%i, %x)",
+    "}",
+    "",
+    "ENTRY %main (a: f32[10]) -> f32[10] {",
+    "  %w.1 = (s32[], f32[16]) while(%i1), condition=%cond.1, body=%body.1",
+    "  %w.2 = (s32[], f32[16]) while(%i2), condition=%cond.2, body=%body.2",
+    "  ROOT %opt = f32[10]{0} all-reduce(%a), replica_groups={{0,1}}, to_apply=%add",
+    "}",
+    ""])
+
+
+def test_a_mean_bucketed_step_runs_only_its_live_micro_batches():
+    """The buckets' loops are found with their trips; a step with 1 of 3 and 2 of 2 micro-batches
+    live runs the first bucket's collective once and the second's twice; what lies outside
+    every loop runs once; static micro-batches counted as live give the compiled step back."""
+    loops = schedule.bucket_loops(BUCKET_HLO)
+    assert [loop["trip"] for loop in loops] == [3, 2]
+    assert {"live.1", "body.1"} <= loops[0]["computations"]
+    assert "live.2" not in loops[0]["computations"]
+    recs = schedule.collective_records(BUCKET_HLO)
+    runs = lambda rs: sorted((r["computation"], r["runs"]) for r in rs)
+    assert runs(recs) == [("live.1", 3), ("live.2", 2), ("main", 1)]
+    mean = schedule.bucket_scaled(recs, loops, [3, 2], [1.0, 2.0])
+    assert {(r["bucket"], r["runs"]) for r in mean} == {(0, 1.0), (1, 2.0), (None, 1)}
+    # Bucket order comes from the trips, not from where a loop sits in the program.
+    swapped = schedule.bucket_scaled(recs, loops[::-1], [3, 2], [1.0, 2.0])
+    assert {(r["bucket"], r["runs"]) for r in swapped} == {(0, 1.0), (1, 2.0), (None, 1)}
+    place = links.Placement.ring(2, wrap=False)
+    full = links.step_costs(place, recs, link_bw=BW, dcn_bw=BW)
+    same = links.step_costs(place, schedule.bucket_scaled(recs, loops, [3, 2], [3.0, 2.0]),
+                            link_bw=BW, dcn_bw=BW)
+    assert same["exposed_s"] == pytest.approx(full["exposed_s"])
+    # A ring of 2: each all-reduce of B bytes loads the link with B (half out, half back, x2).
+    assert full["exposed_s"] == pytest.approx(3 * 64 + 2 * 64 + 40)
+    assert links.step_costs(place, mean, link_bw=BW, dcn_bw=BW)["exposed_s"] == pytest.approx(
+        1 * 64 + 2 * 64 + 40)
+    with pytest.raises(ValueError, match="no micro-batch loop of 4 trips"):
+        schedule.bucket_scaled(recs, loops, [4, 2], [1.0, 1.0])
 
 META = ('custom_call_target="tpu_custom_call", operand_layout_constraints={s32[], s32[5]{0}, '
         "s32[11]{0}, s32[11]{0}, s32[1]{0}, ")

@@ -84,6 +84,7 @@ class AotReport:
     buffer_table: dict = dataclasses.field(default_factory=dict)    # every HBM byte, by row
     peak_buffers: list = dataclasses.field(default_factory=list)   # live at the memory peak
     peak_live_bytes_xla: int = 0   # all buffers live at XLA's heap peak (parameters included)
+    bucket_step: dict = dataclasses.field(default_factory=dict)  # a mean step of the buckets
     commit: str = ""             # the source tree compiled (`git describe --always --dirty`)
 
     def to_json(self) -> dict:
@@ -161,6 +162,13 @@ class AotReport:
                  f"{s('step_s')} / {pct('mfu_bound')} ({s('step_s_imbalanced')} / "
                  f"{pct('mfu_bound_imbalanced')})"),
             ]
+        bs = self.bucket_step
+        if bs:
+            rows += [("buckets: live / static micro-batches", " ".join(
+                f"{x:.1f}/{n}" for x, n in zip(bs["live_micro_batches"],
+                                               bs["static_micro_batches"], strict=True))),
+                     ("buckets: mean step, MFU bound", f"{bs['roofline']['step_s']:.2f} s, "
+                      f"{bs['roofline']['mfu_bound']:.1%}")]
         if self.links.get("dcn_bytes"):
             rows += [("DCN bytes per chip per step", g(self.links["dcn_bytes"]))]
         for b in self.peak_buffers[:8]:

@@ -1,5 +1,6 @@
 """What a compiled program's schedule runs: every collective with its replica groups, whether the
-schedule hides it behind compute, and the grouped-matmul kernel calls.
+schedule hides it behind compute, the grouped-matmul kernel calls, the transfers between slices
+of a multi-slice program, and the length buckets' micro-batch loops of a bucketed step.
 
 Read from the TPU compiler's `*.after_optimizations.txt` dump, whose instruction order is the
 schedule. `links.step_costs` prices the collectives on the mesh's placement; `expert_passes`
@@ -8,6 +9,7 @@ counts how often the megablox kernels run per step.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -185,7 +187,8 @@ def collective_records(hlo_text: str, num_devices: int = 0) -> list[dict]:
             pairs = source_target_pairs(line) if op == "collective-permute" else None
             key = tuple(pairs) if pairs is not None else tuple(map(tuple, groups))
             out.append({"op": op, "bytes": nbytes, "groups": groups, "groups_key": key,
-                        "pairs": pairs, "runs": mult, "overlapped": overlapped})
+                        "pairs": pairs, "runs": mult, "overlapped": overlapped,
+                        "computation": name})
         for line in comps[name]:          # reduce-scatters emitted as fusions
             if "calls=%all-reduce-scatter" not in line:
                 continue
@@ -197,9 +200,8 @@ def collective_records(hlo_text: str, num_devices: int = 0) -> list[dict]:
             out.append({"op": "reduce-scatter",
                         "bytes": n * sum(array_bytes(res.group(1) if res else "")),
                         "groups": groups, "groups_key": tuple(map(tuple, groups)), "pairs": None,
-                        "runs": mult, "overlapped": False})
+                        "runs": mult, "overlapped": False, "computation": name})
     return out
-
 
 
 _MEGASCALE_SEND = re.compile(r'^\s+%([\w.\-]+) = \((.*?)\) send\(.*'
@@ -233,8 +235,78 @@ def dcn_records(hlo_text: str) -> list[dict]:
             m = _MEGASCALE_SEND.match(line)
             if m:
                 out.append({"kind": m.group(3), "bytes": max(array_bytes(m.group(2)), default=0),
-                            "runs": mult, "overlapped": overlap_in(comps[name], m.group(1))})
+                            "runs": mult, "overlapped": overlap_in(comps[name], m.group(1)),
+                            "computation": name})
     return out
+
+
+_CALLEES = re.compile(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)")
+
+
+def bucket_loops(hlo_text: str) -> list[dict]:
+    """The length buckets' micro-batch loops of a bucketed train step (`run/bucket_step.py`):
+    the while loops whose body holds a `conditional` (the `lax.cond` that skips a micro-batch
+    with no live rows), in program order.
+
+    Returns:
+      [{"trip" (the loop's static micro-batches), "computations" (every computation its body
+      reaches)}].
+    """
+    comps, runs = parse_computations(hlo_text)
+    calls = {}
+    for name, lines in comps.items():
+        if name == "__entry__":
+            continue
+        out = calls.setdefault(name, [])
+        for line in lines:
+            out += _CALLEES.findall(line)
+            for branches in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                out += [b.strip().lstrip("%") for b in branches.split(",")]
+
+    def reach(root: str) -> set:
+        seen, todo = set(), [root]
+        while todo:
+            c = todo.pop()
+            if c not in seen and c in comps:
+                seen.add(c)
+                todo += calls.get(c, [])
+        return seen
+
+    loops = []
+    for name, lines in comps.items():
+        if name == "__entry__":
+            continue
+        for line in lines:
+            w = re.search(r"condition=%([\w.\-]+), body=%([\w.\-]+)", line)
+            if w and any(" conditional(" in x for x in comps.get(w.group(2), ())):
+                trip = runs.get(w.group(2), 0) // max(1, runs.get(name, 1))
+                loops.append({"trip": trip, "computations": reach(w.group(2))})
+    return loops
+
+
+def bucket_scaled(records: list[dict], loops: list[dict], static: Sequence[int],
+                  live: Sequence[float]) -> list[dict]:
+    """`records` (collectives, transfers or kernels, each with its "computation") with the runs
+    of those inside bucket b's micro-batch loop scaled from its `static[b]` micro-batches to
+    `live[b]`: a step runs only its live micro-batches, the loop's conditional skips the rest.
+    Bucket b's loop is the first one of `bucket_loops` not yet taken with `static[b]` trips.
+    Each record gets "bucket" (b, or None outside every bucket's loop)."""
+    where, taken = {}, set()
+    for b, n in enumerate(static):
+        i = next((i for i, loop in enumerate(loops) if i not in taken and loop["trip"] == n),
+                 None)
+        if i is None:
+            raise ValueError(f"bucket {b}: no micro-batch loop of {n} trips in the program "
+                             f"(loops: {[loop['trip'] for loop in loops]})")
+        taken.add(i)
+        where.update(dict.fromkeys(loops[i]["computations"], b))
+    out = []
+    for r in records:
+        b = where.get(r["computation"])
+        out.append({**r, "bucket": None} if b is None else
+                   {**r, "bucket": b, "runs": r["runs"] * live[b] / static[b]})
+    return out
+
 
 _KERNEL = re.compile(r"^\s+(?:ROOT )?%(t?gmm)[.\d]* = (\S+) custom-call\(.*"
                      r"operand_layout_constraints=\{(.*?)\}\s*,\s*[a-z_]+=")
@@ -270,7 +342,7 @@ def grouped_matmuls(hlo_text: str) -> list[dict]:
             # The group metadata holds tiles_m + groups - 1 entries: the row tile is m / tiles_m.
             ids = max(d[0] for d in dims if len(d) == 1)
             rec["tm"] = rec["m"] // max(1, ids - rec["groups"] + 1)
-            out.append({"kernel": m.group(1), **rec, "runs": mult})
+            out.append({"kernel": m.group(1), **rec, "runs": mult, "computation": name})
     return out
 
 
