@@ -79,14 +79,18 @@ def test_dcn_phase_goes_over_the_chips_network_share():
     assert c.ici_s == 0.0 and c.dcn_bytes == pytest.approx(4.0) and c.dcn_s == pytest.approx(4.0)
 
 
-HLO = "\n".join([
-    "HloModule jit_f, is_scheduled=true, num_partitions=4",
-    "",
+# A matmul: what the schedule reader counts as compute between a start and its done.
+MATMUL = [
     "%fused_matmul (p0: bf16[2048,2048], p1: bf16[2048,2048]) -> bf16[2048,2048] {",
     "  %p0 = bf16[2048,2048]{1,0} parameter(0)",
     "  %p1 = bf16[2048,2048]{1,0} parameter(1)",
     "  ROOT %c = bf16[2048,2048]{1,0} convolution(%p0, %p1), dim_labels=bf_io->bf",
     "}",
+]
+HLO = "\n".join([
+    "HloModule jit_f, is_scheduled=true, num_partitions=4",
+    "",
+    *MATMUL,
     "",
     "%async_computation.1 (a: bf16[8,4], b: bf16[32,4]) -> bf16[32,4] {",
     "  %a = bf16[8,4]{1,0} parameter(0)",
@@ -152,11 +156,7 @@ _MS = ('frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runt
 DCN_HLO = "\n".join([
     "HloModule jit_f, is_scheduled=true, num_partitions=2",
     "",
-    "%fused_matmul (p0: bf16[2048,2048], p1: bf16[2048,2048]) -> bf16[2048,2048] {",
-    "  %p0 = bf16[2048,2048]{1,0} parameter(0)",
-    "  %p1 = bf16[2048,2048]{1,0} parameter(1)",
-    "  ROOT %c = bf16[2048,2048]{1,0} convolution(%p0, %p1), dim_labels=bf_io->bf",
-    "}",
+    *MATMUL,
     "",
     "%cond (p: (s32[], f32[16])) -> pred[] {",
     "  %p = (s32[], f32[16]) parameter(0)",

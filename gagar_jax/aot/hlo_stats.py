@@ -97,6 +97,20 @@ def parse_computations(hlo_text: str) -> tuple[dict, dict]:
     return comps, runs
 
 
+def instruction_shapes(comps: dict) -> dict[str, str]:
+    """Every instruction's result type by name, over the computations of `parse_computations`."""
+    shapes = {}
+    for name, lines in comps.items():
+        if name == "__entry__":
+            continue
+        for line in lines:
+            m = re.match(r"^\s+(?:ROOT )?%([\w.\-]+) = (\(.*?\)(?= [a-z])|[a-z0-9]+\[[\d,]*\])",
+                         line)
+            if m:
+                shapes[m.group(1)] = m.group(2)
+    return shapes
+
+
 def collective_bytes_per_step(hlo_text: str) -> dict:
     """Bytes each kind of collective produces per executed step, loops counted by trip count.
 
@@ -193,15 +207,7 @@ def collective_traffic(hlo_text: str) -> dict:
     traffic. Also "ragged_send_rows_bytes": the same, for `roofline` to scale by imbalance.
     """
     comps, runs = parse_computations(hlo_text)
-    shapes = {}
-    for lines in comps.values():
-        if isinstance(lines, str):
-            continue
-        for line in lines:
-            m = re.match(r"^\s+(?:ROOT )?%([\w.\-]+) = (\(.*?\)(?= [a-z])|[a-z0-9]+\[[\d,]*\])",
-                         line)
-            if m:
-                shapes[m.group(1)] = m.group(2)
+    shapes = instruction_shapes(comps)
     out = {op: {"bytes": 0, "ring_bytes": 0.0, "by_group": {}} for op in COLLECTIVES}
 
     def add(op: str, n: int, nbytes: int, mult: int):

@@ -18,6 +18,7 @@ from gagar_jax.aot.hlo_stats import (
     COLLECTIVE_LINE,
     array_bytes,
     group_size,
+    instruction_shapes,
     parse_computations,
     tuple_elements,
 )
@@ -136,15 +137,7 @@ def collective_records(hlo_text: str, num_devices: int = 0) -> list[dict]:
     num_devices = num_devices or num_partitions(hlo_text)
     comps, runs = parse_computations(hlo_text)
     overlap_in = _overlap_checker(comps)
-    shapes = {}
-    for name, lines in comps.items():
-        if name == "__entry__":
-            continue
-        for line in lines:
-            m = re.match(r"^\s+(?:ROOT )?%([\w.\-]+) = (\(.*?\)(?= [a-z])|[a-z0-9]+\[[\d,]*\])",
-                         line)
-            if m:
-                shapes[m.group(1)] = m.group(2)
+    shapes = instruction_shapes(comps)
 
     # async computations (a collective wrapped by `async-start(..., calls=%c)`): who starts them
     starter = {}
