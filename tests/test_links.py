@@ -222,13 +222,20 @@ def test_a_per_slice_program_is_placed_on_the_first_slice():
 
 
 # A bucketed step's two micro-batch loops (3 and 2 trips, each body a conditional that skips an
-# empty micro-batch, whose live branch all-reduces 64 B) and the optimizer's all-reduce of
-# 40 B after them.
+# empty micro-batch, whose live branch all-reduces 64 B; the first one's also runs a layer loop
+# of 2 trips with a conditional of its own) and the optimizer's all-reduce of 40 B after them.
 BUCKET_HLO = "\n".join([
     "HloModule jit_f, is_scheduled=true, num_partitions=2",
     "",
+    "%layer (p: (s32[], f32[16])) -> (s32[], f32[16]) {",
+    "  %p = (s32[], f32[16]) parameter(0)",
+    "  %x = f32[16]{0} conditional(%b, %g, %g), branch_computations={%skip, %skip}",
+    "  ROOT %t = (s32[], f32[16]) tuple(%i, %x)",
+    "}",
+    "",
     "%live.1 (p: f32[16]) -> f32[16] {",
     "  %p = f32[16]{0} parameter(0)",
+    "  %layers = (s32[], f32[16]) while(%i0), condition=%cond.2, body=%layer",
     "  ROOT %ar.1 = f32[16]{0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add",
     "}",
     "",
@@ -276,12 +283,13 @@ BUCKET_HLO = "\n".join([
 
 
 def test_a_mean_bucketed_step_runs_only_its_live_micro_batches():
-    """The buckets' loops are found with their trips; a step with 1 of 3 and 2 of 2 micro-batches
+    """The buckets' loops are found with their trips (not the layer loop inside one, though it
+    has a conditional and 2 trips too); a step with 1 of 3 and 2 of 2 micro-batches
     live runs the first bucket's collective once and the second's twice; what lies outside
     every loop runs once; static micro-batches counted as live give the compiled step back."""
     loops = schedule.bucket_loops(BUCKET_HLO)
     assert [loop["trip"] for loop in loops] == [3, 2]
-    assert {"live.1", "body.1"} <= loops[0]["computations"]
+    assert {"live.1", "body.1", "layer"} <= loops[0]["computations"]
     assert "live.2" not in loops[0]["computations"]
     recs = schedule.collective_records(BUCKET_HLO)
     runs = lambda rs: sorted((r["computation"], r["runs"]) for r in rs)

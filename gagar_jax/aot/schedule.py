@@ -238,8 +238,8 @@ _CALLEES = re.compile(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)")
 
 def bucket_loops(hlo_text: str) -> list[dict]:
     """The length buckets' micro-batch loops of a bucketed train step (`run/bucket_step.py`):
-    the while loops whose body holds a `conditional` (the `lax.cond` that skips a micro-batch
-    with no live rows), in program order.
+    the outermost while loops whose body holds a `conditional` (the `lax.cond` that skips a
+    micro-batch with no live rows), in program order.
 
     Returns:
       [{"trip" (the loop's static micro-batches), "computations" (every computation its body
@@ -265,7 +265,7 @@ def bucket_loops(hlo_text: str) -> list[dict]:
                 todo += calls.get(c, [])
         return seen
 
-    loops = []
+    found = []
     for name, lines in comps.items():
         if name == "__entry__":
             continue
@@ -273,8 +273,10 @@ def bucket_loops(hlo_text: str) -> list[dict]:
             w = re.search(r"condition=%([\w.\-]+), body=%([\w.\-]+)", line)
             if w and any(" conditional(" in x for x in comps.get(w.group(2), ())):
                 trip = runs.get(w.group(2), 0) // max(1, runs.get(name, 1))
-                loops.append({"trip": trip, "computations": reach(w.group(2))})
-    return loops
+                found.append((w.group(2), {"trip": trip, "computations": reach(w.group(2))}))
+    # Only the outermost: a loop inside a micro-batch (a layer scan with a cond) is not a bucket.
+    return [loop for body, loop in found
+            if not any(body in other["computations"] for b, other in found if b != body)]
 
 
 def bucket_scaled(records: list[dict], loops: list[dict], static: Sequence[int],
