@@ -319,6 +319,8 @@ def bucket_step(meta: dict, d: dict, place: links.Placement, chip: roofline.Chip
     model = hardware = 0.0
     context = meta["mesh"].get("context", 1)
     for i, (length, tokens) in enumerate(zip(occ["buckets"], slots, strict=True)):
+        if not tokens:          # no live micro-batch of this bucket in the mean step
+            continue
         model += fill * tokens * flops.train_flops_per_token(model_cfg, length)
         hw = roofline.hardware_flops_per_token(model_cfg, length, expert_chunks=chunks)
         mine = [k for k in kernels if k["bucket"] == i]
@@ -326,7 +328,7 @@ def bucket_step(meta: dict, d: dict, place: links.Placement, chip: roofline.Chip
             mine, rows_per_chunk=b["rows_per_shard"] * length // context // chunks
             * model_cfg.top_k, chips=chips,
             active_expert_flops_per_step=2.0 * flops.param_counts(model_cfg).active_experts
-            * max(tokens, 1.0))
+            * tokens)
         hardware += ((hw["total"] - hw["experts"]) * tokens + ek["flops_per_step"] if ek
                      else hw["total"] * tokens)
     return {**occ, "model_flops_per_step": model, "hardware_flops_per_step": hardware,
