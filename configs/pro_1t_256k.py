@@ -7,11 +7,11 @@ Run:  gagar-train --config configs/pro_1t_256k.py --workdir gs://BUCKET/runs/pro
 AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/pro_1t_256k.py \
 --topology v5p:8x8x16
 Numbers (gagar_jax/aot/flops.py, checked by tests/test_configs.py): 1022.3B total, 43.0B active
-params (the model of pro_1t). Compiled for v5p:8x8x16 with the five buckets: 52.9 GiB per chip
-(fits 95.7; docs/scaling.md "The bucketed step ahead of time"). With one row length of 196608
-(before the buckets): 41.5 GiB per chip (75.1 for the former 32 rows of 262144 tokens), 543.9
-model GFLOPs per token slot, a compute-bound step of 90.6 s at peak
-(docs/aot/pro_1t_256k_v5p_8x8x16.json, docs/scaling.md).
+params (the model of pro_1t). Compiled for v5p:8x8x16 with the five buckets: 53.5 GiB per chip
+(fits 95.7), and its mean step under 180k-token trajectories bound at 12.2% MFU by the ragged
+all-to-alls (docs/aot/pro_1t_256k_v5p_8x8x16.json; docs/scaling.md "The 256k configs' reports,
+with a mean step"). With one row length of 196608 (before the buckets): 41.5 GiB per chip (75.1
+for the former 32 rows of 262144 tokens).
 """
 import pathlib
 

@@ -20,13 +20,16 @@ def _mesh_cfg(**sizes):
                                  **{k: v for k, v in sizes.items() if k.startswith("dcn_")})
 
 
-# The project's pod meshes (configs/*.py; the 256k configs' meshes and Qwen's are reported in
-# docs/scaling.md, Qwen's below) and the issue's 4 x 4 x 4 example, with the mean
-# ring-neighbour hops of the id-order reshape that `make_mesh` did before (worked out once with
-# `ring_hops`; the issue's audit reads 2.5 / 4.5 for Flash's expert / fsdp and 3.0 for 4x4x4).
+# The project's pod meshes (configs/*.py; Qwen's below) and the issue's 4 x 4 x 4 example,
+# with the mean ring-neighbour hops of the id-order reshape that `make_mesh` did before (worked
+# out once with `ring_hops`; the issue's audit reads 2.5 / 4.5 for Flash's expert / fsdp and
+# 3.0 for 4x4x4).
 POD_MESHES = [
     ("v5p:8x8x8", "flash_310b", {"fsdp": 4.5, "expert": 2.5, "tensor": 1.5}),
     ("v5p:8x8x16", "pro_1t", {"fsdp": 1.0, "expert": 5.0, "tensor": 1.75}),
+    ("v5p:8x8x8", "flash_310b_256k", {"fsdp": 4.0, "expert": 4.75, "context": 2.5,
+                                       "tensor": 1.5}),
+    ("v5p:8x8x16", "pro_1t_256k", {"fsdp": 8.0, "expert": 1.75, "context": 5.0, "tensor": 1.75}),
     ("v5p:4x4x4", {"fsdp": 4, "expert": 4, "tensor": 4}, {"fsdp": 1.0, "expert": 3.0,
                                                            "tensor": 1.5}),
 ]

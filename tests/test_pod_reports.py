@@ -10,8 +10,9 @@ from support.paths import REPO
 
 POD_REPORTS = ("flash_310b_v5p_8x8x8", "pro_1t_v5p_8x8x16")
 # Compiled later, at other commits (docs/scaling.md: "`qwen3_30b_a3b` on the torus", "Two v5p
-# slices over DCN").
-LATER_REPORTS = ("qwen3_30b_a3b_v5p_4x4x4", "flash_310b_2slices_v5p_8x8x8")
+# slices over DCN", "The 256k configs' reports, with a mean step").
+LATER_REPORTS = ("qwen3_30b_a3b_v5p_4x4x4", "flash_310b_2slices_v5p_8x8x8",
+                 "pro_1t_256k_v5p_8x8x16")
 GIB = 2**30
 TOLERANCE = GIB // 2   # issue 41 item 4: the rows sum to the compiled total within 0.5 GiB
 
@@ -91,3 +92,21 @@ def test_expert_flops_are_counted_from_the_compiled_kernels(reports, name):
     assert r["hardware_flops_per_step"] == pytest.approx(
         (hw["total"] - hw["experts"]) * tokens + ek["flops_per_step"], rel=1e-9)
     assert r["hardware_flops_per_step"] > r["model_flops_per_step"]
+
+
+@pytest.mark.parametrize("name", [n for n in LATER_REPORTS if "256k" in n])
+def test_bucketed_reports_price_their_mean_step(name):
+    """A bucketed report's mean step (docs/scaling.md "The 256k configs' reports, with a mean
+    step"): live micro-batches within the static ones and their slots within the token budget,
+    so its FLOPs and step bound sit below the compiled program's upper bound."""
+    r = _load(name)
+    bs = r["bucket_step"]
+    live, static = bs["live_micro_batches"], bs["static_micro_batches"]
+    assert len(live) == len(static) == len(r["batch"]["buckets"])
+    assert all(0 <= x <= n for x, n in zip(live, static, strict=True))
+    slots = sum(x * bs["bucket_rows"] * s for x, s in zip(live, bs["buckets"], strict=True))
+    assert bs["tokens_per_step"] <= slots <= r["batch"]["tokens"]
+    assert bs["model_flops_per_step"] < r["model_flops_per_step"]
+    assert bs["hardware_flops_per_step"] < r["hardware_flops_per_step"]
+    assert bs["roofline"]["step_s"] < r["roofline"]["step_s"]
+    assert 0 < bs["roofline"]["mfu_bound"] < 1
