@@ -235,16 +235,16 @@ def test_aot_lowers_the_bucketed_batch_the_trainer_feeds(tiny_config):
 
 
 def test_the_reports_mean_step_is_the_feeds(tiny_config, monkeypatch):
-    """`aot.bucket_occupancy` (a bucketed report's mean step): the feed's own steps over the
+    """`bucket_cost.bucket_occupancy` (a bucketed report's mean step): the feed's own steps over the
     workload's groups, each bucket's live micro-batches between 0 and its static count, their
     token slots within the step's token budget and holding the real tokens."""
-    from gagar_jax.aot import compile as aot
+    from gagar_jax.aot import bucket_cost
     cfg = _step_cfg(tiny_config, buckets=(64, 128), bucket_rows=4,
                     tokens_per_batch=4 * 128 * 3, seq_len=0, rows_per_batch=0)
     fc = FeedConfig.from_config(cfg.feed)
     work = dict(mean=70, spread=0.3, groups=60, group_size=3, seed=1)
-    monkeypatch.setattr(aot, "BUCKET_WORKLOAD", work)
-    occ = aot.bucket_occupancy(fc)
+    monkeypatch.setattr(bucket_cost, "BUCKET_WORKLOAD", work)
+    occ = bucket_cost.bucket_occupancy(fc)
     f = bucket_figures.simulate(fc, bucket_figures.lognormal_lengths(
         np.random.default_rng(1), 60, 3, 70, 0.3))
     assert f.steps > 1 and occ["steps"] == f.steps

@@ -313,11 +313,10 @@ def test_a_mean_bucketed_step_runs_only_its_live_micro_batches():
 
 
 def test_the_mean_bucketed_step_prices_live_micro_batches_only(tiny_config):
-    """`aot.bucket_step` on the program above with no live micro-batch of the first bucket and
-    2 of the second (rows of 128 tokens, 4 rows each, 900 real tokens of 1024 slots): its
+    """`bucket_cost.bucket_step` on the program above with no live micro-batch of the first
+    bucket and 2 of the second (rows of 128 tokens, 4 rows each, 900 real tokens of 1024 slots): its
     communication is the second bucket's and the optimizer's, its FLOPs the second bucket's."""
-    from gagar_jax.aot import compile as aot
-    from gagar_jax.aot import flops
+    from gagar_jax.aot import bucket_cost, flops
     from gagar_jax.model.transformer import ModelConfig
     model_cfg = ModelConfig.from_config(tiny_config().model)
     occ = {"bucket_rows": 4, "buckets": [64, 128], "static_micro_batches": [3, 2],
@@ -327,8 +326,8 @@ def test_the_mean_bucketed_step_prices_live_micro_batches_only(tiny_config):
     meta = {"occupancy": occ, "model_config": model_cfg, "mesh": {"context": 1},
             "batch": {"rows_per_shard": 1}}
     chip = roofline.Chip("x", 1e12, 1.0, 6.0, 6, "hand")         # 1 B/s per link
-    out = aot.bucket_step(meta, d, links.Placement.ring(2, wrap=False), chip, chips=2,
-                          slices=1, chunks=1)
+    out = bucket_cost.bucket_step(meta, d, links.Placement.ring(2, wrap=False), chip, chips=2,
+                                  slices=1, chunks=1)
     assert out["links"]["exposed_s"] == pytest.approx(2 * 64 + 40)
     assert out["model_flops_per_step"] == pytest.approx(
         900.0 * flops.train_flops_per_token(model_cfg, 128))
