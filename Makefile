@@ -11,7 +11,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # MaxText's own venv (Python 3.12; its pins conflict with .venv's), for the side by side.
 MAXTEXT_VENV := .venv-maxtext
 MAXTEXT_VERSION := 0.2.5
-MAXTEXT_STAMP := $(MAXTEXT_VENV)/.installed-$(MAXTEXT_VERSION)
+MAXTEXT_LIBTPU := $(shell sed -n 's/^tpu = \["libtpu==\(.*\)"\]/\1/p' pyproject.toml)
+MAXTEXT_STAMP := $(MAXTEXT_VENV)/.installed-$(MAXTEXT_VERSION)-libtpu$(MAXTEXT_LIBTPU)
 # The interpreter the repository tasks' tests run with, in the sandbox (docs/rollout.md, "The
 # sandbox"): a venv of its own with pytest, made from a world-readable Python, since agent code
 # runs as `nobody` when the worker is root and cannot execute an interpreter under a mode-700
@@ -96,9 +97,10 @@ agent_loop: $(STAMP) $(VLLM_STAMP)
 	$(PY) scripts/agent_loop.py --workdir runs/agent_loop --seeds 0 1 2 --control --steps 60
 
 # MaxText 0.2.5 beside the learner, in its own venv (docs/scaling.md, "Side by side with
-# MaxText"); neither target is part of `make test` or CI. The [tpu] extra brings libtpu; its pins
-# are lower bounds (jax>=0.11.1, libtpu>=0.0.46), so jax[tpu] is held at that floor (libtpu
-# 0.0.46.x). PYTHON312: python3.12 if it runs, else a pyenv 3.12.
+# MaxText"); neither target is part of `make test` or CI. MaxText's pins are lower bounds
+# (jax>=0.11.1, libtpu>=0.0.46): jax is held at that floor (0.11 needs Python 3.12; .venv has
+# 0.10.2), and libtpu, the TPU compiler, is pyproject's, so both sides compile with one compiler
+# (issue 41). PYTHON312: python3.12 if it runs, else a pyenv 3.12.
 PYTHON312 ?= $(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || \
 	ls $(HOME)/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)
 maxtext: $(MAXTEXT_STAMP)
@@ -107,8 +109,9 @@ $(MAXTEXT_STAMP):
 	@test -n "$(PYTHON312)" || { echo "make maxtext: no Python 3.12 found; set PYTHON312=" >&2; exit 2; }
 	test -x $(MAXTEXT_VENV)/bin/python || $(PYTHON312) -m venv $(MAXTEXT_VENV)
 	$(MAXTEXT_VENV)/bin/pip install -q -U pip
-	$(MAXTEXT_VENV)/bin/pip install -q 'maxtext[tpu]==$(MAXTEXT_VERSION)' 'jax[tpu]==0.11.1' 'jaxlib==0.11.1'
-	$(MAXTEXT_VENV)/bin/python -c "import maxtext.trainers.pre_train.train_compile, libtpu; print('maxtext', '$(MAXTEXT_VERSION)')"
+	$(MAXTEXT_VENV)/bin/pip install -q 'maxtext[tpu]==$(MAXTEXT_VERSION)' 'jax==0.11.1' \
+		'jaxlib==0.11.1' 'libtpu==$(MAXTEXT_LIBTPU)'
+	$(MAXTEXT_VENV)/bin/python -c "import maxtext.trainers.pre_train.train_compile, jax, importlib.metadata as m; print('maxtext', '$(MAXTEXT_VERSION)', 'jax', jax.__version__, 'libtpu', m.version('libtpu'))"
 	touch $(MAXTEXT_STAMP)
 
 # MaxText's train_compile of the Flash-shaped gemma4 model for v5p-1024 (three variants, one at a

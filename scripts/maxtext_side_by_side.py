@@ -1,8 +1,9 @@
 """Side by side with MaxText 0.2.5 (issue 29): the same model, topology and batch, one measure.
 
     make side_by_side            # builds .venv-maxtext (MaxText's own Python 3.12 env), runs this
-    .venv/bin/python scripts/maxtext_side_by_side.py [--variants default,ring,ring_chunks8] \
-        [--gagar_report docs/aot/R.json --gagar_dump DIR | --compile_gagar] [--mem_cap_gb 12]
+    .venv/bin/python scripts/maxtext_side_by_side.py [--variants default,ring,ring_chunks16] \
+        [--gagar_report docs/aot/R.json --gagar_dump DIR | --compile_gagar] [--mem_cap_gb 12] \
+        [--until_buffer_assignment ring_chunks8,ring_chunks16]
 
 For each MaxText variant, MaxText's `train_compile` (run in .venv-maxtext as a subprocess, one at
 a time, inside a cgroup-v1 memory cap) AOT-compiles a 48-layer `gemma4`-block MoE model with
@@ -16,6 +17,10 @@ XLA dump on. Every column, gagar_jax's included, is measured three ways:
       either); it exists as soon as the compiler got past buffer assignment, so a compile
       killed later (host memory, HBM OOM) still has it;
   (c) XLA's peak live set (`gagar_jax.aot.buffers.peak_buffers`, the live-range dump's peak).
+Both sides compile with one TPU compiler: .venv-maxtext holds pyproject's libtpu (`make maxtext`),
+and each column records its libtpu version. A variant named in --until_buffer_assignment is
+stopped as soon as its dump has the train step's buffer assignment and live ranges ((b) and (c)
+are final then; code generation of the chunked variants takes the most time and host memory).
 Prints the markdown table and writes docs/aot/maxtext_side_by_side.json (the commit inside).
 The config keys used are MODEL_KEYS and VARIANTS below; docs/scaling.md ("Side by side with
 MaxText") says what each side cannot express. Stdlib + gagar_jax only.
@@ -75,9 +80,12 @@ VARIANTS = {
     "default": {},
     "ring": {"use_ring_of_experts": "true"},
     "ring_chunks8": {"use_ring_of_experts": "true", "num_moe_token_chunks": "8"},
+    # gagar_jax's configs run the expert exchange over 16 token chunks (`model.ep_chunks`)
+    "ring_chunks16": {"use_ring_of_experts": "true", "num_moe_token_chunks": "16"},
 }
 LABELS = {"gagar": "gagar_jax", "default": "MaxText default",
-          "ring": "MaxText ring of experts", "ring_chunks8": "MaxText ring + 8 token chunks"}
+          "ring": "MaxText ring of experts", "ring_chunks8": "MaxText ring + 8 token chunks",
+          "ring_chunks16": "MaxText ring + 16 token chunks"}
 
 _ALLOC = re.compile(r"^allocation \d+: size (\d+)(.*):$", re.M)
 _STATS = re.compile(r"Memory analysis: CompiledMemoryStats\(([^)]*)\)")
@@ -151,11 +159,28 @@ def gagar_column(report_path: str, dump_dir: str) -> dict:
         "peak_live_bytes": r.get("peak_live_bytes_xla"), "peak_buffers": []}
     col.update(name="gagar", status="compiled" if mem else (r.get("error") or "no figures"),
                compile_seconds=r.get("compile_seconds"), report=os.path.relpath(report_path, REPO),
-               commit=r.get("commit"), overrides=r.get("overrides"), hbm_oom=None)
+               commit=r.get("commit"), overrides=r.get("overrides"), hbm_oom=None,
+               libtpu=gagar_libtpu())
     if not mem and r.get("per_device_bytes"):
         col["hbm_oom"] = {"required_bytes": r["per_device_bytes"],
                           "available_bytes": r.get("hbm_bytes")}
     return col
+
+
+def maxtext_libtpu() -> str:
+    """The libtpu version in .venv-maxtext (the compiler MaxText's columns were built with)."""
+    return subprocess.run([MAXTEXT_PY, "-c", "import importlib.metadata as m; "
+                           "print(m.version('libtpu'))"],
+                          capture_output=True, text=True).stdout.strip() or "unknown"
+
+
+def gagar_libtpu() -> str:
+    """The libtpu version in this interpreter's environment (gagar_jax's compiles)."""
+    import importlib.metadata
+    try:
+        return importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def maxtext_argv(variant: str) -> list[str]:
@@ -205,8 +230,21 @@ def _free_gib() -> str:
         return ""
 
 
-def run_capped(cmd: list[str], log_path: str, env: dict, cap_gb: float, timeout_s: int) -> dict:
-    """Runs `cmd` (capped), its output to `log_path`: rc, wall seconds, host memory, kills."""
+def past_buffer_assignment(dump_dir: str, module: str = "jit_train_step") -> bool:
+    """Whether the dump holds `module`'s optimized HLO, buffer assignment and live ranges: all
+    three are written together after buffer assignment, before code generation, so measures (b)
+    and (c) are final from then on."""
+    pattern = f"*{module}*after_optimizations-buffer-assignment.txt"
+    stems = glob.glob(os.path.join(dump_dir, pattern))
+    return any(os.path.exists(s.replace("-buffer-assignment.txt", "-live-range.txt"))
+               for s in stems)
+
+
+def run_capped(cmd: list[str], log_path: str, env: dict, cap_gb: float, timeout_s: int,
+               stop_when=None, stop_grace_s: float = 10) -> dict:
+    """Runs `cmd` (capped), its output to `log_path`: rc, wall seconds, host memory, kills.
+    `stop_when()`, polled every 2 s, ends the run early (rc "stopped") `stop_grace_s` after it
+    is first true (the dump's files are written one after the other)."""
     print(_free_gib(), flush=True)
     cmd, note = capped(cmd, cap_gb)
     print(f"  {note}", flush=True)
@@ -219,10 +257,13 @@ def run_capped(cmd: list[str], log_path: str, env: dict, cap_gb: float, timeout_
             if pid:
                 rc = os.waitstatus_to_exitcode(status)
                 break
-            if time.monotonic() - t0 > timeout_s:
+            stop = stop_when is not None and stop_when()
+            if stop or time.monotonic() - t0 > timeout_s:
+                if stop:
+                    time.sleep(stop_grace_s)
                 proc.kill()
                 _, _, usage = os.wait4(proc.pid, 0)
-                rc = "timeout"
+                rc = "stopped" if stop else "timeout"
                 break
             time.sleep(2)
     peak = _cgroup_read("memory.max_usage_in_bytes").strip()
@@ -242,9 +283,11 @@ def _env(dump_dir: str, module_re: str = "") -> dict:
 
 
 def run_maxtext(variant: str, workdir: str, cap_gb: float, timeout_s: int,
-                remeasure: bool = False) -> dict:
+                remeasure: bool = False, until_buffer_assignment: bool = False) -> dict:
     """Compiles one variant (unless `remeasure` and it ran before) and measures what it reached:
-    all three figures when it finished, the dump's when it stopped after buffer assignment."""
+    all three figures when it finished, the dump's when it stopped after buffer assignment
+    (`until_buffer_assignment`: on purpose, as soon as the dump has it, skipping code
+    generation)."""
     from gagar_jax.aot import compile as aot
     out = os.path.join(workdir, variant)
     dump = os.path.join(out, "dump")
@@ -259,20 +302,25 @@ def run_maxtext(variant: str, workdir: str, cap_gb: float, timeout_s: int,
         for f in glob.glob(os.path.join(dump, "*")):
             if os.path.isfile(f):
                 os.remove(f)
+        stop = (lambda: past_buffer_assignment(dump)) if until_buffer_assignment else None
         run = run_capped(maxtext_argv(variant), os.path.join(out, "log.txt"),
-                         _env(dump, "jit_train_step"), cap_gb, timeout_s)
+                         _env(dump, "jit_train_step"), cap_gb, timeout_s, stop)
+        run["libtpu"] = maxtext_libtpu()
         with open(run_json, "w") as f:
             json.dump(run, f, indent=2)
     with open(os.path.join(out, "log.txt"), errors="replace") as f:
         log = f.read()
     memory = parse_memory_analysis(log)
     oom = None if memory else aot.parse_hbm_oom(log)
-    col = {"name": variant, "keys": VARIANTS[variant], **run, **measure(dump, memory),
+    col = {"name": variant, "keys": VARIANTS[variant], "libtpu": run.get("libtpu"), **run,
+           **measure(dump, memory),
            "hbm_oom": oom, "compile_seconds": run["wall_seconds"]}
     if memory:
         col["status"] = "compiled"
     elif oom:
         col["status"] = "compile-time HBM OOM"
+    elif run["rc"] == "stopped":
+        col["status"] = "stopped after buffer assignment (--until_buffer_assignment)"
     elif run["rc"] == "timeout":
         col["status"] = f"stopped at the {run['wall_seconds']:.0f} s limit (--timeout_s)"
     elif run["killed_by_cap"] or run["rc"] in (-9, 137):
@@ -340,6 +388,7 @@ def side_by_side_table(columns: list[dict]) -> str:
             ("(b) total GiB, buffer assignment (HBM)", ba),
             ("(c) XLA peak live set GiB", lambda c: _gib(c.get("peak_live_bytes"))),
             ("compile s", secs), ("host peak RSS GiB", host),
+            ("libtpu", lambda c: c.get("libtpu") or "-"),
             ("status", lambda c: c.get("status", "-"))]
     head = "| | " + " | ".join(LABELS.get(c["name"], c["name"]) for c in columns) + " |"
     lines = [head, "|---" * (len(columns) + 1) + "|"]
@@ -363,6 +412,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mem_cap_gb", type=float, default=12.0,
                    help="cgroup-v1 memory cap of each compile (0: none)")
     p.add_argument("--timeout_s", type=int, default=3600, help="per compile")
+    p.add_argument("--until_buffer_assignment", default="",
+                   help="comma-separated variants whose compile stops once the dump has the "
+                        "buffer assignment (measures (b) and (c); no memory_analysis)")
     p.add_argument("--remeasure", action="store_true",
                    help="measure the variants' earlier compiles in --workdir, compile no more")
     p.add_argument("--gagar_report", default="", help="an aot_compile.py report (JSON)")
@@ -394,7 +446,8 @@ def main(argv: list[str]) -> int:
             os.path.join(REPO, "docs", "aot", "flash_310b_splash_v5p_8x8x8.json"))
     columns = [gagar_column(a.gagar_report, a.gagar_dump)] if a.gagar_report else []
     for v in variants:
-        columns.append(run_maxtext(v, a.workdir, a.mem_cap_gb, a.timeout_s, a.remeasure))
+        columns.append(run_maxtext(v, a.workdir, a.mem_cap_gb, a.timeout_s, a.remeasure,
+                                   v in a.until_buffer_assignment.split(",")))
     table = side_by_side_table(columns)
     print(table)
     with open(out, "w") as f:

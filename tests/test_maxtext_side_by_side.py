@@ -1,5 +1,7 @@
 """scripts/maxtext_side_by_side.py: its parsers and table on fixed inputs (no MaxText needed),
 and the buffer-assignment measure against memory_analysis on a CPU compile."""
+import os
+
 import jax
 import jax.numpy as jnp
 import maxtext_side_by_side as sbs
@@ -90,3 +92,21 @@ def test_buffer_assignment_equals_memory_analysis_on_cpu(tmp_path):
     assert ba["file"].endswith("buffer-assignment.txt")
     assert ba["hbm"] == total
     assert total >= 256 * 256 * 4 + 64 * 256 * 4   # the weights and the batch at least
+
+
+def test_stop_after_buffer_assignment(tmp_path):
+    # The train step's buffer assignment alone is not enough: (c) needs its live ranges too.
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    stem = "module_0042.jit_train_step.cl_1.after_optimizations"
+    (dump / "module_0001.jit_init.after_optimizations-buffer-assignment.txt").write_text("x")
+    (dump / "module_0001.jit_init.after_optimizations-live-range.txt").write_text("x")
+    assert not sbs.past_buffer_assignment(str(dump))
+    (dump / f"{stem}-buffer-assignment.txt").write_text("x")
+    assert not sbs.past_buffer_assignment(str(dump))
+    (dump / f"{stem}-live-range.txt").write_text("x")
+    assert sbs.past_buffer_assignment(str(dump))
+    # run_capped ends a compile early once told to, and says so.
+    run = sbs.run_capped(["sleep", "60"], str(tmp_path / "log.txt"), dict(os.environ), 0, 60,
+                         stop_when=lambda: sbs.past_buffer_assignment(str(dump)), stop_grace_s=0)
+    assert run["rc"] == "stopped" and run["wall_seconds"] < 30
