@@ -16,13 +16,11 @@ Run:  gagar-train --config configs/flash_310b_256k.py --workdir gs://BUCKET/runs
 AOT:  JAX_PLATFORMS=cpu python scripts/aot_compile.py --config configs/flash_310b_256k.py \
 --topology v5p:8x8x8
 Numbers (gagar_jax/aot/flops.py, checked by tests/test_configs.py): 308.8B total, 15.4B active
-params (the model of flash_310b). Compiled for v5p:8x8x8 with the five buckets: 40.6 GiB per chip
-(fits 95.7; docs/scaling.md "The bucketed step ahead of time"), its mean step under 180k-token
-trajectories bound at 24.0% MFU (docs/scaling.md "The 256k configs' reports, with a mean
-step"). With one row length of 196608
-(before the buckets): 30.2 GiB per chip (45.5 for the former 32 rows of 262144 tokens), 198.3
-model GFLOPs per token slot, a compute-bound step of 66.9 s at peak
-(docs/aot/flash_310b_256k_v5p_8x8x8.json, docs/scaling.md).
+params (the model of flash_310b). Compiled for v5p:8x8x8 with the five buckets: 41.25 GiB per
+chip, code included (fits 95.7; docs/aot/flash_310b_256k_v5p_8x8x8.json), its mean step under
+180k-token trajectories bound at 24.0% MFU (docs/scaling.md "The 256k configs' reports, with a
+mean step"). With one row length of 196608 (before the buckets, issue 29): 30.2 GiB per chip,
+198.3 model GFLOPs per token slot, a compute-bound step of 66.9 s at peak (docs/scaling.md).
 """
 import pathlib
 
