@@ -114,9 +114,10 @@ $(MAXTEXT_STAMP):
 	$(MAXTEXT_VENV)/bin/python -c "import maxtext.trainers.pre_train.train_compile, jax, importlib.metadata as m; print('maxtext', '$(MAXTEXT_VERSION)', 'jax', jax.__version__, 'libtpu', m.version('libtpu'))"
 	touch $(MAXTEXT_STAMP)
 
-# MaxText's train_compile of the Flash-shaped gemma4 model for v5p-1024 (three variants, one at a
-# time under a 12 GiB memory cap), beside gagar_jax's report: SIDE_BY_SIDE_ARGS="--gagar_report
-# docs/aot/R.json --gagar_dump DIR" (or --compile_gagar).
+# MaxText's train_compile of the Flash-shaped gemma4 model for v5p-1024 (four variants, one at a
+# time under a 16 GiB memory cap; the two chunked ones stop after buffer assignment), beside
+# gagar_jax's report, one libtpu for both: SIDE_BY_SIDE_ARGS="--gagar_report docs/aot/R.json
+# --gagar_dump DIR" (or --compile_gagar).
 side_by_side: $(STAMP) $(MAXTEXT_STAMP)
 	$(PY) scripts/maxtext_side_by_side.py $(SIDE_BY_SIDE_ARGS)
 

@@ -2,7 +2,7 @@
 
     make side_by_side            # builds .venv-maxtext (MaxText's own Python 3.12 env), runs this
     .venv/bin/python scripts/maxtext_side_by_side.py [--variants default,ring,ring_chunks16] \
-        [--gagar_report docs/aot/R.json --gagar_dump DIR | --compile_gagar] [--mem_cap_gb 12] \
+        [--gagar_report docs/aot/R.json --gagar_dump DIR | --compile_gagar] [--mem_cap_gb 16] \
         [--until_buffer_assignment ring_chunks8,ring_chunks16]
 
 For each MaxText variant, MaxText's `train_compile` (run in .venv-maxtext as a subprocess, one at
@@ -40,7 +40,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAXTEXT_PY = os.path.join(REPO, ".venv-maxtext", "bin", "python")
 GiB = 2**30
 TOPOLOGY = "v5p-1024"           # MaxText's name; gagar_jax's: v5p:8x8x8 (512 chips)
-CGROUP = "/sys/fs/cgroup/memory/maxtext"
+# one cgroup per run of this script: two runs side by side keep their own caps
+CGROUP = f"/sys/fs/cgroup/memory/maxtext-{os.getpid()}"
 
 # MiMo-V2-Flash (configs/flash_310b.py) in MaxText 0.2.5's keys (configs/base.yml, types.py).
 # model_name=gemma4-26b + override_model_config: the gemma4 decoder block (5 sliding : 1
@@ -267,10 +268,15 @@ def run_capped(cmd: list[str], log_path: str, env: dict, cap_gb: float, timeout_
                 break
             time.sleep(2)
     peak = _cgroup_read("memory.max_usage_in_bytes").strip()
+    killed = "capped" in note and _oom_kills() > kills
+    try:
+        os.rmdir(CGROUP)        # empty now that the compile has ended
+    except OSError:
+        pass
     return {"rc": rc, "wall_seconds": round(time.monotonic() - t0, 1), "mem_cap": note,
             "cgroup_max_usage_bytes": int(peak) if peak and "capped" in note else None,
             "max_rss_bytes": usage.ru_maxrss * 1024,
-            "killed_by_cap": "capped" in note and _oom_kills() > kills}
+            "killed_by_cap": killed}
 
 
 def _env(dump_dir: str, module_re: str = "") -> dict:
@@ -409,12 +415,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated MaxText variants of {list(VARIANTS)}")
     p.add_argument("--workdir", default=os.path.join(REPO, "build", "maxtext_side_by_side"))
-    p.add_argument("--mem_cap_gb", type=float, default=12.0,
+    p.add_argument("--mem_cap_gb", type=float, default=16.0,
                    help="cgroup-v1 memory cap of each compile (0: none)")
     p.add_argument("--timeout_s", type=int, default=3600, help="per compile")
-    p.add_argument("--until_buffer_assignment", default="",
+    p.add_argument("--until_buffer_assignment", default="ring_chunks8,ring_chunks16",
                    help="comma-separated variants whose compile stops once the dump has the "
-                        "buffer assignment (measures (b) and (c); no memory_analysis)")
+                        "buffer assignment (measures (b) and (c); no memory_analysis); the "
+                        "chunked ones by default: their code generation wants over 16 GiB of "
+                        "host memory; '' compiles every variant to the end")
     p.add_argument("--remeasure", action="store_true",
                    help="measure the variants' earlier compiles in --workdir, compile no more")
     p.add_argument("--gagar_report", default="", help="an aot_compile.py report (JSON)")

@@ -1,5 +1,6 @@
 """scripts/maxtext_side_by_side.py: its parsers and table on fixed inputs (no MaxText needed),
 and the buffer-assignment measure against memory_analysis on a CPU compile."""
+import json
 import os
 
 import jax
@@ -110,3 +111,19 @@ def test_stop_after_buffer_assignment(tmp_path):
     run = sbs.run_capped(["sleep", "60"], str(tmp_path / "log.txt"), dict(os.environ), 0, 60,
                          stop_when=lambda: sbs.past_buffer_assignment(str(dump)), stop_grace_s=0)
     assert run["rc"] == "stopped" and run["wall_seconds"] < 30
+
+
+def test_committed_side_by_side_is_one_compiler_and_gagar_below_maxtext():
+    # Issue 41's check over the committed report: every column built by one libtpu, MaxText at
+    # 16 token chunks among them, and gagar_jax's per-chip HBM (buffer assignment, the measure
+    # every column has) below each MaxText variant's.
+    path = os.path.join(sbs.REPO, "docs", "aot", "maxtext_side_by_side.json")
+    with open(path) as f:
+        report = json.load(f)
+    cols = {c["name"]: c for c in report["columns"]}
+    assert {"gagar", "ring_chunks16"} <= set(cols)
+    assert len({c["libtpu"] for c in cols.values()}) == 1
+    assert cols["gagar"]["libtpu"] not in (None, "unknown")
+    gagar = cols["gagar"]["buffer_assignment"]["hbm"]
+    maxtext = [c["buffer_assignment"]["hbm"] for n, c in cols.items() if n != "gagar"]
+    assert len(maxtext) == 4 and gagar < min(maxtext)
