@@ -43,8 +43,10 @@ from hypothesis import settings  # noqa: E402
 # The gcs_emulator fixture (a local fake-gcs-server for tests/test_gcs.py); vllm_served (one
 # vLLM engine per family for the test run: tests/test_vllm.py, tests/test_engine_conformance.py,
 # tests/test_sampler_vllm.py, tests/test_agent_vllm.py); jax_served (the JAX sampler's engines on
-# the same weights).
-pytest_plugins = ("support.gcs_emulator", "support.vllm_served", "support.jax_served")
+# the same weights); tasks_env (the repository tasks' interpreter, `make tasks_env`: the files
+# that run task tests fail with that fix in the message when it is missing).
+pytest_plugins = ("support.gcs_emulator", "support.vllm_served", "support.jax_served",
+                  "support.tasks_env")
 
 # Few, deterministic examples: each new shape is a compile on 2 CPU cores.
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)

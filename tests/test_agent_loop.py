@@ -22,6 +22,9 @@ from gagar_jax.rollout.agent_loop import AgentLoop, AgentOptions
 from gagar_jax.rollout.agent_record import AgentTrajectory
 from gagar_jax.rollout.engine import SamplingSpec
 
+# the sandbox runs task tests with .venv-tasks (tests/support/tasks_env.py)
+pytestmark = pytest.mark.usefixtures("tasks_env")
+
 SPEC = SamplingSpec(max_tokens=4)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -13,6 +13,9 @@ from gagar_jax.rollout.grading import heuristic, tiers
 from gagar_jax.rollout.grading.base import GroupGrade, as_grader_fn, grade_workspace
 from gagar_jax.rollout.grading.workspace import GroupWorkspace, diff_stats
 
+# the sandbox runs task tests with .venv-tasks (tests/support/tasks_env.py)
+pytestmark = pytest.mark.usefixtures("tasks_env")
+
 TASKS = repo_tasks.load_tasks()
 
 

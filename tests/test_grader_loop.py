@@ -17,11 +17,15 @@ import json
 import os
 import sys
 
+import pytest
 from support.xla_flags import cpu_flags
 
 from gagar_jax.feed import schema
 from gagar_jax.rollout.envs import repo_tasks
 from gagar_jax.run.loop import LoopPaths, run_loop
+
+# the sandbox runs task tests with .venv-tasks (tests/support/tasks_env.py)
+pytestmark = pytest.mark.usefixtures("tasks_env")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10

@@ -10,8 +10,12 @@ HTTP error as its reason. The offline engine's judge (structured outputs through
 is tests/test_engine_conformance.py's, on the test run's shared vLLM process.
 """
 import check_grader_server  # scripts/check_grader_server.py (pytest puts scripts/ on the path)
+import pytest
 from support.trainer_runs import free_port
 from support.vllm_env import vllm_python
+
+# the sandbox runs task tests with .venv-tasks (tests/support/tasks_env.py)
+pytestmark = pytest.mark.usefixtures("tasks_env")
 
 
 def test_llm_grader_against_the_openai_server(tmp_path):

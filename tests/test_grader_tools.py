@@ -12,6 +12,9 @@ from gagar_jax.rollout.envs import repo_tasks
 from gagar_jax.rollout.grading import judge_tools, llm, prompt
 from gagar_jax.rollout.grading.base import as_grader_fn
 
+# the sandbox runs task tests with .venv-tasks (tests/support/tasks_env.py)
+pytestmark = pytest.mark.usefixtures("tasks_env")
+
 TASK = repo_tasks.load_tasks()[0]
 
 

@@ -14,6 +14,9 @@ from support.repo_agents import TOKENIZER, call, files_after, play, replay_turns
 from gagar_jax.rollout.envs import patch, repo, repo_tasks, repo_verdict, sandbox, workspace
 from gagar_jax.rollout.envs.base import Environment, EnvOptions
 
+# the sandbox runs task tests with .venv-tasks (tests/support/tasks_env.py)
+pytestmark = pytest.mark.usefixtures("tasks_env")
+
 TASKS = repo_tasks.load_tasks()
 
 

@@ -13,6 +13,9 @@ from support.repo_agents import TOKENIZER, call, files_after, play
 from gagar_jax.rollout.envs import repo, repo_tasks, repo_verdict, sandbox, workspace
 from gagar_jax.rollout.envs.base import EnvOptions
 
+# the sandbox runs task tests with .venv-tasks (tests/support/tasks_env.py)
+pytestmark = pytest.mark.usefixtures("tasks_env")
+
 TASK = repo_tasks.load_task(os.path.join(repo_tasks.SHIPPED, "clamp_values"))
 MODULE = "numeric/bounds.py"
 LIMITS = sandbox.Limits(memory_bytes=256 << 20, address_space_bytes=1 << 30,
