@@ -107,6 +107,7 @@ maxtext: $(MAXTEXT_STAMP)
 
 $(MAXTEXT_STAMP):
 	@test -n "$(PYTHON312)" || { echo "make maxtext: no Python 3.12 found; set PYTHON312=" >&2; exit 2; }
+	@test -n "$(MAXTEXT_LIBTPU)" || { echo "make maxtext: no libtpu pin in pyproject.toml's tpu extra" >&2; exit 2; }
 	test -x $(MAXTEXT_VENV)/bin/python || $(PYTHON312) -m venv $(MAXTEXT_VENV)
 	$(MAXTEXT_VENV)/bin/pip install -q -U pip
 	$(MAXTEXT_VENV)/bin/pip install -q 'maxtext[tpu]==$(MAXTEXT_VERSION)' 'jax==0.11.1' \

@@ -161,27 +161,19 @@ def gagar_column(report_path: str, dump_dir: str) -> dict:
     col.update(name="gagar", status="compiled" if mem else (r.get("error") or "no figures"),
                compile_seconds=r.get("compile_seconds"), report=os.path.relpath(report_path, REPO),
                commit=r.get("commit"), overrides=r.get("overrides"), hbm_oom=None,
-               libtpu=gagar_libtpu())
+               libtpu=libtpu_version())
     if not mem and r.get("per_device_bytes"):
         col["hbm_oom"] = {"required_bytes": r["per_device_bytes"],
                           "available_bytes": r.get("hbm_bytes")}
     return col
 
 
-def maxtext_libtpu() -> str:
-    """The libtpu version in .venv-maxtext (the compiler MaxText's columns were built with)."""
-    return subprocess.run([MAXTEXT_PY, "-c", "import importlib.metadata as m; "
-                           "print(m.version('libtpu'))"],
-                          capture_output=True, text=True).stdout.strip() or "unknown"
-
-
-def gagar_libtpu() -> str:
-    """The libtpu version in this interpreter's environment (gagar_jax's compiles)."""
-    import importlib.metadata
-    try:
-        return importlib.metadata.version("libtpu")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+def libtpu_version(python: str = sys.executable) -> str:
+    """The libtpu version `python`'s environment holds (the TPU compiler its compiles use):
+    .venv-maxtext's for MaxText's columns, this interpreter's for gagar_jax's."""
+    probe = subprocess.run([python, "-c", "import importlib.metadata as m; "
+                            "print(m.version('libtpu'))"], capture_output=True, text=True)
+    return probe.stdout.strip() or "unknown"
 
 
 def maxtext_argv(variant: str) -> list[str]:
@@ -311,15 +303,14 @@ def run_maxtext(variant: str, workdir: str, cap_gb: float, timeout_s: int,
         stop = (lambda: past_buffer_assignment(dump)) if until_buffer_assignment else None
         run = run_capped(maxtext_argv(variant), os.path.join(out, "log.txt"),
                          _env(dump, "jit_train_step"), cap_gb, timeout_s, stop)
-        run["libtpu"] = maxtext_libtpu()
+        run["libtpu"] = libtpu_version(MAXTEXT_PY)
         with open(run_json, "w") as f:
             json.dump(run, f, indent=2)
     with open(os.path.join(out, "log.txt"), errors="replace") as f:
         log = f.read()
     memory = parse_memory_analysis(log)
     oom = None if memory else aot.parse_hbm_oom(log)
-    col = {"name": variant, "keys": VARIANTS[variant], "libtpu": run.get("libtpu"), **run,
-           **measure(dump, memory),
+    col = {"name": variant, "keys": VARIANTS[variant], **run, **measure(dump, memory),
            "hbm_oom": oom, "compile_seconds": run["wall_seconds"]}
     if memory:
         col["status"] = "compiled"
