@@ -32,16 +32,17 @@ sys.path[:0] = [REPO, os.path.join(REPO, "tests")]      # this checkout first
 
 def publish_judge(directory: str) -> None:
     """The tiny random judge: weights (float32) and the byte tokenizer, in `directory`."""
-    from flax import nnx
+    from support.vllm_served import random_model
 
     from gagar_jax.config import load_config_file
     from gagar_jax.hf import api as hf
     from gagar_jax.hf import byte_tokenizer
-    from gagar_jax.model.transformer import ModelConfig, Transformer
+    from gagar_jax.model.transformer import ModelConfig
     cfg = load_config_file(os.path.join(REPO, "configs", "tiny_vllm.py"))
     cfg.model.vocab_size = byte_tokenizer.END_ID + 1
-    hf.save_pretrained(Transformer(ModelConfig.from_config(cfg.model), rngs=nnx.Rngs(0)),
-                       directory, min_positions=16384)
+    # random weights drawn in NumPy: the model's eager init compiles ~30 small programs (~5 s)
+    hf.save_pretrained(random_model(ModelConfig.from_config(cfg.model), 0), directory,
+                       min_positions=16384)
     byte_tokenizer.save(directory)
 
 
@@ -77,7 +78,7 @@ def start_server(directory: str, port: int, log_path: str) -> tuple:
         if time.monotonic() - t0 > 600:
             proc.kill()
             raise RuntimeError("vllm serve did not answer /health within 600 s")
-        time.sleep(1.0)
+        time.sleep(0.25)
 
 
 class Recording:
@@ -85,9 +86,11 @@ class Recording:
 
     def __init__(self, judge):
         self.judge, self.count, self.sent, self.answers = judge, judge.count, [], []
+        self.asking = threading.Event()     # set when the first request is on its way
 
     def ask(self, messages, schema):
         self.sent.append(messages)
+        self.asking.set()
         out = self.judge.ask(messages, schema)
         self.answers.append(out)
         return out
@@ -180,12 +183,17 @@ def run_checks(tasks: int, orderings: int, budget: int, port: int, workdir: str 
                 if prompt.CUT.split("{")[0] not in user:
                     failures.append(f"{task.task_id}: the long log was not cut with the marker")
         # the server stopped mid-request: many orderings keep requests going; kill it in flight
-        judge = llm.HTTPJudge(url, "judge", max_tokens=256, timeout_s=300, count=count)
+        judge = Recording(llm.HTTPJudge(url, "judge", max_tokens=256, timeout_s=300,
+                                        count=count))
         grader = llm.LLMGrader(judge, orderings=50, retries=2, budget=budget)
         box = {}
         th = threading.Thread(target=lambda: box.update(out=grade_workspace(grader, ws)))
         th.start()
-        time.sleep(3.0)
+        # kill once the first request has been sent and the server is generating its answer
+        # (an answer of up to 256 tokens takes ~0.8 s here); was a fixed 3 s sleep
+        if not judge.asking.wait(60):
+            failures.append("the grader sent no request to kill the server under")
+        time.sleep(0.3)
         os.killpg(proc.pid, signal.SIGKILL)
         th.join(120)
         out = box.get("out")

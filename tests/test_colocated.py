@@ -43,6 +43,14 @@ def test_loop_cli_colocated_flags_and_overrides(repo_root, capsys):
     from gagar_jax.run import loop_cli
     assert loop_cli.main(["--workdir", "/nonexistent/x", "--colocated"]) == 2
     assert "--colocated needs --engine jax" in capsys.readouterr().err
+    # --init-from without weights there: a one-line error before any process or compile, both
+    # for the two-process loop and the colocated one (the loop itself: tests/test_grader_loop.py)
+    for extra in ([], ["--colocated"]):
+        assert loop_cli.main(["--workdir", "/nonexistent/x", "--engine", "jax",
+                              "--init-from", "/nonexistent/sft", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "/nonexistent/sft" in err and "config.json" in err, err
+        assert not os.path.exists("/nonexistent/x")
     cfg = load_config_file(os.path.join(repo_root, "configs", "tiny_vllm.py"))
     loop_cli.apply_overrides(cfg, ["--config.train.steps=7", "--config.optim.learning_rate=0.5",
                                    "--config.feed.routing_replay=false"])

@@ -18,9 +18,13 @@ import os
 import sys
 
 import pytest
+from support.vllm_served import random_model
 from support.xla_flags import cpu_flags
 
+from gagar_jax.config import load_config_file
 from gagar_jax.feed import schema
+from gagar_jax.hf import api as hf
+from gagar_jax.model.transformer import ModelConfig
 from gagar_jax.rollout.envs import repo_tasks
 from gagar_jax.run.loop import LoopPaths, run_loop
 
@@ -87,9 +91,17 @@ def test_closed_loop_with_the_heuristic_grader_pool_on_repository_tasks(tmp_path
     config.write_text(CONFIG.format(base=os.path.join(REPO, "configs", "tiny_agent.py")))
     paths = LoopPaths(config=str(config),
                       vllm_python=sys.executable, source_root=REPO)
+    # the loop starts from the caller's weights (`init_from`), drawn in NumPy: a fresh init of
+    # the model (run_loop's default) compiles ~30 small programs eagerly, ~5 s here; the
+    # scripted agent's actions do not depend on them
+    init = str(tmp_path / "sft")
+    hf.save_pretrained(random_model(ModelConfig.from_config(load_config_file(str(config)).model),
+                                    0), init)
     rep = run_loop(wd, paths, seed=0, steps=STEPS, engine="jax", grader=HEURISTIC,
-                   worker_args=WORKER, timeout_s=240, poll_s=0.5)
+                   worker_args=WORKER, timeout_s=240, poll_s=0.5, init_from=init)
     assert rep["steps_trained"] == STEPS
+    assert not os.path.exists(os.path.join(wd, "init"))     # no fresh init was written
+    assert f"train.init_from: loaded {init}" in open(os.path.join(wd, "learner.log")).read()
     led = rep["ledger"]
     assert rep["ledger_balanced"] and led["quarantined"] == 0, led
     assert led["received"] == led["trained"] + led["filtered_uniform"] + led["filtered_stale"] \

@@ -6,8 +6,10 @@
 A library: every path comes from the caller (`LoopPaths`), none from this file's location.
 
 1. The initial policy: a Transformer from the config's model section with `seed`, saved in
-   float32 as `<workdir>/init` (the learner's `train.init_from`). The learner publishes it as
-   version 0 before its first step (`train.publish_initial`), so the workers have a `latest`.
+   float32 as `<workdir>/init` (the learner's `train.init_from`), or the caller's own weights
+   (`init_from`: an SFT checkpoint in Hugging Face format, as `save_pretrained` writes it). The
+   learner publishes it as version 0 before its first step (`train.publish_initial`), so the
+   workers have a `latest`.
 2. The learner (`python -m gagar_jax`, .venv) trains on `<workdir>/spool` and publishes every
    step; each worker (`python -m gagar_jax.rollout.worker`, .venv-vllm, `worker<i>`) samples
    and grades groups of the tasks into the spool, reloading `latest` between groups.
@@ -97,7 +99,7 @@ def run_loop(workdir: str, paths: LoopPaths, *, seed: int = 0, steps: int = 40,
              learning_rate: float | None = None, workers: int = 1, tasks: str = "",
              grader: str = "", worker_args: tuple = (), learner_args: tuple = (),
              timeout_s: float = 1800.0, on_version: Optional[Callable[[dict], None]] = None,
-             poll_s: float = 2.0, engine: str = "vllm") -> dict:
+             poll_s: float = 2.0, engine: str = "vllm", init_from: str = "") -> dict:
     """Runs learner and workers until the learner has trained `steps` steps; returns the report.
 
     Args:
@@ -113,6 +115,10 @@ def run_loop(workdir: str, paths: LoopPaths, *, seed: int = 0, steps: int = 40,
       engine: the workers' engine, "vllm" (in the vLLM environment) or "jax" (the JAX sampler,
         `gagar_jax.sample.engine`, in this interpreter's environment, reading the published
         files; for the in-memory hand-over see `run/colocated.py`).
+      init_from: the policy to start from, a directory of Hugging Face weights for the config's
+        model (config.json and safetensors, e.g. an SFT checkpoint); "" = a fresh init of
+        `seed` saved as `<workdir>/init`. Missing files raise FileNotFoundError before any
+        process starts; weights of another shape fail in the learner's `train.init_from`.
     Returns:
       `report(workdir, steps)` plus seed, learning_rate and wall_s (also loop_report.json).
     """
@@ -124,9 +130,12 @@ def run_loop(workdir: str, paths: LoopPaths, *, seed: int = 0, steps: int = 40,
         raise FileNotFoundError(f"{paths.vllm_python} is missing: run `make vllm`")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if init_from and not os.path.isfile(os.path.join(init_from, "config.json")):
+        raise FileNotFoundError(f"init_from {init_from!r}: no config.json there (a directory "
+                                "of Hugging Face weights, as save_pretrained writes it)")
     os.makedirs(workdir, exist_ok=True)
     cfg = load_config_file(config)
-    init = save_initial(cfg, workdir, seed)
+    init = os.path.abspath(init_from) if init_from else save_initial(cfg, workdir, seed)
     spool = os.path.join(workdir, "spool")
     os.makedirs(spool, exist_ok=True)   # the learner refuses a spool that does not exist
     names = ["learner"] + [f"worker{i}" for i in range(workers)]

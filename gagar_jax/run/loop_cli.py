@@ -41,6 +41,9 @@ def _args(argv: Sequence[str]) -> tuple[argparse.Namespace, list]:
     p.add_argument("--workers", type=int, default=1, help="rollout worker processes")
     p.add_argument("--steps", type=int, default=40, help="learner steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init-from", default="", metavar="DIR",
+                   help="start from these Hugging Face weights (e.g. an SFT checkpoint) instead "
+                        "of a fresh init of --seed")
     p.add_argument("--learning-rate", type=float, default=None,
                    help="override optim.learning_rate (0: a frozen-policy control)")
     p.add_argument("--tasks", default="", help="the workers' tasks, module:factory "
@@ -107,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             learning_rate=a.learning_rate, workers=a.workers, tasks=a.tasks,
                             grader=a.grader, timeout_s=a.timeout_s,
                             learner_args=tuple(learner_args), engine=a.engine,
+                            init_from=a.init_from,
                             on_version=lambda v: print(loop.format_version(v), flush=True))
     except FileNotFoundError as e:
         print(f"gagar-loop: error: {e}", file=sys.stderr)
@@ -160,6 +164,12 @@ def _colocated(a: argparse.Namespace, learner_args: list) -> int:
     cfg.feed.spool_dir, cfg.feed.path = "", ""
     if a.learning_rate is not None:
         cfg.optim.learning_rate = a.learning_rate
+    if a.init_from:                         # the learner's state; the sampler gets it in memory
+        if not os.path.isfile(os.path.join(a.init_from, "config.json")):
+            print(f"gagar-loop: error: --init-from {a.init_from!r}: no config.json there",
+                  file=sys.stderr)
+            return 2
+        cfg.train.init_from = os.path.abspath(a.init_from)
     try:
         apply_overrides(cfg, learner_args)
         agent = colocated.ColocatedOptions.agent
