@@ -74,6 +74,15 @@ def save_initial(cfg: Any, workdir: str, seed: int) -> str:
     return init
 
 
+def check_init_from(path: str) -> str:
+    """`path` made absolute if it holds Hugging Face weights (config.json); FileNotFoundError
+    naming it otherwise. Whether they fit the config's model is the learner's check."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"init_from {path!r}: no config.json there (a directory of "
+                                "Hugging Face weights, as save_pretrained writes it)")
+    return os.path.abspath(path)
+
+
 def _env(source_root: str, extra: dict) -> dict:
     env = {**os.environ, **extra}
     env["PYTHONPATH"] = source_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
@@ -117,8 +126,9 @@ def run_loop(workdir: str, paths: LoopPaths, *, seed: int = 0, steps: int = 40,
         files; for the in-memory hand-over see `run/colocated.py`).
       init_from: the policy to start from, a directory of Hugging Face weights for the config's
         model (config.json and safetensors, e.g. an SFT checkpoint); "" = a fresh init of
-        `seed` saved as `<workdir>/init`. Missing files raise FileNotFoundError before any
-        process starts; weights of another shape fail in the learner's `train.init_from`.
+        `seed` saved as `<workdir>/init`. No config.json there raises FileNotFoundError before
+        any process starts (`check_init_from`); weights of another architecture fail in the
+        learner (`train.init_from`).
     Returns:
       `report(workdir, steps)` plus seed, learning_rate and wall_s (also loop_report.json).
     """
@@ -130,12 +140,10 @@ def run_loop(workdir: str, paths: LoopPaths, *, seed: int = 0, steps: int = 40,
         raise FileNotFoundError(f"{paths.vllm_python} is missing: run `make vllm`")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    if init_from and not os.path.isfile(os.path.join(init_from, "config.json")):
-        raise FileNotFoundError(f"init_from {init_from!r}: no config.json there (a directory "
-                                "of Hugging Face weights, as save_pretrained writes it)")
+    init = check_init_from(init_from) if init_from else ""
     os.makedirs(workdir, exist_ok=True)
     cfg = load_config_file(config)
-    init = os.path.abspath(init_from) if init_from else save_initial(cfg, workdir, seed)
+    init = init or save_initial(cfg, workdir, seed)
     spool = os.path.join(workdir, "spool")
     os.makedirs(spool, exist_ok=True)   # the learner refuses a spool that does not exist
     names = ["learner"] + [f"worker{i}" for i in range(workers)]

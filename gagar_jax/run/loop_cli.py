@@ -164,13 +164,9 @@ def _colocated(a: argparse.Namespace, learner_args: list) -> int:
     cfg.feed.spool_dir, cfg.feed.path = "", ""
     if a.learning_rate is not None:
         cfg.optim.learning_rate = a.learning_rate
-    if a.init_from:                         # the learner's state; the sampler gets it in memory
-        if not os.path.isfile(os.path.join(a.init_from, "config.json")):
-            print(f"gagar-loop: error: --init-from {a.init_from!r}: no config.json there",
-                  file=sys.stderr)
-            return 2
-        cfg.train.init_from = os.path.abspath(a.init_from)
     try:
+        if a.init_from:                     # the learner's state; the sampler gets it in memory
+            cfg.train.init_from = loop.check_init_from(a.init_from)
         apply_overrides(cfg, learner_args)
         agent = colocated.ColocatedOptions.agent
         if a.max_turns:
@@ -180,7 +176,7 @@ def _colocated(a: argparse.Namespace, learner_args: list) -> int:
             spec=SamplingSpec(max_tokens=a.max_tokens or int(cfg.loss.max_response_len)),
             handover=a.handover, sampler_devices=a.sampler_devices, env=a.env,
             tokenizer=a.tokenizer, agent=agent)
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"gagar-loop: error: {e}", file=sys.stderr)
         return 2
     print(f"gagar-loop: learner + JAX sampler in this process in {workdir} (hand-over "

@@ -41,9 +41,9 @@ def model_config(family):
     return ModelConfig.from_config(cfg.model)
 
 
-def randomize(model, seed, scale=0.15):
+def randomize(model, seed):
     """Weights larger than the init (its logits are near uniform: greedy ties otherwise):
-    N(0, scale^2) matrices, norms 1 + N(0, 0.01), router biases N(0, 0.01), sinks N(0, 1)."""
+    N(0, 0.15^2) matrices, norms 1 + N(0, 0.01), router biases N(0, 0.01), sinks N(0, 1)."""
     rng = np.random.default_rng(seed)
 
     def draw(path, x):
@@ -53,15 +53,15 @@ def randomize(model, seed, scale=0.15):
         for key, s in special.items():
             if key in name:
                 return jnp.asarray((1.0 if key == "norm" else 0.0) + s * n)
-        return jnp.asarray(scale * n)
+        return jnp.asarray(0.15 * n)
     nnx.update(model, jax.tree_util.tree_map_with_path(draw, nnx.state(model)))
 
 
-def random_model(cfg, seed, scale=0.15):
-    """`Transformer(cfg)` with `randomize(seed, scale)`'s weights, built without running its init
-    (every leaf is drawn again anyway: the eager init's compiles cost seconds per model)."""
+def random_model(cfg, seed):
+    """`Transformer(cfg)` with `randomize(seed)`'s weights, built without running its init (every
+    leaf is drawn again anyway: the eager init's compiles cost seconds per model)."""
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
-    randomize(model, seed, scale)
+    randomize(model, seed)
     return model
 
 
