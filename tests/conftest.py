@@ -14,7 +14,7 @@ from support.xla_flags import (  # fast compiles: xla_flags.py
 
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {cpu_flags(8, FAST_COMPILE)}".strip()
 # One OpenMP / BLAS thread per process (torch in the parity tests, vLLM's CPU build, NumPy's
-# OpenBLAS), inherited by the subprocesses: `make test` runs two workers on two cores, and a pool
+# OpenBLAS), inherited by the subprocesses: `make test` runs three workers on two cores, and a pool
 # of two threads beside a busy core spins while it waits (measured: the vLLM driver of
 # vllm_served 50 -> 36 CPU-seconds beside a busy core, alone 38 -> 33). XLA:CPU keeps its
 # own thread pool.
@@ -73,7 +73,7 @@ def devices():
     return devs
 
 
-# The longest files first (longest-processing-time-first scheduling): `make test` runs two
+# The longest files first (longest-processing-time-first scheduling): `make test` runs three
 # xdist workers with a file per worker (--dist loadfile; the vLLM files below together), handed
 # out in collection order, so a long file collected last would run alone at the end. The order
 # is the files' pytest seconds in a fresh-clone `make test` (Zen 1, 2 cores, 2026-12-05), the
