@@ -43,8 +43,8 @@ train: $(STAMP)
 # The vLLM tests (tests/test_vllm.py, test_loop.py) run vLLM in .venv-vllm, built first; the
 # repository environment's tests run task tests with .venv-tasks.
 # Three xdist workers on a 2-core machine: a third keeps both cores busy while a worker waits on
-# a subprocess, a server or a poll (fresh clone, back to back: -n 2 479.5 s, -n 3 408.7 s, -n 4
-# 417.7 s; docs/performance.md, "The test suite's time").
+# a subprocess, a server or a poll (fresh clone, three back-to-back pairs: -n 3 15% faster twice,
+# equal once; docs/performance.md, "The test suite's time").
 test: $(STAMP) $(VLLM_STAMP) $(TASKS_STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadfile --durations=20 tests
 
