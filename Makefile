@@ -39,12 +39,12 @@ train: $(STAMP)
 	rm -rf runs/tiny_cpu
 	$(PY) -m gagar_jax --config configs/tiny_cpu.py --workdir runs/tiny_cpu
 
-# Two pytest workers (pytest-xdist), a test file per worker: module fixtures are built once.
-# The vLLM tests (tests/test_vllm.py, test_loop.py) run vLLM in .venv-vllm, built first; the
-# repository environment's tests run task tests with .venv-tasks.
-# Three xdist workers on a 2-core machine: a third keeps both cores busy while a worker waits on
-# a subprocess, a server or a poll (fresh clone, three back-to-back pairs: -n 3 15% faster twice,
-# equal once; docs/performance.md, "The test suite's time").
+# Three pytest workers (pytest-xdist) on a 2-core machine, a test file per worker: module
+# fixtures are built once, and a third worker keeps both cores busy while another waits on a
+# subprocess, a server or a poll (fresh clone, three back-to-back pairs: -n 3 15% faster twice,
+# equal once; docs/performance.md, "The test suite's time"). The vLLM tests (tests/test_vllm.py,
+# test_loop.py) run vLLM in .venv-vllm, built first; the repository environment's tests run
+# task tests with .venv-tasks.
 test: $(STAMP) $(VLLM_STAMP) $(TASKS_STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadfile --durations=20 tests
 
