@@ -172,7 +172,8 @@ def test_a_task_venv_others_cannot_reach_is_copied_where_they_can(monkeypatch):
     """A checkout under a mode-700 directory (/root) would leave `nobody` without pytest."""
     import pathlib
     import tempfile
-    cache = tempfile.mkdtemp(prefix="gagar-venv-test-")      # under /tmp (1777): reachable
+    # beside the real cache: reachable, and not under /tmp, which the sandbox covers (below)
+    cache = tempfile.mkdtemp(prefix="gagar-venv-test-", dir=os.path.dirname(sandbox.VENV_CACHE))
     os.chmod(cache, 0o755)
     monkeypatch.setattr(sandbox, "VENV_CACHE", os.path.join(cache, "c"))
     locked = pathlib.Path(cache) / "locked"
@@ -193,3 +194,39 @@ def test_a_task_venv_others_cannot_reach_is_copied_where_they_can(monkeypatch):
         locked.chmod(0o755)
         import shutil
         shutil.rmtree(cache)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="the copy is made for root workers only")
+def test_a_task_venv_under_tmp_is_copied_out_of_the_sandbox_fresh_tmp(monkeypatch, tmp_path):
+    """A checkout cloned under /tmp, open to all: its .venv-tasks is reachable, but the sandbox
+    mounts a fresh /tmp, so the command would not find the interpreter (an `infra_error` for
+    every verdict). The copy lies outside every directory the sandbox covers, and runs there."""
+    import shutil
+    import tempfile
+    cache = tempfile.mkdtemp(prefix="gagar-venv-test-", dir=os.path.dirname(sandbox.VENV_CACHE))
+    opened = tempfile.mkdtemp(prefix="gagar-venv-open-", dir="/tmp")
+    try:
+        os.chmod(cache, 0o755)
+        os.chmod(opened, 0o755)
+        monkeypatch.setattr(sandbox, "VENV_CACHE", os.path.join(cache, "c"))
+        venv = os.path.join(opened, "venv")
+        os.makedirs(os.path.join(venv, "bin"))
+        with open(os.path.join(venv, "pyvenv.cfg"), "w") as f:
+            f.write("home = /usr/bin\n")
+        os.symlink("/usr/bin/python3", os.path.join(venv, "bin", "python"))
+        assert sandbox._others_reach(venv) and sandbox._covered(venv)
+        copy = sandbox.reachable_venv(venv)
+        assert copy.startswith(sandbox.VENV_CACHE) and not sandbox._covered(copy)
+        assert sandbox.reachable_venv(venv) == copy                   # made once
+        (tmp_path / "src").mkdir()
+        config = sandbox.SandboxConfig(limits=LIMITS)
+        ran = {}
+        for name, root in (("in place", venv), ("copy", copy)):
+            python = os.path.join(root, "bin", "python")
+            ran[name] = sandbox.run(str(tmp_path / "src"), [python, "-c", "print('ran')"], config)
+        assert ran["copy"].status == "ok" and ran["copy"].output.strip() == "ran", ran["copy"]
+        if sandbox.enforced(config)["paths_hidden"]:     # the bug the copy avoids
+            assert ran["in place"].status == "infra_error", ran["in place"]
+    finally:
+        shutil.rmtree(cache)
+        shutil.rmtree(opened)

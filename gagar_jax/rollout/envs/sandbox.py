@@ -37,11 +37,13 @@ import sys
 import tempfile
 
 from gagar_jax.rollout.envs import cgroups
+from gagar_jax.rollout.envs.sandbox_launch import SMALL_TMPFS
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_launch.py")
 PROJECT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
-VENV_CACHE = "/var/cache/gagar_jax"   # root's copies of a task venv others cannot reach
+VENV_CACHE = "/var/cache/gagar_jax"   # root's copies of a task venv the sandbox would not see
+COVERED = ("/tmp",) + SMALL_TMPFS     # a fresh tmpfs inside the sandbox (sandbox_launch.py)
 SUPERVISOR_GRACE_S = 20.0   # beyond `wall_s`: the supervisor's own set-up and clean-up
 
 
@@ -98,16 +100,24 @@ def _others_reach(path: str) -> bool:
         path = parent
 
 
+def _covered(path: str) -> bool:
+    """`path` lies under a directory the sandbox mounts a fresh tmpfs over (`COVERED`), so a
+    sandboxed command cannot see it."""
+    real = os.path.realpath(path)
+    return any(real == d or real.startswith(d + os.sep) for d in COVERED)
+
+
 def reachable_venv(venv: str) -> str:
-    """`venv`, or, when the worker is root and an unprivileged user cannot reach it (a checkout
-    under a mode-700 home, /root for one), a copy under `VENV_CACHE` that it can (not under
-    /tmp: the sandbox mounts a fresh /tmp over it).
+    """`venv`, or, when the worker is root and a sandboxed command could not run it, a copy
+    under `VENV_CACHE` that it can: when an unprivileged user cannot reach it (a checkout under a
+    mode-700 home, /root for one) or when it lies under /tmp, /var/tmp or /dev/shm (a checkout
+    cloned there), which the sandbox covers with a fresh tmpfs.
 
     A virtual environment may move: its interpreter is a link to the base Python and
     its pyvenv.cfg is found beside it; only its scripts' shebangs name the old path, and the
     sandbox runs `python -m pytest`. The copy is named by the venv's path and the time of its
     last install, made once per machine (atomically: processes racing to make it agree)."""
-    if os.geteuid() != 0 or _others_reach(venv):
+    if os.geteuid() != 0 or (_others_reach(venv) and not _covered(venv)):
         return venv
     stamp = max(os.stat(os.path.join(venv, f)).st_mtime_ns for f in os.listdir(venv))
     key = hashlib.sha256(f"{os.path.abspath(venv)}:{stamp}".encode()).hexdigest()[:16]
