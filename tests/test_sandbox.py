@@ -4,6 +4,7 @@ reads a held-out test, another trajectory's workspace or the git objects, or ope
 ends as `fail` with the limit's own error, and the worker goes on; a submission that edits
 test infrastructure is `hacked`. Small limits keep each run well under a second (the loop: the
 1.5 s wall limit)."""
+import json
 import os
 import socket
 
@@ -215,9 +216,23 @@ def test_a_task_venv_under_tmp_is_copied_out_of_the_sandbox_fresh_tmp(monkeypatc
             f.write("home = /usr/bin\n")
         os.symlink("/usr/bin/python3", os.path.join(venv, "bin", "python"))
         assert sandbox._others_reach(venv) and sandbox._covered(venv)
+        # earlier copies: of a venv since deleted, of one since reinstalled, of this one before
+        # the record existed; making a copy removes the first two only
+        old = {"deleted": {"venv": os.path.join(opened, "gone"), "stamp": 1},
+               "reinstalled": {"venv": venv, "stamp": 1}, "unrecorded": None}
+        for name, record in old.items():
+            os.makedirs(os.path.join(sandbox.VENV_CACHE, f"task-venv-{name}"))
+            if record:
+                with open(os.path.join(sandbox.VENV_CACHE, f"task-venv-{name}",
+                                       sandbox.COPY_SOURCE), "w") as f:
+                    json.dump(record, f)
         copy = sandbox.reachable_venv(venv)
         assert copy.startswith(sandbox.VENV_CACHE) and not sandbox._covered(copy)
         assert sandbox.reachable_venv(venv) == copy                   # made once
+        assert sorted(os.listdir(sandbox.VENV_CACHE)) == sorted(
+            [os.path.basename(copy), "task-venv-unrecorded"])
+        with open(os.path.join(copy, sandbox.COPY_SOURCE)) as f:
+            assert json.load(f)["venv"] == venv
         (tmp_path / "src").mkdir()
         config = sandbox.SandboxConfig(limits=LIMITS)
         ran = {}

@@ -44,6 +44,7 @@ PROJECT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 VENV_CACHE = "/var/cache/gagar_jax"   # root's copies of a task venv the sandbox would not see
 COVERED = ("/tmp",) + SMALL_TMPFS     # a fresh tmpfs inside the sandbox (sandbox_launch.py)
+COPY_SOURCE = "gagar-source.json"     # in each copy: the venv it copies and that venv's stamp
 SUPERVISOR_GRACE_S = 20.0   # beyond `wall_s`: the supervisor's own set-up and clean-up
 
 
@@ -116,10 +117,11 @@ def reachable_venv(venv: str) -> str:
     A virtual environment may move: its interpreter is a link to the base Python and
     its pyvenv.cfg is found beside it; only its scripts' shebangs name the old path, and the
     sandbox runs `python -m pytest`. The copy is named by the venv's path and the time of its
-    last install, made once per machine (atomically: processes racing to make it agree)."""
+    last install, made once per machine (atomically: processes racing to make it agree). Making
+    one removes the copies of venvs since deleted or reinstalled (`_prune_copies`)."""
     if os.geteuid() != 0 or (_others_reach(venv) and not _covered(venv)):
         return venv
-    stamp = max(os.stat(os.path.join(venv, f)).st_mtime_ns for f in os.listdir(venv))
+    stamp = _stamp(venv)
     key = hashlib.sha256(f"{os.path.abspath(venv)}:{stamp}".encode()).hexdigest()[:16]
     dest = os.path.join(VENV_CACHE, f"task-venv-{key}")
     if os.path.exists(os.path.join(dest, "bin", "python")) and _others_reach(dest):
@@ -128,12 +130,40 @@ def reachable_venv(venv: str) -> str:
     tmp = tempfile.mkdtemp(prefix=f"task-venv-{key}.", dir=VENV_CACHE)
     os.chmod(tmp, 0o755)
     shutil.copytree(venv, os.path.join(tmp, "v"), symlinks=True)
+    with open(os.path.join(tmp, "v", COPY_SOURCE), "w") as f:
+        json.dump({"venv": os.path.abspath(venv), "stamp": stamp}, f)
     try:
         os.rename(os.path.join(tmp, "v"), dest)
     except OSError:        # another process made it first: theirs is the same copy
         pass
     shutil.rmtree(tmp, ignore_errors=True)
+    _prune_copies(keep=dest)
     return dest
+
+
+def _stamp(venv: str) -> int:
+    """The time of `venv`'s last install: its newest top-level entry (ns)."""
+    return max(os.stat(os.path.join(venv, f)).st_mtime_ns for f in os.listdir(venv))
+
+
+def _prune_copies(keep: str) -> None:
+    """Removes the copies in `VENV_CACHE` whose venv is gone or was reinstalled since: each
+    fresh clone makes a copy (~36 MB with pytest), which would otherwise pile up. Copies without
+    a `COPY_SOURCE` record and half-made ones (`task-venv-<key>.<random>`) are left alone."""
+    for name in os.listdir(VENV_CACHE):
+        path = os.path.join(VENV_CACHE, name)
+        if path == keep or not name.startswith("task-venv-") or "." in name:
+            continue
+        try:
+            with open(os.path.join(path, COPY_SOURCE)) as f:
+                source = json.load(f)
+            gone = _stamp(source["venv"]) != source["stamp"]
+        except FileNotFoundError as e:
+            gone = e.filename != os.path.join(path, COPY_SOURCE)    # the venv, not the record
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if gone:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclasses.dataclass(frozen=True)
