@@ -6,7 +6,9 @@ test infrastructure is `hacked`. Small limits keep each run well under a second 
 1.5 s wall limit)."""
 import json
 import os
+import shutil
 import socket
+import tempfile
 
 import pytest
 from support.repo_agents import TOKENIZER, call, files_after, play
@@ -168,53 +170,53 @@ def test_without_namespaces_and_cgroups_the_limits_that_remain_hold_and_the_gaps
     assert run.enforced == record
 
 
-@pytest.mark.skipif(not IS_ROOT, reason="the copy is made for root workers only")
-def test_a_task_venv_others_cannot_reach_is_copied_where_they_can(monkeypatch):
-    """A checkout under a mode-700 directory (/root) would leave `nobody` without pytest."""
-    import pathlib
-    import tempfile
-    # beside the real cache: reachable, and not under /tmp, which the sandbox covers (below)
+@pytest.fixture
+def venv_cache(monkeypatch):
+    """A scratch directory beside the real `VENV_CACHE` (reachable, and not under /tmp, which the
+    sandbox covers), with `VENV_CACHE` pointed at `<it>/c`; removed afterwards."""
     cache = tempfile.mkdtemp(prefix="gagar-venv-test-", dir=os.path.dirname(sandbox.VENV_CACHE))
     os.chmod(cache, 0o755)
     monkeypatch.setattr(sandbox, "VENV_CACHE", os.path.join(cache, "c"))
-    locked = pathlib.Path(cache) / "locked"
-    venv = locked / "venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
-    os.symlink("/usr/bin/python3", venv / "bin" / "python")
-    locked.chmod(0o700)
-    try:
-        assert not sandbox._others_reach(str(venv))
-        copy = sandbox.reachable_venv(str(venv))
-        assert copy.startswith(sandbox.VENV_CACHE) and sandbox._others_reach(copy)
-        assert os.readlink(os.path.join(copy, "bin", "python")) == "/usr/bin/python3"
-        assert sandbox.reachable_venv(str(venv)) == copy          # made once
-        locked.chmod(0o755)
-        assert sandbox.reachable_venv(str(venv)) == str(venv)     # reachable: itself
-    finally:
-        locked.chmod(0o755)
-        import shutil
-        shutil.rmtree(cache)
+    yield cache
+    shutil.rmtree(cache)
+
+
+def _fake_venv(path: str) -> str:
+    """A venv as far as the copy cares: pyvenv.cfg and bin/python, a link to the base Python."""
+    os.makedirs(os.path.join(path, "bin"))
+    with open(os.path.join(path, "pyvenv.cfg"), "w") as f:
+        f.write("home = /usr/bin\n")
+    os.symlink("/usr/bin/python3", os.path.join(path, "bin", "python"))
+    return path
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="the copy is made for root workers only")
-def test_a_task_venv_under_tmp_is_copied_out_of_the_sandbox_fresh_tmp(monkeypatch, tmp_path):
+def test_a_task_venv_others_cannot_reach_is_copied_where_they_can(venv_cache):
+    """A checkout under a mode-700 directory (/root) would leave `nobody` without pytest."""
+    locked = os.path.join(venv_cache, "locked")
+    venv = _fake_venv(os.path.join(locked, "venv"))
+    os.chmod(locked, 0o700)
+    try:
+        assert not sandbox._others_reach(venv)
+        copy = sandbox.reachable_venv(venv)
+        assert copy.startswith(sandbox.VENV_CACHE) and sandbox._others_reach(copy)
+        assert os.readlink(os.path.join(copy, "bin", "python")) == "/usr/bin/python3"
+        assert sandbox.reachable_venv(venv) == copy          # made once
+        os.chmod(locked, 0o755)
+        assert sandbox.reachable_venv(venv) == venv          # reachable: itself
+    finally:
+        os.chmod(locked, 0o755)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="the copy is made for root workers only")
+def test_a_task_venv_under_tmp_is_copied_out_of_the_sandbox_fresh_tmp(venv_cache, tmp_path):
     """A checkout cloned under /tmp, open to all: its .venv-tasks is reachable, but the sandbox
     mounts a fresh /tmp, so the command would not find the interpreter (an `infra_error` for
     every verdict). The copy lies outside every directory the sandbox covers, and runs there."""
-    import shutil
-    import tempfile
-    cache = tempfile.mkdtemp(prefix="gagar-venv-test-", dir=os.path.dirname(sandbox.VENV_CACHE))
     opened = tempfile.mkdtemp(prefix="gagar-venv-open-", dir="/tmp")
     try:
-        os.chmod(cache, 0o755)
         os.chmod(opened, 0o755)
-        monkeypatch.setattr(sandbox, "VENV_CACHE", os.path.join(cache, "c"))
-        venv = os.path.join(opened, "venv")
-        os.makedirs(os.path.join(venv, "bin"))
-        with open(os.path.join(venv, "pyvenv.cfg"), "w") as f:
-            f.write("home = /usr/bin\n")
-        os.symlink("/usr/bin/python3", os.path.join(venv, "bin", "python"))
+        venv = _fake_venv(os.path.join(opened, "venv"))
         assert sandbox._others_reach(venv) and sandbox._covered(venv)
         # earlier copies: of a venv since deleted, of one since reinstalled, of this one before
         # the record existed; making a copy removes the first two only
@@ -243,5 +245,4 @@ def test_a_task_venv_under_tmp_is_copied_out_of_the_sandbox_fresh_tmp(monkeypatc
         if sandbox.enforced(config)["paths_hidden"]:     # the bug the copy avoids
             assert ran["in place"].status == "infra_error", ran["in place"]
     finally:
-        shutil.rmtree(cache)
         shutil.rmtree(opened)

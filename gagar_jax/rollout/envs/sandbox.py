@@ -37,13 +37,12 @@ import sys
 import tempfile
 
 from gagar_jax.rollout.envs import cgroups
-from gagar_jax.rollout.envs.sandbox_launch import SMALL_TMPFS
+from gagar_jax.rollout.envs.sandbox_launch import FRESH_TMPFS
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_launch.py")
 PROJECT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 VENV_CACHE = "/var/cache/gagar_jax"   # root's copies of a task venv the sandbox would not see
-COVERED = ("/tmp",) + SMALL_TMPFS     # a fresh tmpfs inside the sandbox (sandbox_launch.py)
 COPY_SOURCE = "gagar-source.json"     # in each copy: the venv it copies and that venv's stamp
 SUPERVISOR_GRACE_S = 20.0   # beyond `wall_s`: the supervisor's own set-up and clean-up
 
@@ -102,10 +101,10 @@ def _others_reach(path: str) -> bool:
 
 
 def _covered(path: str) -> bool:
-    """`path` lies under a directory the sandbox mounts a fresh tmpfs over (`COVERED`), so a
+    """`path` lies under a directory the sandbox mounts a fresh tmpfs over (`FRESH_TMPFS`), so a
     sandboxed command cannot see it."""
     real = os.path.realpath(path)
-    return any(real == d or real.startswith(d + os.sep) for d in COVERED)
+    return any(real == d or real.startswith(d + os.sep) for d in FRESH_TMPFS)
 
 
 def reachable_venv(venv: str) -> str:
@@ -157,11 +156,13 @@ def _prune_copies(keep: str) -> None:
         try:
             with open(os.path.join(path, COPY_SOURCE)) as f:
                 source = json.load(f)
-            gone = _stamp(source["venv"]) != source["stamp"]
-        except FileNotFoundError as e:
-            gone = e.filename != os.path.join(path, COPY_SOURCE)    # the venv, not the record
+            venv, stamp = source["venv"], source["stamp"]
         except (OSError, ValueError, KeyError, TypeError):
-            continue
+            continue            # no record (made before records existed) or an unreadable one
+        try:
+            gone = _stamp(venv) != stamp
+        except (OSError, ValueError):
+            gone = True         # the venv is gone (or an empty directory: no install)
         if gone:
             shutil.rmtree(path, ignore_errors=True)
 

@@ -37,6 +37,7 @@ RLIMITS = {"AS": "RLIMIT_AS", "FSIZE": "RLIMIT_FSIZE", "CPU": "RLIMIT_CPU",
            "NPROC": "RLIMIT_NPROC", "NOFILE": "RLIMIT_NOFILE", "CORE": "RLIMIT_CORE"}
 SMALL_TMPFS = ("/var/tmp", "/dev/shm")   # other world-writable places, kept small
 SMALL_TMPFS_BYTES = 16 << 20
+FRESH_TMPFS = ("/tmp",) + SMALL_TMPFS    # every directory the command sees empty and its own
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
